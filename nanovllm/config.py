@@ -1,0 +1,68 @@
+"""Engine configuration: every user-facing knob of `LLM(...)`, validated once.
+
+`EngineConfig` is plain data (no torch), so the scheduler and block manager can read it in
+tests without a model. Values that depend on the model or the device (dtype, KV pool size) are
+resolved later by the runner and written back into the fields marked "resolved".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    device: str = "auto"
+    attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384
+    kvcache_block_size: int = 16
+    num_kvcache_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    # CPU only: memory for the KV pool when num_kvcache_blocks is not given.
+    cpu_kvcache_space_gib: float = 4.0
+    # Accepted for nano-vllm compatibility: a preloaded HF config and an EOS override.
+    hf_config: Any = field(default=None, repr=False)
+    eos: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"LLM({name}=...): {why} (got {getattr(self, name)!r})")
+
+        if self.device not in DEVICES:
+            raise bad("device", f"must be one of {DEVICES}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"must be one of {DTYPES}")
+        for name in ("tensor_parallel_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(name, "must be a positive integer")
+        if self.kvcache_block_size & (self.kvcache_block_size - 1):
+            raise bad("kvcache_block_size", "must be a power of two")
+        if self.num_kvcache_blocks is not None and (
+            not isinstance(self.num_kvcache_blocks, int) or self.num_kvcache_blocks < 1
+        ):
+            raise bad("num_kvcache_blocks", "must be a positive integer or None")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}; known: {sorted(known - {'model'})}")
+        return cls(model=model, **kwargs)

@@ -1,0 +1,37 @@
+"""Incremental detokenization that never emits half a character.
+
+Decoding token by token breaks multi-byte characters (one emoji can span several byte-level
+tokens) and loses the leading space that SentencePiece-style tokenizers attach to a word. So we
+decode a short window: the text of tokens [prefix_offset:] minus the text of
+[prefix_offset:read_offset]; when the new text ends in U+FFFD (an incomplete UTF-8 sequence) we
+wait for more tokens. The window starts with a few prompt tokens for context.
+"""
+from __future__ import annotations
+
+CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one generated token; return the newly completed text (maybe empty)."""
+        self.tokens.append(token_id)
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.tokens[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.tokens)
+        self.text += delta
+        return delta

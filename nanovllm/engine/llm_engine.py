@@ -1,0 +1,280 @@
+"""The engine loop: requests in, one `step()` at a time, RequestOutputs out.
+
+`step()` = schedule (pure Python) -> execute (runner on every rank) -> postprocess (append
+tokens, stop rules, detokenize, build outputs). Requests are validated when added, so a bad
+prompt raises for that request alone and never reaches the loop.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.executor.executor import make_executor
+from nanovllm.loaders.source import resolve_model
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanovllm")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens capped by max_model_len
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+    stream: bool
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    texts: list[str] = field(default_factory=list)  # final text per sample (set when finished)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class StepStats:
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    seconds: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.source = resolve_model(config.model, config.hf_config)
+        hf = self.source.hf_config
+        self.tokenizer = self.source.tokenizer()
+        self.eos_token_ids = [config.eos] if config.eos is not None else self.source.eos_token_ids(self.tokenizer)
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = min(config.max_model_len, getattr(hf, "max_position_embeddings", config.max_model_len))
+        self.executor = make_executor(config, self.source)
+        self.block_manager = BlockManager(
+            self.executor.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self.last_step = StepStats()
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt: strings are encoded as the tokenizer does by default (BOS
+        where the model wants one); token-id lists are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt) if prompt else []
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, stream: bool = False
+    ) -> None:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                "(it must leave room for at least one generated token)"
+            )
+        need = self.block_manager.blocks_needed(len(ids) + 1)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"the prompt needs {need} KV cache blocks but the whole pool has {self.block_manager.num_blocks}"
+            )
+        banned = []
+        if params.min_tokens:
+            banned = sorted(set((self.eos_token_ids if not params.ignore_eos else []) + params.stop_token_ids))
+        seqs = [
+            Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                prompt_token_ids=ids,
+                params=params,
+                seed=None if params.seed is None else params.seed + i,
+                min_tokens_banned_ids=banned,
+            )
+            for i in range(params.n)
+        ]
+        need_detok = (stream or params.stop_list) and self.tokenizer is not None
+        request = Request(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
+            seqs=seqs,
+            detokenizers=[
+                IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if need_detok else None
+                for _ in seqs
+            ],
+            stream=stream,
+        )
+        self.requests[request_id] = request
+        for seq in seqs:
+            self.seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output (or None)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            self.scheduler.finish(seq, "abort")
+        return self._finish_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        result = self.executor.execute(sched)
+        grew = self.scheduler.update(sched, self.seqs, result.token_ids)
+        num_tokens = sched.num_batched_tokens
+        self.last_step = StepStats(num_tokens - sched.num_decodes, sched.num_decodes, 0.0)
+
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for i, seq in enumerate(grew):
+            request = self.requests[seq.request_id]
+            touched[request.request_id] = request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if result.logprobs is not None and result.logprobs[i] is not None:
+                seq.logprobs.append(result.logprobs[i])
+            self._check_stop(request, seq)
+        for seq_id in sched.finished_seq_ids:  # finished inside schedule() (pool too small)
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.request_id in self.requests:
+                touched[seq.request_id] = self.requests[seq.request_id]
+
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                outputs.append(self._finish_request(request))
+            elif request.stream:
+                outputs.append(self._make_output(request))
+        self.last_step.seconds = time.perf_counter() - t0
+        return outputs
+
+    def _check_stop(self, request: Request, seq: Sequence) -> None:
+        params = request.params
+        token = seq.last_token_id
+        n = seq.num_completion_tokens
+        reason = None
+        if not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in params.stop_token_ids:
+            reason = "stop"
+        detok = request.detokenizers[request.seqs.index(seq)] if request.detokenizers[0] is not None else None
+        if detok is not None:
+            detok.add(token)
+            if reason is None and params.stop_list:
+                if self._truncate_at_stop(detok, params.stop_list):
+                    reason = "stop"
+        if reason is None and (n >= request.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    @staticmethod
+    def _truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str]) -> bool:
+        text = detok.text
+        window = max(len(s) for s in stops) + 16
+        tail_start = max(0, len(text) - window)
+        best = -1
+        for s in stops:
+            i = text.find(s, tail_start)
+            if i != -1 and (best == -1 or i < best):
+                best = i
+        if best == -1:
+            return False
+        detok.text = text[:best]
+        return True
+
+    def _text(self, request: Request, index: int, final: bool) -> str:
+        seq, detok = request.seqs[index], request.detokenizers[index]
+        if detok is not None:
+            text = detok.text
+            if not final and request.params.stop_list:  # hold back what may become a stop string
+                hold = max(len(s) for s in request.params.stop_list) - 1
+                text = text[: max(0, len(text) - hold)]
+            return text
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=request.params.skip_special_tokens)
+
+    def _make_output(self, request: Request, final: bool = False) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(request.seqs):
+            logprobs = cumulative = None
+            if request.params.logprobs is not None:
+                logprobs, cumulative = [], 0.0
+                for token, (lp, top) in zip(seq.completion_token_ids, seq.logprobs):
+                    entry = dict(top)
+                    entry[token] = lp
+                    logprobs.append(entry)
+                    cumulative += lp
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=self._text(request, i, final),
+                    token_ids=seq.completion_token_ids,
+                    finish_reason=seq.finish_reason,
+                    logprobs=logprobs,
+                    cumulative_logprob=cumulative,
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=final,
+            num_cached_tokens=max(s.num_cached_tokens for s in request.seqs),
+            metrics={
+                "arrival_time": request.arrival_time,
+                "first_token_time": request.first_token_time,
+                "finished_time": time.monotonic() if final else None,
+            },
+        )
+
+    def _finish_request(self, request: Request) -> RequestOutput:
+        output = self._make_output(request, final=True)
+        del self.requests[request.request_id]
+        for seq in request.seqs:
+            self.seqs.pop(seq.seq_id, None)
+        return output
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,68 @@
+"""One generation stream: its tokens, how many of them the KV cache holds, and its blocks.
+
+Pure Python (no torch). vLLM-v1 style bookkeeping: a sequence has `num_computed_tokens`
+(tokens whose K/V are in the cache) and `num_tokens`; the scheduler's only job is to let the
+first catch up with the second. Prefill, chunked prefill, prefix-cache hits, decode and
+recompute after preemption are all that one rule.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Seed of this sample's generator (params.seed + sample index), None = global RNG.
+    seed: int | None = None
+    # Token ids that may not be sampled before params.min_tokens (EOS and stop_token_ids).
+    min_tokens_banned_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, by index
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    # Per generated token: (sampled logprob, {token_id: logprob} of the top k); only if asked.
+    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

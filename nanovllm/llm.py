@@ -1,0 +1,157 @@
+"""The offline API, shaped like vLLM's: `LLM(model, **options).generate(prompts, params)`.
+
+`generate` takes strings or token-id lists and one SamplingParams or one per prompt, runs the
+engine until every request is done, and returns outputs in prompt order. `chat` applies the
+model's chat template first. `stream` yields incremental outputs as they are produced.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanovllm")
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- helpers -------------------------------------------------------------------------
+    @staticmethod
+    def _normalize(prompts: Prompt | Sequence[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return prompts, params
+
+    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams], stream: bool) -> list[str]:
+        # Validate every prompt before adding any, so a bad one leaves the engine untouched.
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+            try:
+                ids = self.engine.tokenize(p)
+                if not ids:
+                    raise ValueError("the prompt is empty")
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        request_ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                rid = f"gen-{next(self._ids)}"
+                try:
+                    self.engine.add_request(rid, p, sp, stream=stream)
+                except ValueError as exc:
+                    raise ValueError(f"prompt {i}: {exc}") from None
+                request_ids.append(rid)
+        except BaseException:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
+        return request_ids
+
+    # ---- public API ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompts, params = self._normalize(prompts, sampling_params)
+        request_ids = self._add_all(prompts, params, stream=False)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_tps = decode_tps = 0.0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+                stats = self.engine.last_step
+                if stats.seconds > 0:
+                    if stats.num_prefill_tokens:
+                        prefill_tps = stats.num_prefill_tokens / stats.seconds
+                    elif stats.num_decode_tokens:
+                        decode_tps = stats.num_decode_tokens / stats.seconds
+                    bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False)
+        except BaseException:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in request_ids]
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield cumulative outputs of one request as tokens arrive (the last has finished=True)."""
+        (request_id,) = self._add_all([prompt], [sampling_params or SamplingParams()], stream=True)
+        done = False
+        try:
+            while not done and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.engine.abort_request(request_id)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # The template already holds any BOS, so the text is encoded without special tokens.
+        prompts = [
+            self.engine.tokenizer.encode(self.apply_chat_template(conv), add_special_tokens=False)
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

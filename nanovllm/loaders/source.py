@@ -1,0 +1,87 @@
+"""Where a model comes from: a Hugging Face directory, a GGUF file, or the embedded default.
+
+`ModelSource` hides the difference from the engine: it gives the HF config, a tokenizer (or None
+when the directory has none: token-id prompts still work), the EOS ids, and an iterator of
+weights under Hugging Face tensor names, which every model's `load_weights` understands.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+logger = logging.getLogger("nanovllm")
+
+
+@dataclass
+class ModelSource:
+    path: str
+    kind: str  # "hf" | "gguf"
+    hf_config: Any
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.kind == "gguf":
+            from nanovllm.loaders.gguf import iter_gguf_weights
+
+            return iter_gguf_weights(self.path, self.hf_config)
+        from nanovllm.loaders.safetensors import iter_safetensors
+
+        return iter_safetensors(self.path)
+
+    def tokenizer(self):
+        if self.kind == "gguf":
+            from nanovllm.loaders.gguf import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(self.path)
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.path)
+        except (OSError, ValueError, TypeError) as exc:
+            logger.warning("no tokenizer in %s (%s); only token-id prompts will work", self.path, exc)
+            return None
+
+    def eos_token_ids(self, tokenizer) -> list[int]:
+        """EOS ids from the generation config, else the model config, else the tokenizer."""
+        candidates: Any = None
+        if self.kind == "hf":
+            try:
+                from transformers import GenerationConfig
+
+                candidates = GenerationConfig.from_pretrained(self.path).eos_token_id
+            except (OSError, ValueError):
+                candidates = None
+        if candidates is None:
+            candidates = getattr(self.hf_config, "eos_token_id", None)
+        if candidates is None and tokenizer is not None:
+            candidates = tokenizer.eos_token_id
+        if candidates is None:
+            return []
+        return [int(c) for c in (candidates if isinstance(candidates, (list, tuple)) else [candidates])]
+
+
+def resolve_model(model: str | os.PathLike | None, hf_config: Any = None) -> ModelSource:
+    if model is None:
+        from nanovllm.loaders.default_model import default_model_path
+
+        model = default_model_path()
+    path = os.fspath(model)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from nanovllm.loaders.gguf import load_gguf_config
+
+        return ModelSource(path, "gguf", hf_config or load_gguf_config(path))
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"model directory {path!r} has no config.json")
+        if hf_config is None:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(path)
+        return ModelSource(path, "hf", hf_config)
+    raise FileNotFoundError(
+        f"model {path!r} is neither a Hugging Face model directory nor a .gguf file "
+        "(model hubs are not contacted; pass a local path, or None for the embedded default model)"
+    )

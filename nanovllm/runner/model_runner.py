@@ -1,0 +1,250 @@
+"""Runs one scheduled step on one rank: batch tensors in, sampled token ids out.
+
+The runner owns the device side: the model (built, then loaded), the paged KV cache tensors,
+the attention backend and the sampler. Per step it turns the scheduler's plain-data output into
+tensors with vectorized numpy (no Python loop over tokens, one loop over sequences to fill the
+block-table rows), runs the model, computes logits only for rows that sample, and samples on
+the device. One device-to-host copy brings the sampled ids back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanovllm.attention.backend import AttentionMetadata, bind_kv_cache, get_backend
+from nanovllm.config import EngineConfig
+from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.layers.sampler import Sampler, SamplingTensors, make_generator
+from nanovllm.loaders.source import ModelSource
+from nanovllm.models.registry import get_model_class
+
+logger = logging.getLogger("nanovllm")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # fast and exact on CPUs; bf16 matmuls are slow on most of them
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype)
+    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@dataclass
+class RunnerOutput:
+    token_ids: list[int]  # one per sampling row, in scheduler order
+    # Per sampling row: None, or (sampled logprob, {token_id: logprob} of the top k).
+    logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.hf_config = source.hf_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, source.hf_config, self.device)
+        self.block_size = config.kvcache_block_size
+        torch.manual_seed(config.seed)
+
+        t0 = time.perf_counter()
+        model_cls = get_model_class(source.hf_config)
+        default_dtype = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(self.dtype)
+            with torch.device(self.device):
+                self.model = model_cls(source.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self.model.load_weights(source.weights())
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - t0
+
+        self.backend = get_backend(config.attention_backend, self.device)
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator] = {}
+        self.num_kvcache_blocks = self._decide_num_blocks()
+        self._allocate_kv_cache(self.num_kvcache_blocks)
+        logger.info(
+            "model %s loaded in %.1fs on %s (%s), %s attention, KV pool %d blocks x %d tokens",
+            type(self.model).__name__, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
+            self.backend.name, self.num_kvcache_blocks, self.block_size,
+        )
+
+    # ---- KV cache ------------------------------------------------------------------------
+    def _kv_shape(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads on this rank, head_dim)."""
+        from nanovllm.distributed import tp_size
+
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return cfg.num_hidden_layers, max(1, num_kv // tp_size()), head_dim
+
+    def bytes_per_block(self) -> int:
+        layers, kv_heads, head_dim = self._kv_shape()
+        return 2 * layers * self.block_size * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _decide_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kvcache_blocks is not None:
+            return cfg.num_kvcache_blocks
+        enough = -(-cfg.max_num_seqs * cfg.max_model_len // self.block_size)
+        if self.device.type == "cpu":
+            budget = int(cfg.cpu_kvcache_space_gib * 2**30) // self.bytes_per_block()
+            return max(1, min(enough, budget))
+        return max(1, min(enough, self._profile_cuda_blocks()))
+
+    def _profile_cuda_blocks(self) -> int:
+        """Run a dummy step of max_num_batched_tokens to find this process's peak memory; the
+        pool gets total * utilization - peak (memory held by other processes is not counted)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len)
+        self._allocate_kv_cache(1)
+        seq_len = min(num_tokens, self.config.max_model_len)
+        num_seqs = max(1, num_tokens // seq_len)
+        with torch.inference_mode():
+            ids = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=self.device)
+            pos = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+            meta = self._dummy_prefill_meta(num_seqs, seq_len)
+            hidden = self.model(ids, pos, meta)
+            self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        free_for_kv = int(total * self.config.gpu_memory_utilization) - peak
+        blocks = free_for_kv // self.bytes_per_block()
+        logger.info(
+            "KV sizing: total %.1f GiB x %.2f - peak %.2f GiB (this process) = %.2f GiB -> %d blocks",
+            total / 2**30, self.config.gpu_memory_utilization, peak / 2**30, free_for_kv / 2**30, blocks,
+        )
+        if blocks < 1:
+            raise RuntimeError("no GPU memory left for the KV cache; raise gpu_memory_utilization or lower max_num_batched_tokens")
+        return blocks
+
+    def _dummy_prefill_meta(self, num_seqs: int, seq_len: int) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=torch.full((num_seqs * seq_len,), -1, dtype=torch.long, device=dev),
+            query_start_loc=torch.arange(0, (num_seqs + 1) * seq_len, seq_len, dtype=torch.int32, device=dev),
+            seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((num_seqs, -(-seq_len // self.block_size)), dtype=torch.int32, device=dev),
+            num_decodes=0, max_query_len=seq_len, max_seq_len=seq_len,
+            query_lens_cpu=[seq_len] * num_seqs, seq_lens_cpu=[seq_len] * num_seqs,
+        )
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        layers, kv_heads, head_dim = self._kv_shape()
+        shape = (num_blocks, self.block_size, kv_heads, head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        bind_kv_cache(self.model, self.k_caches, self.v_caches, self.backend)
+
+    # ---- one step ------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+        seqs = out.seqs
+        num_seqs = len(seqs)
+        qlens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=num_seqs)
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(qlens, out=cu[1:])
+        total = int(cu[-1])
+        input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=total)
+        seq_index = np.repeat(np.arange(num_seqs), qlens)
+        positions = np.arange(total, dtype=np.int64) - cu[:-1][seq_index] + starts[seq_index]
+        seq_lens = starts + qlens
+        max_blocks = int(max(len(s.block_table) for s in seqs))
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            block_tables[i, : len(s.block_table)] = s.block_table
+        bs = self.block_size
+        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        sample_rows = np.fromiter((s.sample for s in seqs), dtype=bool, count=num_seqs)
+        logits_indices = cu[1:][sample_rows] - 1
+
+        dev = self.device
+        pin = dev.type == "cuda"
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            t = torch.from_numpy(a)
+            return t.pin_memory().to(dev, non_blocking=True) if pin else t
+
+        meta = AttentionMetadata(
+            slot_mapping=to_dev(slot_mapping),
+            query_start_loc=to_dev(cu.astype(np.int32)),
+            seq_lens=to_dev(seq_lens.astype(np.int32)),
+            block_tables=to_dev(block_tables),
+            num_decodes=out.num_decodes,
+            max_query_len=int(qlens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=qlens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return to_dev(input_ids), to_dev(positions), meta, logits_indices
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        for seq_id in out.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        if out.is_empty:
+            return RunnerOutput([])
+        input_ids, positions, meta, logits_indices = self.prepare(out)
+        hidden = self.model(input_ids, positions, meta)
+        if len(logits_indices) == 0:
+            return RunnerOutput([])
+        idx = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[idx])
+        if self.rank != 0:
+            return RunnerOutput([])
+        return self._sample(out, logits)
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> RunnerOutput:
+        rows = [s for s in out.seqs if s.sample]
+        banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]
+        if banned:
+            r, c = zip(*banned)
+            logits = logits.float()
+            logits[torch.tensor(r, device=logits.device), torch.tensor(c, device=logits.device)] = float("-inf")
+        generators = []
+        for s in rows:
+            if s.seed is None:
+                generators.append(None)
+                continue
+            gen = self.generators.get(s.seq_id)
+            if gen is None:
+                gen = self.generators[s.seq_id] = make_generator(s.seed, self.device)
+            generators.append(gen)
+        st = SamplingTensors.from_params([s.params for s in rows], generators, logits.shape[-1], self.device)
+        result = self.sampler(logits, st)
+        token_ids = result.token_ids.tolist()  # the step's one device-to-host copy
+        if result.sampled_logprobs is None:
+            return RunnerOutput(token_ids)
+        sampled_lp = result.sampled_logprobs.tolist()
+        top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
+        top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        logprobs: list = []
+        for i, s in enumerate(rows):
+            k = s.params.logprobs
+            if k is None:
+                logprobs.append(None)
+                continue
+            top = dict(zip(top_ids[i][:k], top_lp[i][:k])) if (k and top_ids is not None) else {}
+            logprobs.append((sampled_lp[i], top))
+        return RunnerOutput(token_ids, logprobs)

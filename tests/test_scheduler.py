@@ -1,0 +1,181 @@
+"""Scheduler: the token-budget rule, chunked prefill, preemption, and a property-based
+simulation of whole workloads against a fake KV cache that checks every cached slot holds
+the K/V of exactly the right prefix."""
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+
+class FakeEngine:
+    """Drives a Scheduler like LLMEngine does, with a fake model: the 'K/V' written for token
+    position p of a sequence is the tuple of its tokens [0..p], and the sampled token is a
+    deterministic function of that prefix, so any wrong cache reuse changes the output."""
+
+    def __init__(self, num_blocks, block_size, max_num_seqs, budget, prefix_caching=True):
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+        self.sched = Scheduler(self.bm, max_num_seqs, budget)
+        self.kv: dict[int, tuple] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self.max_tokens: dict[int, int] = {}
+        self.next_id = 0
+        self.steps = 0
+
+    def add(self, prompt, max_tokens):
+        seq = Sequence(self.next_id, str(self.next_id), list(prompt), SamplingParams(max_tokens=max_tokens))
+        self.next_id += 1
+        self.seqs[seq.seq_id] = seq
+        self.max_tokens[seq.seq_id] = max_tokens
+        self.sched.add(seq)
+        return seq
+
+    def slot(self, seq_table, pos):
+        return seq_table[pos // self.bm.block_size] * self.bm.block_size + pos % self.bm.block_size
+
+    def step(self):
+        out = self.sched.schedule()
+        self.steps += 1
+        assert out.num_batched_tokens <= self.sched.max_num_batched_tokens
+        assert len(self.sched.running) <= self.sched.max_num_seqs
+        assert all(len(s.token_ids) == 1 for s in out.seqs[: out.num_decodes])
+        sampled = []
+        for item in out.seqs:
+            seq = self.seqs[item.seq_id]
+            # every cached position this step attends to holds the right prefix
+            for pos in range(item.start_pos):
+                assert self.kv[self.slot(item.block_table, pos)] == tuple(seq.token_ids[: pos + 1])
+            for j, _ in enumerate(item.token_ids):
+                pos = item.start_pos + j
+                self.kv[self.slot(item.block_table, pos)] = tuple(seq.token_ids[: pos + 1])
+            if item.sample:
+                sampled.append(hash(tuple(seq.token_ids)) % 1000)
+        grew = self.sched.update(out, self.seqs, sampled)
+        for seq in grew:
+            if seq.num_completion_tokens >= self.max_tokens[seq.seq_id]:
+                self.sched.finish(seq, "length")
+        live = [s for s in self.seqs.values() if s.block_table]
+        self.bm.check_invariants(live)
+        return out
+
+    def run(self, max_steps=10_000):
+        while self.sched.has_unfinished():
+            self.step()
+            assert self.steps < max_steps, "scheduler made no progress"
+
+
+def reference_tokens(prompt, max_tokens):
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(hash(tuple(tokens)) % 1000)
+    return tokens[len(prompt):]
+
+
+def test_decodes_first_and_prefill_is_chunked_by_budget():
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=8, budget=8)
+    a = eng.add(range(3), max_tokens=5)
+    eng.step()  # a prefilled (3 tokens), sampled
+    eng.add(range(100, 120), max_tokens=2)  # 20-token prompt, budget 8 -> chunks
+    out = eng.step()
+    assert out.num_decodes == 1 and out.seqs[0].seq_id == a.seq_id
+    assert [len(s.token_ids) for s in out.seqs] == [1, 7]
+    assert out.seqs[1].sample is False
+    eng.run()
+    assert all(s.finish_reason == "length" for s in eng.seqs.values())
+
+
+def test_preemption_recomputes_and_gives_same_tokens():
+    prompts = [list(range(i * 10, i * 10 + 7)) for i in range(4)]
+    eng = FakeEngine(num_blocks=9, block_size=4, max_num_seqs=4, budget=64)
+    seqs = [eng.add(p, max_tokens=10) for p in prompts]
+    eng.run()
+    assert eng.sched.num_preemptions > 0
+    for p, s in zip(prompts, seqs):
+        assert s.completion_token_ids == reference_tokens(p, 10)
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
+def test_most_recently_admitted_is_preempted():
+    eng = FakeEngine(num_blocks=4, block_size=4, max_num_seqs=4, budget=64)
+    a = eng.add(range(7), max_tokens=8)
+    b = eng.add(range(50, 57), max_tokens=8)
+    eng.step()  # both admitted: 2 blocks each, pool full
+    eng.step()  # both decode at position 7, still in block 2
+    eng.step()  # position 8 needs a third block: b (admitted last) is preempted
+    assert b.num_preemptions == 1 and a.num_preemptions == 0
+
+
+def test_sequence_that_outgrows_the_whole_pool_finishes_with_length():
+    eng = FakeEngine(num_blocks=2, block_size=4, max_num_seqs=2, budget=64)
+    s = eng.add(range(5), max_tokens=100)
+    eng.run()
+    # 8 slots hold 8 computed tokens; the token sampled from the last of them is kept
+    assert s.finish_reason == "length" and s.num_tokens == 9
+    assert eng.bm.num_free_blocks == 2
+
+
+def test_max_num_seqs_limits_running():
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=2, budget=1000)
+    for i in range(5):
+        eng.add(range(i, i + 5), max_tokens=3)
+    out = eng.step()
+    assert len(out.seqs) == 2
+    eng.run()
+
+
+def test_prefix_hit_skips_cached_tokens():
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=8, budget=1000)
+    eng.add(range(13), max_tokens=1)
+    eng.run()
+    s = eng.add(list(range(12)) + [77, 78], max_tokens=1)
+    out = eng.step()
+    assert out.seqs[0].start_pos == 12 and s.num_cached_tokens == 12
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    num_blocks=st.integers(4, 40),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(1, 40),
+    prefix_caching=st.booleans(),
+)
+def test_random_workloads_never_leak_or_corrupt(data, block_size, num_blocks, max_num_seqs, budget, prefix_caching):
+    eng = FakeEngine(num_blocks, block_size, max_num_seqs, budget, prefix_caching)
+    rng = random.Random(data.draw(st.integers(0, 2**31)))
+    shared = [rng.randrange(50) for _ in range(12)]
+    capacity = num_blocks * block_size
+    expected = {}
+    arrivals = data.draw(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 14), st.integers(1, 8)), min_size=1, max_size=12))
+    pending = list(arrivals)
+    while pending or eng.sched.has_unfinished():
+        if pending and (not eng.sched.has_unfinished() or rng.random() < 0.5):
+            shared_len, own_len, max_tokens = pending.pop(0)
+            prompt = shared[:shared_len] + [rng.randrange(50) for _ in range(own_len)]
+            if len(prompt) + 1 > capacity:
+                continue
+            s = eng.add(prompt, max_tokens)
+            expected[s.seq_id] = (prompt, max_tokens)
+        if rng.random() < 0.1 and eng.sched.running:  # abort one now and then
+            victim = rng.choice(eng.sched.running)
+            eng.sched.finish(victim, "abort")
+            expected.pop(victim.seq_id)
+        if eng.sched.has_unfinished():
+            eng.step()
+        assert eng.steps < 5000
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks
+    assert all(b.ref_count == 0 for b in eng.bm.blocks)
+    for seq_id, (prompt, max_tokens) in expected.items():
+        seq = eng.seqs[seq_id]
+        ref = reference_tokens(prompt, max_tokens)
+        if seq.finish_reason == "length" and seq.num_completion_tokens < max_tokens:
+            assert seq.num_tokens > capacity - block_size  # stopped only because the pool is full
+            ref = ref[: seq.num_completion_tokens]
+        assert seq.completion_token_ids == ref
