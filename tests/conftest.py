@@ -27,7 +27,7 @@ def checkpoint_factory(tmp_path_factory, tokenizer_dir):
     cache: dict = {}
 
     def build(arch: str = "qwen3", **kwargs):
-        key = (arch, tuple(sorted(kwargs.items())))
+        key = (arch, repr(sorted(kwargs.items())))
         if key not in cache:
             cache[key] = make_checkpoint(tmp_path_factory.mktemp(f"{arch}"), tokenizer_dir, arch, **kwargs)
         return cache[key]

@@ -1,0 +1,68 @@
+"""Token embedding and LM head with the vocabulary split across tensor-parallel ranks.
+
+The vocabulary is the largest matrix in a small model, so each rank keeps a contiguous slice of
+ceil(vocab / tp) rows (the last slice zero-padded when the vocabulary does not divide evenly).
+The embedding looks up only the ids its slice owns, zeroes the rest and all-reduces, so every
+rank ends with the full embedding. The LM head multiplies by its slice and all-gathers the
+logits along the vocabulary; the padding columns are cut off. Both share one weight layout, so
+tied embeddings are just one Parameter used by both modules.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.distributed import all_reduce, gather_last_dim, tp_rank, tp_size
+from nanovllm.layers.linear import check_shape
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank = tp_rank()
+        self.tp_size = tp_size()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} weight is not packed; got shard_id={shard_id!r}")
+        check_shape(f"{type(self).__name__} weight", loaded_weight, (self.num_embeddings, self.embedding_dim))
+        owned = self.vocab_end - self.vocab_start
+        param.data[:owned].copy_(loaded_weight[self.vocab_start : self.vocab_end])
+        param.data[owned:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(~owned, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(~owned.unsqueeze(-1), 0)
+        return all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end})"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> logits over the full vocabulary (the rows given only)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        if self.tp_size == 1:
+            return logits
+        return gather_last_dim(logits)[..., : self.num_embeddings]
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's weight (same vocabulary split, so the layouts agree)."""
+        if embedding.weight.shape != self.weight.shape:
+            raise ValueError(
+                f"cannot tie LM head {list(self.weight.shape)} to embedding {list(embedding.weight.shape)}"
+            )
+        self.weight = embedding.weight

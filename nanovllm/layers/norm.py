@@ -1,0 +1,35 @@
+"""RMSNorm with an optional fused residual add.
+
+Numerics follow Hugging Face's Llama/Qwen RMSNorm exactly: the residual sum is formed in the
+activation dtype (as HF's `residual + hidden_states`), normalised in fp32, cast back to the
+activation dtype, and only then multiplied by the weight. Passing `residual` returns the new
+residual stream too, so a decoder layer carries one (hidden, residual) pair instead of doing the
+add itself.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        variance = xf.pow(2).mean(-1, keepdim=True)
+        return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,104 @@
+"""Rotary position embedding (GPT-NeoX / Hugging Face "rotate_half" layout).
+
+cos/sin are precomputed once for every position up to `max_position_embeddings` and gathered by
+`positions`, so a forward is one index plus a few elementwise ops, the same for prefill chunks
+and decodes. Numerics follow Hugging Face: inverse frequencies and the angle table are fp32,
+cos/sin are cast to the activation dtype before being applied, and the rotation uses the same
+products and sums as `q * cos + rotate_half(q) * sin`.
+
+Config reading accepts both generations of transformers: v5 puts everything in the
+`config.rope_parameters` dict; v4 has `config.rope_theta` and an optional `config.rope_scaling`
+dict (whose type key is "rope_type", or "type" in older files). Supported scaling: none /
+"default", and "llama3" (Llama 3.1's frequency-dependent interpolation). Anything else raises,
+rather than silently producing a model that degrades past the original context.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def rope_parameters(config: Any) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict with at least "rope_type") from a v4- or v5-style HF config."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        scaling = dict(params)
+        theta = scaling.get("rope_theta", getattr(config, "rope_theta", None))
+    else:
+        scaling = dict(getattr(config, "rope_scaling", None) or {})
+        theta = getattr(config, "rope_theta", None)
+    scaling["rope_type"] = scaling.get("rope_type", scaling.get("type")) or "default"
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta ** exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between."""
+    try:
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+    except KeyError as exc:
+        raise ValueError(f"llama3 rope scaling is missing {exc.args[0]!r} (got {scaling})") from None
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """fp32 inverse frequencies [head_dim // 2] for the given rope type."""
+    partial = scaling.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only full rotary)")
+    rope_type = scaling.get("rope_type", "default")
+    inv_freq = _default_inv_freq(head_dim, theta)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, theta: float = 10000.0, scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        inv_freq = compute_inv_freq(head_dim, theta, scaling or {})
+        angles = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        # [max_position, head_dim] = [cos | sin], each over head_dim // 2 frequencies.
+        self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(shape)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q, k [T, heads * head_dim] or [T, heads, head_dim] -> same shapes."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, D/2] each
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def build_rotary(config: Any, head_dim: int) -> RotaryEmbedding:
+    """The rotary embedding a HF decoder config asks for (theta and scaling read as above)."""
+    theta, scaling = rope_parameters(config)
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)

@@ -1,0 +1,211 @@
+"""Token sampling for one step, entirely on the logits' device and without a host sync.
+
+Pipeline per row (all in fp32, whatever the logits' dtype):
+  raw logits --> logprobs (optional) and the greedy argmax
+             --> / temperature --> top-k --> top-p --> softmax --> min-p --> exponential race
+
+Design decisions:
+- Exponential race instead of `torch.multinomial`. If q_i ~ Exp(1) independently, then
+  argmax_i(p_i / q_i) is distributed exactly as Categorical(p) (p need not even be normalised),
+  and it is one elementwise op plus an argmax: no host sync, no cumulative-sum search, and the
+  noise for a seeded row can be drawn independently of the other rows.
+- Logprobs are log_softmax of the *raw* logits, before temperature and filters. That is what
+  vLLM returns by default, and it makes them a property of the model rather than of the sampling
+  knobs. Requested logprobs cost one extra full-vocabulary pass; none is done when no row asks.
+- Per-row generators. A request with a seed owns a `torch.Generator` (`make_generator`) and its
+  noise row is drawn from it alone, so its tokens do not depend on what else is in the batch or
+  where its row sits. Unseeded rows share one batched draw from the global RNG. Seeded rows cost
+  one small kernel each, which is why the batched path exists.
+- Top-k and top-p are applied together in sorted order (one stable sort, one scatter back), and
+  only when some sampled row uses them; the common batch (temperature only) never sorts. Top-k
+  keeps exactly k tokens (ties at the boundary go to the lower token id). Top-p keeps a token when
+  the probability mass strictly above it is < top_p: the smallest prefix whose mass reaches
+  top_p, and always the most likely token. Min-p then drops tokens with prob < min_p * max prob
+  (a ratio that top-k/top-p renormalisation does not change).
+- Greedy rows (temperature 0) take argmax of the raw logits (first index on ties, as torch.argmax
+  and HF do). Temperatures below `GREEDY_EPS` are treated as greedy: dividing by them overflows.
+- Everything that decides control flow (the flags, which rows are seeded, how many logprobs) is
+  known on the host when `SamplingTensors` is built, so `Sampler.forward` never reads the device.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanovllm.sampling_params import SamplingParams
+
+# Temperatures below this are sampled greedily (as in vLLM); logits / 1e-6 can overflow fp32.
+GREEDY_EPS = 1e-5
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator for one seeded request, on the device its logits live on.
+
+    Any Python int is accepted: it is reduced to 64 bits (torch rejects larger seeds).
+    """
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return gen
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling controls for the rows sampled this step, on the logits' device.
+
+    Build with `from_params`. The boolean flags and `max_num_logprobs` are host values that let
+    the sampler skip work without reading the device.
+    """
+
+    temperature: torch.Tensor  # [B] float32; 0 = greedy row
+    top_k: torch.Tensor  # [B] int64; vocab size when off
+    top_p: torch.Tensor  # [B] float32; 1 when off
+    min_p: torch.Tensor  # [B] float32; 0 when off
+    # One per row; None = draw from the global RNG. Always None for greedy rows (they draw nothing).
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    all_random: bool  # no greedy row: skip the greedy argmax
+    any_top_k: bool  # flags consider sampled (non-greedy) rows only
+    any_top_p: bool
+    any_min_p: bool
+    # None: no row asked for logprobs. 0: some row wants only the sampled token's logprob.
+    # k > 0: also the top k (the largest request in the batch; the runner slices per row).
+    max_num_logprobs: int | None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.generators)
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None,
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """One row per entry of `params`; `generators[i]` is row i's seeded generator or None.
+
+        Each tensor is one host-to-device copy (pinned and non-blocking on CUDA).
+        """
+        num_rows = len(params)
+        gens: list[torch.Generator | None] = [None] * num_rows if generators is None else list(generators)
+        if len(gens) != num_rows:
+            raise ValueError(f"SamplingTensors: {len(gens)} generators for {num_rows} rows")
+        if vocab_size < 1:
+            raise ValueError(f"SamplingTensors: vocab_size must be >= 1 (got {vocab_size})")
+        device = torch.device(device)
+        for g in gens:
+            if g is not None and g.device.type != device.type:
+                raise ValueError(f"SamplingTensors: generator on {g.device}, logits on {device}")
+
+        temperature = [0.0 if p.temperature < GREEDY_EPS else float(p.temperature) for p in params]
+        greedy = [t == 0.0 for t in temperature]
+        top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+        top_p = [float(p.top_p) for p in params]
+        min_p = [float(p.min_p) for p in params]
+        sampled = [i for i in range(num_rows) if not greedy[i]]
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+
+        pin = device.type == "cuda"
+
+        def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+            host = torch.tensor(values, dtype=dtype, pin_memory=pin)
+            return host.to(device, non_blocking=pin)
+
+        return cls(
+            temperature=to_device(temperature, torch.float32),
+            top_k=to_device(top_k, torch.int64),
+            top_p=to_device(top_p, torch.float32),
+            min_p=to_device(min_p, torch.float32),
+            generators=[None if greedy[i] else g for i, g in enumerate(gens)],
+            all_greedy=len(sampled) == 0,
+            all_random=len(sampled) == num_rows,
+            any_top_k=any(top_k[i] < vocab_size for i in sampled),
+            any_top_p=any(top_p[i] < 1.0 for i in sampled),
+            any_min_p=any(min_p[i] > 0.0 for i in sampled),
+            max_num_logprobs=max(asked) if asked else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64, on the device
+    sampled_logprobs: torch.Tensor | None  # [B] float32, logprob of token_ids under the raw logits
+    top_token_ids: torch.Tensor | None  # [B, k] int64, most likely first
+    top_logprobs: torch.Tensor | None  # [B, k] float32, descending
+
+
+class Sampler(nn.Module):
+    """`Sampler()(logits [B, V], st) -> SamplerOutput`; see the module docstring."""
+
+    def forward(self, logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != st.num_rows:
+            raise ValueError(f"Sampler: logits {tuple(logits.shape)} for {st.num_rows} rows; expected [B, V]")
+        # May alias the caller's tensor when it is already fp32: nothing below writes into it.
+        logits = logits.float()
+
+        if st.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample(logits, st)
+            if st.all_random:
+                token_ids = sampled
+            else:
+                token_ids = torch.where(st.temperature == 0, logits.argmax(dim=-1), sampled)
+
+        if st.max_num_logprobs is None:
+            return SamplerOutput(token_ids, None, None, None)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        sampled_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        k = min(st.max_num_logprobs, logits.shape[1])
+        if k == 0:
+            return SamplerOutput(token_ids, sampled_logprobs, None, None)
+        top_logprobs, top_token_ids = torch.topk(logprobs, k, dim=-1)
+        return SamplerOutput(token_ids, sampled_logprobs, top_token_ids, top_logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        # Greedy rows divide by 1 here and their sample is discarded by the caller.
+        temperature = st.temperature.masked_fill(st.temperature == 0, 1.0)
+        x = logits / temperature.unsqueeze(1)  # a fresh tensor: safe to modify in place
+        if st.any_top_k or st.any_top_p:
+            x = _apply_top_k_top_p(x, st)
+        probs = x.softmax(dim=-1)
+        if st.any_min_p:
+            threshold = probs.amax(dim=-1, keepdim=True) * st.min_p.unsqueeze(1)
+            probs.masked_fill_(probs < threshold, 0.0)
+        noise = _exponential_noise(probs, st.generators)
+        return probs.div_(noise).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Masks x [B, V] to -inf outside each row's top-k, then outside its top-p. In place."""
+    # Stable, so ties keep token-id order and a row's result does not depend on the batch.
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+    if st.any_top_k:
+        rank = torch.arange(x.shape[1], device=x.device)
+        sorted_x.masked_fill_(rank.unsqueeze(0) >= st.top_k.unsqueeze(1), float("-inf"))
+    if st.any_top_p:
+        probs = sorted_x.softmax(dim=-1)
+        mass_above = probs.cumsum(dim=-1) - probs  # exactly 0 for the first token
+        drop = mass_above >= st.top_p.unsqueeze(1)
+        # Rows with top_p == 1 are left alone: rounding in the cumsum could reach 1.0 early.
+        drop &= (st.top_p < 1.0).unsqueeze(1)
+        sorted_x.masked_fill_(drop, float("-inf"))
+    return x.scatter_(1, order, sorted_x)
+
+
+def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Exp(1) noise shaped like probs [B, V]: seeded rows from their own generator, the rest batched."""
+    noise = torch.empty_like(probs)
+    seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        noise.exponential_()
+    for i, gen in seeded:
+        # A fresh [V] tensor, so the draw is the same whatever row (and offset) it lands in.
+        noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
+    # Exp(1) can round to 0; p / 0 would be inf (or nan for a filtered p = 0, which argmax prefers).
+    return noise.clamp_(min=torch.finfo(torch.float32).tiny)

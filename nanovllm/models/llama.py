@@ -1,0 +1,211 @@
+"""The Llama decoder, written once for every family we serve.
+
+Llama, SmolLM2, Llama 3.x, Qwen2 and Qwen3 are the same pre-norm decoder (RMSNorm, rotary
+attention with grouped KV heads, gated SiLU MLP) that differ only in which projections carry a
+bias and whether q/k get a per-head RMSNorm before rotary. Those differences are one small
+`DecoderOptions` value chosen by the `options()` classmethod; qwen2.py and qwen3.py override
+just that.
+
+Contract (docs/architecture.md): `model(input_ids [T], positions [T], meta) -> hidden [T, H]`,
+`compute_logits(hidden [N, H]) -> [N, vocab]`, and `load_weights` takes Hugging Face tensor names,
+packing q/k/v into `qkv_proj` and gate/up into `gate_up_proj`. Tensor-parallel sharding happens
+inside the layers; this file only wires them together.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanovllm.attention.backend import Attention, AttentionMetadata
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
+from nanovllm.layers.norm import RMSNorm
+from nanovllm.layers.rotary import RotaryEmbedding, build_rotary
+
+# HF module name -> (our packed module name, shard id).
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Buffers some checkpoints carry that we recompute instead.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads, bias=options.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=options.o_bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        if options.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb  # one module shared by every layer
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, options: DecoderOptions) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=options.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=options.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, options, rotary_emb)
+        self.mlp = LlamaMLP(config, options)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, meta)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, options: DecoderOptions) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = build_rotary(config, head_dim_of(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, options, rotary_emb) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, meta)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    @classmethod
+    def options(cls, config: Any) -> DecoderOptions:
+        """Llama: `attention_bias` covers q/k/v and o; `mlp_bias` covers gate/up/down."""
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return DecoderOptions(
+            qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(getattr(config, "mlp_bias", False))
+        )
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError(f"{type(self).__name__}: sliding-window attention is not supported")
+        self.config = config
+        self.model = LlamaModel(config, self.options(config))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def _expected_weights(self) -> dict[str, tuple[str, object]]:
+        """Every HF tensor name this model needs -> (our parameter name, shard id)."""
+        unpacked: dict[str, list[tuple[str, object]]] = {}
+        for hf_module, (packed, shard_id) in PACKED_MODULES.items():
+            unpacked.setdefault(packed, []).append((hf_module, shard_id))
+        expected: dict[str, tuple[str, object]] = {}
+        for name, _ in self.named_parameters():  # a tied lm_head is listed once, as the embedding
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, module = module_path.rpartition(".")
+            for hf_module, shard_id in unpacked.get(module, [(module, None)]):
+                hf_name = f"{parent}.{hf_module}.{leaf}" if parent else f"{hf_module}.{leaf}"
+                expected[hf_name] = (name, shard_id)
+        return expected
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raise one ValueError listing every missing, unexpected or
+        mis-shaped tensor."""
+        expected = self._expected_weights()
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        mismatched: dict[str, str] = {}
+        for hf_name, tensor in weights:
+            if hf_name.endswith(IGNORED_SUFFIXES):
+                continue
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if hf_name not in expected:
+                unexpected.append(hf_name)
+                continue
+            name, shard_id = expected[hf_name]
+            param = params[name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as exc:
+                mismatched[hf_name] = str(exc)
+                continue
+            loaded.add(hf_name)
+        missing = sorted(set(expected) - loaded - set(mismatched))
+        problems = []
+        if missing:
+            problems.append(f"missing tensors: {missing}")
+        if unexpected:
+            problems.append(f"unexpected tensors: {sorted(unexpected)}")
+        if mismatched:
+            problems.append("shape mismatches:" + "".join(f"\n  {k}: {v}" for k, v in sorted(mismatched.items())))
+        if problems:
+            raise ValueError(f"{type(self).__name__}.load_weights: " + "\n".join(problems))
