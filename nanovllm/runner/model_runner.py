@@ -81,6 +81,16 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.num_kvcache_blocks = self._decide_num_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)
+        self.graph_runner = None
+        # The torch backend reads host-side lengths, so only the Triton / flash-attn backends are captured.
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
+            from nanovllm.runner.cuda_graph import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.device, min(config.max_num_seqs, 512),
+                -(-config.max_model_len // self.block_size), config.max_model_len,
+            )
+            self.graph_runner.capture()
         logger.info(
             "model %s loaded in %.1fs on %s (%s), %s attention, KV pool %d blocks x %d tokens",
             type(self.model).__name__, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
@@ -206,7 +216,10 @@ class ModelRunner:
         if out.is_empty:
             return RunnerOutput([])
         input_ids, positions, meta, logits_indices = self.prepare(out)
-        hidden = self.model(input_ids, positions, meta)
+        if self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
+            hidden = self.graph_runner.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         if len(logits_indices) == 0:
             return RunnerOutput([])
         idx = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)

@@ -1,0 +1,95 @@
+"""CUDA graphs for decode steps.
+
+A decode step of a small model is hundreds of tiny kernel launches; replaying a captured graph
+turns them into one launch. We capture the model forward (not the sampler) for a ladder of
+batch sizes, over static input buffers; a step of n decodes is padded to the next captured
+size: padded rows have slot -1 (nothing stored) and length 0 (nothing attended), and their
+outputs are dropped. The attention backend reads lengths from device tensors only, so one
+capture serves every context length up to max_model_len.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from torch import nn
+
+from nanovllm.attention.backend import AttentionMetadata
+
+logger = logging.getLogger("nanovllm")
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class CudaGraphRunner:
+    def __init__(self, model: nn.Module, device: torch.device, max_batch: int, max_blocks_per_seq: int, max_model_len: int) -> None:
+        self.model = model
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.max_model_len = max_model_len
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            num_decodes=bs,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_lens_cpu=[1] * bs,
+            seq_lens_cpu=[self.max_model_len] * bs,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        pool = None
+        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            meta = self._meta(bs)
+            self.model(self.input_ids[:bs], self.positions[:bs], meta)  # warm-up (autotune, lazy init)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        logger.info("captured %d CUDA graphs (batch 1..%d) in %.1fs", len(self.sizes), self.max_batch, self.capture_seconds)
+
+    def can_run(self, num_seqs: int, num_decodes: int) -> bool:
+        return num_seqs == num_decodes and 0 < num_seqs <= self.max_batch
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slot_mapping[:n] = meta.slot_mapping
+        self.slot_mapping[n:bs] = -1
+        self.seq_lens[:n] = meta.seq_lens
+        self.seq_lens[n:bs] = 0
+        self.block_tables[:n, :width] = meta.block_tables
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

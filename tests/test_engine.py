@@ -1,0 +1,256 @@
+"""End-to-end engine tests on tiny random checkpoints (CPU, fp32, torch attention).
+
+Greedy output must equal Hugging Face transformers token for token, and must not change when
+the engine takes a different path to it: prefix-cache hit vs miss, chunked vs whole prefill,
+preempted vs not, batched vs alone, one sequence at a time vs many.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+
+SHAPES = [
+    pytest.param(dict(arch="qwen3"), id="qwen3-gqa2-hd32-tied"),
+    pytest.param(dict(arch="qwen3", num_heads=4, num_kv_heads=4, head_dim=64, tie_word_embeddings=False), id="qwen3-mha-hd64-untied"),
+    pytest.param(dict(arch="qwen3", num_heads=8, num_kv_heads=2, head_dim=32), id="qwen3-gqa4"),
+    pytest.param(dict(arch="qwen2", num_heads=4, num_kv_heads=2, head_dim=16), id="qwen2-bias"),
+    pytest.param(dict(arch="llama", num_heads=4, num_kv_heads=1, head_dim=16, tie_word_embeddings=False), id="llama"),
+    pytest.param(
+        dict(arch="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        id="llama3-rope-scaling",
+    ),
+]
+
+
+def random_prompts(vocab: int, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(path, prompts, n):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            gen = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def engine(path, **kw):
+    kw.setdefault("device", "cpu")
+    kw.setdefault("max_model_len", 1024)
+    return LLM(str(path), **kw)
+
+
+def greedy(n):
+    # min_tokens = max_tokens: EOS is masked until the end, exactly like HF's min_new_tokens.
+    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_greedy_matches_transformers(checkpoint_factory, shape):
+    path = checkpoint_factory(**shape)
+    llm = engine(path)
+    prompts = random_prompts(llm.engine.vocab_size, [1, 5, 23, 70, 150])
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+    assert ours == hf_greedy(path, prompts, 12)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_tiny):
+    """Greedy outputs of a mixed batch from the plainest configuration."""
+    prompts = random_prompts(384, [3, 40, 17, 90, 8, 33], seed=1)
+    prompts.append(prompts[1][:30] + [5, 6, 7])  # shares a prefix with prompt 1
+    llm = engine(qwen3_tiny, enable_prefix_caching=False)
+    outs = llm.generate(prompts, greedy(20), use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+def assert_free(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_prefix_cache_hit_equals_miss(qwen3_tiny, reference):
+    prompts, expected = reference
+    llm = engine(qwen3_tiny, kvcache_block_size=4)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(20), use_tqdm=False)]
+    second = llm.generate(prompts, greedy(20), use_tqdm=False)
+    assert first == expected
+    assert [o.outputs[0].token_ids for o in second] == expected
+    assert all(o.num_cached_tokens > 0 for o in second if len(o.prompt_token_ids) > 4)
+    assert_free(llm)
+
+
+def test_chunked_prefill_equals_whole(qwen3_tiny, reference):
+    prompts, expected = reference
+    llm = engine(qwen3_tiny, max_num_batched_tokens=7, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(20), use_tqdm=False)] == expected
+    assert_free(llm)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_equals_no_preemption(qwen3_tiny, reference, prefix_caching):
+    prompts, expected = reference
+    llm = engine(qwen3_tiny, kvcache_block_size=4, num_kvcache_blocks=40, enable_prefix_caching=prefix_caching)
+    outs = llm.generate(prompts, greedy(20), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_free(llm)
+
+
+def test_batch_equals_each_alone_and_one_seq_at_a_time(qwen3_tiny, reference):
+    prompts, expected = reference
+    llm = engine(qwen3_tiny, max_num_seqs=1)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(20), use_tqdm=False)] == expected
+    llm = engine(qwen3_tiny)
+    alone = [llm.generate([p], greedy(20), use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert alone == expected
+
+
+def test_outputs_work_both_ways_and_keep_prompt_order(qwen3_tiny):
+    llm = engine(qwen3_tiny)
+    outs = llm.generate(["Paris is the capital", "The quick brown fox jumps"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    tok = llm.tokenizer
+    for prompt, out in zip(["Paris is the capital", "The quick brown fox jumps"], outs):
+        assert out.prompt_token_ids == tok.encode(prompt)
+        assert out["token_ids"] == out.outputs[0].token_ids and len(out["token_ids"]) == 5
+        assert out["text"] == out.outputs[0].text == tok.decode(out["token_ids"], skip_special_tokens=True)
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_per_prompt_params_and_n(qwen3_tiny):
+    llm = engine(qwen3_tiny)
+    outs = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                             SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=3, ignore_eos=True)], use_tqdm=False)
+    assert len(outs[0].outputs) == 1 and len(outs[0].outputs[0].token_ids) == 3
+    assert len(outs[1].outputs) == 3 and all(len(c.token_ids) == 6 for c in outs[1].outputs)
+    assert_free(llm)
+
+
+def test_seeded_sampling_reproducible_whatever_the_batch(qwen3_tiny):
+    llm = engine(qwen3_tiny)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = llm.generate([[10, 11, 12]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)
+    batch = llm.generate([[1, 2, 3, 4, 5], [10, 11, 12], [7] * 30], [others, sp, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    unseeded = [llm.generate([[10, 11, 12]], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids for _ in range(3)]
+    assert len({tuple(u) for u in unseeded}) > 1  # really random without a seed
+
+
+def test_stop_strings_and_stop_token_ids(qwen3_tiny):
+    llm = engine(qwen3_tiny)
+    base = llm.generate([[20, 21, 22]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    text = base.text
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = llm.generate([[20, 21, 22]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop)]
+    stop_id = base.token_ids[4]
+    first = base.token_ids.index(stop_id)
+    by_id = llm.generate([[20, 21, 22]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == base.token_ids[: first + 1]
+    assert_free(llm)
+
+
+def test_eos_stops_unless_ignored(qwen3_tiny):
+    llm = engine(qwen3_tiny)
+    eos = llm.engine.eos_token_ids
+    assert eos == [llm.tokenizer.eos_token_id]
+    base = llm.generate([[20, 21, 22]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    llm2 = engine(qwen3_tiny, eos=base.token_ids[2])  # pretend the third greedy token is EOS
+    out = llm2.generate([[20, 21, 22]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: base.token_ids.index(base.token_ids[2]) + 1]
+
+
+def test_logprobs(qwen3_tiny):
+    from transformers import AutoModelForCausalLM
+
+    llm = engine(qwen3_tiny)
+    prompt = [30, 31, 32, 33]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(qwen3_tiny, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0]
+    ref = torch.log_softmax(logits.float(), -1)
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert entry[token] == pytest.approx(row[token].item(), abs=1e-4)
+        top = torch.topk(row, 3).indices.tolist()
+        assert set(top) <= set(entry)
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)), abs=1e-5)
+
+
+def test_chat_template(qwen3_tiny):
+    llm = engine(qwen3_tiny)
+    messages = [{"role": "user", "content": "hello"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    expected = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_streaming_yields_growing_outputs(qwen3_tiny):
+    llm = engine(qwen3_tiny)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    final = llm.generate([[40, 41]], sp, use_tqdm=False)[0].outputs[0]
+    chunks = list(llm.stream([40, 41], sp))
+    assert [len(c.outputs[0].token_ids) for c in chunks] == [1, 2, 3, 4, 5, 6]
+    assert chunks[-1].finished and chunks[-1].outputs[0].token_ids == final.token_ids
+    assert chunks[-1].outputs[0].text == final.text
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [([], "empty"), ("", "empty"), ([1, 2, 10**6], "outside the vocabulary"), ([-1], "outside the vocabulary"),
+     ([5] * 2000, "max_model_len")],
+)
+def test_bad_prompts_raise_and_engine_keeps_serving(qwen3_tiny, prompt, message):
+    llm = engine(qwen3_tiny)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[1, 2, 3], prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_free(llm)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert_free(llm)
+
+
+def test_prompt_larger_than_pool_is_rejected(qwen3_tiny):
+    llm = engine(qwen3_tiny, kvcache_block_size=4, num_kvcache_blocks=4)
+    with pytest.raises(ValueError, match="KV cache blocks"):
+        llm.generate([[3] * 40], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(llm.generate([[3] * 5], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=0), "top_k"),
+     (dict(max_tokens=0), "max_tokens"), (dict(min_p=2), "min_p"), (dict(n=0), "n"),
+     (dict(stop=[1]), "stop"), (dict(logprobs=-1), "logprobs"), (dict(min_tokens=9, max_tokens=2), "min_tokens")],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_llm_kwarg_is_a_type_error(qwen3_tiny):
+    with pytest.raises(TypeError, match="not_an_option"):
+        LLM(str(qwen3_tiny), not_an_option=1)
+    with pytest.raises(ValueError, match="device"):
+        LLM(str(qwen3_tiny), device="tpu")
+
+
+def test_max_model_len_caps_generation(qwen3_tiny):
+    llm = engine(qwen3_tiny, max_model_len=20)
+    out = llm.generate([[4] * 15], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
