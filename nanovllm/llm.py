@@ -28,6 +28,8 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model, **kwargs)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
+        # Time to first token of the last generate() call, seconds: {"avg", "min", "max"} (nano-vllm's bench.py reads it).
+        self.last_ttft_stats: dict[str, float] | None = None
 
     @property
     def tokenizer(self):
@@ -109,7 +111,16 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [results[rid] for rid in request_ids]
+        ordered = [results[rid] for rid in request_ids]
+        ttfts = [
+            o.metrics["first_token_time"] - o.metrics["arrival_time"]
+            for o in ordered
+            if o.metrics.get("first_token_time") is not None
+        ]
+        self.last_ttft_stats = (
+            {"avg": sum(ttfts) / len(ttfts), "min": min(ttfts), "max": max(ttfts)} if ttfts else None
+        )
+        return ordered
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None

@@ -254,3 +254,13 @@ def test_max_model_len_caps_generation(qwen3_tiny):
     llm = engine(qwen3_tiny, max_model_len=20)
     out = llm.generate([[4] * 15], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_triton_backend_under_interpreter_equals_torch(qwen3_tiny, reference):
+    """The Triton backend through the whole engine (on CPU via TRITON_INTERPRET=1, set in conftest)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    prompts, expected = reference
+    llm = engine(qwen3_tiny, attention_backend="triton", kvcache_block_size=8)
+    assert llm.engine.executor.runner.backend.name == "triton"
+    outs = llm.generate(prompts[:4], greedy(6), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [e[:6] for e in expected[:4]]

@@ -119,6 +119,7 @@ class BlockManager:
             seq.block_table.append(block_id)
         if cached_blocks:
             seq.num_computed_tokens = seq.num_cached_tokens = num_computed
+            seq.num_registered_blocks = len(cached_blocks)
         for _ in range(max(needed, 0)):
             seq.block_table.append(self._take_free_block())
         return True
@@ -128,9 +129,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_registered_blocks:
+            return
         hashes = self._block_hashes(seq, num_full)
         bs = self.block_size
-        for i in range(num_full):
+        for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue
@@ -140,6 +143,7 @@ class BlockManager:
             block.parent_hash = hashes[i - 1] if i else ROOT_HASH
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self.cached[block.hash] = block.block_id
+        seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, tail first; blocks reaching zero join the free queue."""
@@ -151,6 +155,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
         seq.block_table = []
+        seq.num_registered_blocks = 0
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """Raise if ref counts disagree with the block tables of `live` sequences (tests, debug)."""

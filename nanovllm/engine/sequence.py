@@ -34,6 +34,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, by index
+    num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -21,12 +21,25 @@ class ModelSource:
     path: str
     kind: str  # "hf" | "gguf"
     hf_config: Any
+    _reader: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        # A GGUF reader holds a memory map: worker processes open their own.
+        return {**self.__dict__, "_reader": None}
+
+    def gguf_reader(self):
+        """The file's GGUFReader, opened once (parsing the header of a large vocabulary takes seconds)."""
+        if self._reader is None:
+            from nanovllm.loaders.gguf import open_gguf
+
+            self._reader = open_gguf(self.path)
+        return self._reader
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.kind == "gguf":
             from nanovllm.loaders.gguf import iter_gguf_weights
 
-            return iter_gguf_weights(self.path, self.hf_config)
+            return iter_gguf_weights(self.path, self.hf_config, reader=self.gguf_reader())
         from nanovllm.loaders.safetensors import iter_safetensors
 
         return iter_safetensors(self.path)
@@ -35,7 +48,7 @@ class ModelSource:
         if self.kind == "gguf":
             from nanovllm.loaders.gguf import load_gguf_tokenizer
 
-            return load_gguf_tokenizer(self.path)
+            return load_gguf_tokenizer(self.path, reader=self.gguf_reader())
         from transformers import AutoTokenizer
 
         try:
@@ -70,9 +83,10 @@ def resolve_model(model: str | os.PathLike | None, hf_config: Any = None) -> Mod
         model = default_model_path()
     path = os.fspath(model)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        from nanovllm.loaders.gguf import load_gguf_config
+        from nanovllm.loaders.gguf import load_gguf_config, open_gguf
 
-        return ModelSource(path, "gguf", hf_config or load_gguf_config(path))
+        reader = open_gguf(path)
+        return ModelSource(path, "gguf", hf_config or load_gguf_config(path, reader=reader), reader)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"model directory {path!r} has no config.json")

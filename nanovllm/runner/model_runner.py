@@ -79,8 +79,11 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
+        t1 = time.perf_counter()
         self.num_kvcache_blocks = self._decide_num_blocks()
+        t2 = time.perf_counter()
         self._allocate_kv_cache(self.num_kvcache_blocks)
+        t3 = time.perf_counter()
         self.graph_runner = None
         # The torch backend reads host-side lengths, so only the Triton / flash-attn backends are captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
@@ -91,6 +94,13 @@ class ModelRunner:
                 -(-config.max_model_len // self.block_size), config.max_model_len,
             )
             self.graph_runner.capture()
+        # Start-up breakdown in seconds, reported by benchmarks/bench.py.
+        self.startup_seconds = {
+            "load_weights": self.load_seconds,
+            "profile": t2 - t1,
+            "kv_alloc": t3 - t2,
+            "graph_capture": time.perf_counter() - t3,
+        }
         logger.info(
             "model %s loaded in %.1fs on %s (%s), %s attention, KV pool %d blocks x %d tokens",
             type(self.model).__name__, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),

@@ -1,0 +1,154 @@
+"""W1 (offline throughput), W5 (single-stream latency) and start-up, from BENCHMARKS.md.
+
+W1 is nano-vllm's bench.py workload exactly: random.seed(0); 256 prompts of randint(100, 1024)
+token ids drawn from randint(0, 10000); max_tokens = randint(100, 1024) each; temperature 0.6,
+ignore_eos; one short warm-up generate; one timed generate over all 256.
+
+    python benchmarks/bench.py --model /tmp/qwen3-0.6b --make-model --workload all --runs 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from random import randint, seed
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def w1_requests():
+    from nanovllm import SamplingParams
+
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(256)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)) for _ in range(256)]
+    return prompts, params
+
+
+def timed_generate(llm, prompts, params):
+    """Run generate, splitting wall time into steps with prefill tokens and decode-only steps."""
+    engine = llm.engine
+    split = {"prefill_s": 0.0, "decode_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+    original = engine.step
+
+    def step():
+        outs = original()
+        st = engine.last_step
+        key = "prefill" if st.num_prefill_tokens else "decode"
+        split[f"{key}_s"] += st.seconds
+        split["prefill_tokens"] += st.num_prefill_tokens
+        split["decode_tokens"] += st.num_decode_tokens
+        split["steps"] += 1
+        return outs
+
+    engine.step = step
+    try:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+    finally:
+        engine.step = original
+    return outs, seconds, split
+
+
+def run_w1(llm, runs: int) -> dict:
+    from nanovllm import SamplingParams
+
+    prompts, params = w1_requests()
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    results = []
+    for i in range(runs):
+        outs, seconds, split = timed_generate(llm, prompts, params)
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        r = dict(run=i, output_tokens=out_tokens, prompt_tokens=sum(map(len, prompts)), seconds=seconds,
+                 tok_per_s=out_tokens / seconds, preemptions=llm.engine.scheduler.num_preemptions, **split)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    med = statistics.median(r["tok_per_s"] for r in results)
+    return {"runs": results, "median_tok_per_s": med, "floor_fraction": med / 33000}
+
+
+def run_w5(llm, runs: int) -> dict:
+    from nanovllm import SamplingParams
+
+    engine = llm.engine
+    prompt = [randint(0, 10000) for _ in range(128)]
+    sp = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
+    llm.generate([prompt], sp, use_tqdm=False)  # warm-up
+    results = []
+    for i in range(runs):
+        engine.add_request(f"w5-{i}", prompt, sp)
+        t0 = time.perf_counter()
+        t_first = None
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+            if t_first is None:
+                t_first = time.perf_counter()
+        t_end = time.perf_counter()
+        r = dict(run=i, ttft_ms=(t_first - t0) * 1e3, decode_tok_per_s=(steps - 1) / (t_end - t_first),
+                 ms_per_token=(t_end - t_first) / (steps - 1) * 1e3)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    return {"runs": results, "median_decode_tok_per_s": statistics.median(r["decode_tok_per_s"] for r in results),
+            "median_ttft_ms": statistics.median(r["ttft_ms"] for r in results)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--make-model", action="store_true", help="create the random Qwen3-0.6B checkpoint at --model first")
+    ap.add_argument("--workload", choices=["w1", "w5", "all"], default="all")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args()
+
+    t_start = time.perf_counter()
+    if args.make_model:
+        from common import make_qwen3_06b
+
+        make_qwen3_06b(args.model)
+    t_import = time.perf_counter()
+    from nanovllm import LLM
+
+    import_s = time.perf_counter() - t_import
+    t0 = time.perf_counter()
+    llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=4096, attention_backend=args.attention_backend)
+    init_s = time.perf_counter() - t0
+    runner = llm.engine.executor.runner
+    startup = dict(import_s=import_s, llm_init_s=init_s, kv_blocks=runner.num_kvcache_blocks,
+                   kv_gib=runner.num_kvcache_blocks * runner.bytes_per_block() / 2**30, **runner.startup_seconds)
+    print("startup", json.dumps(startup), flush=True)
+    report = {"startup": startup, "device": _device_name(), "make_model_s": t_import - t_start}
+    if args.workload in ("w1", "all"):
+        report["w1"] = run_w1(llm, args.runs)
+    if args.workload in ("w5", "all"):
+        report["w5"] = run_w5(llm, args.runs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    print("\n== summary ==")
+    print(f"device {report['device']}  startup: LLM() {init_s:.1f}s {json.dumps({k: round(v, 2) for k, v in runner.startup_seconds.items()})}  KV {startup['kv_gib']:.1f} GiB")
+    if "w1" in report:
+        w1 = report["w1"]
+        print(f"W1 median {w1['median_tok_per_s']:.0f} tok/s ({w1['floor_fraction']:.0%} of the 33k floor) runs: "
+              + ", ".join(f"{r['tok_per_s']:.0f} ({r['seconds']:.2f}s, prefill {r['prefill_s']:.2f}s, decode {r['decode_s']:.2f}s)" for r in w1["runs"]))
+    if "w5" in report:
+        w5 = report["w5"]
+        print(f"W5 decode {w5['median_decode_tok_per_s']:.0f} tok/s, TTFT {w5['median_ttft_ms']:.1f} ms")
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    main()

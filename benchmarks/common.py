@@ -1,0 +1,55 @@
+"""Benchmark helpers: the Qwen3-0.6B-shaped checkpoint with random weights (BENCHMARKS.md).
+
+No model hub is reachable, so benchmarks use the real Qwen3-0.6B shape with random bf16
+weights (std 0.02, norms 1), exactly as nano-vllm's bench.py measures speed: the numbers depend
+on shapes, not on weight values. A small trained BPE tokenizer is saved beside the weights so
+string prompts (nano-vllm's bench.py warm-up) work too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+QWEN3_06B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+    intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+    head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    max_position_embeddings=40960, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16",
+    bos_token_id=151643, eos_token_id=151645,
+)
+
+
+def make_qwen3_06b(path: str | os.PathLike, seed: int = 0) -> Path:
+    """Write config.json, random bf16 safetensors and a small tokenizer to `path` (once)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    path = Path(path)
+    if (path / "model.safetensors").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    config = Qwen3Config(**{k: v for k, v in QWEN3_06B.items() if k not in ("architectures", "model_type")})
+    config.architectures = ["Qwen3ForCausalLM"]
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        if name == "lm_head.weight":
+            continue  # tied
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+    save_file(tensors, path / "model.safetensors")
+    config.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": QWEN3_06B["eos_token_id"]}))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from checkpoints import make_tokenizer_dir
+
+    make_tokenizer_dir(path)
+    return path

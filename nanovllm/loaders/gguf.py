@@ -1,0 +1,270 @@
+"""Load llama.cpp GGUF files as a Hugging Face config, HF-named fp32 weights and a tokenizer.
+
+The rest of the engine speaks Hugging Face: models are built from a `PretrainedConfig` and load
+tensors by HF name. So a GGUF file is translated at the edge, once, and nothing downstream knows
+it came from llama.cpp. The decisions:
+
+- Config: built directly from the GGUF metadata (`{arch}.embedding_length`, `.block_count`, ...)
+  rather than through `AutoConfig.from_pretrained(gguf_file=...)`, whose GGUF support lives in
+  private transformers modules that move between releases. `head_dim` comes from
+  `{arch}.attention.key_length` when present (Qwen3 and any model whose head_dim is not
+  hidden/heads), `tie_word_embeddings` from the absence of `output.weight` (llama.cpp drops the
+  duplicate), and the vocabulary size from `token_embd.weight` (the tensor is the ground truth).
+  Floats are stored as f32 in GGUF; they are rounded to the shortest decimal (9.99999975e-06 ->
+  1e-05) so the config reads like the original `config.json`. RoPE is passed as the classic
+  `rope_theta` / `rope_scaling` kwargs, which transformers 4.x takes as is and 5.x folds into
+  `config.rope_parameters`.
+- RoPE scaling: `linear` and `yarn` come from `{arch}.rope.scaling.*`. Llama 3.1+ stores its
+  scaling as a `rope_freqs` tensor of per-frequency divisors instead; we recover HF's `llama3`
+  parameters from it (factor = the largest divisor, the other three are the values every Llama 3
+  release uses) and refuse the file if recomputing the table does not reproduce the tensor.
+- Weights: `gguf.quants.dequantize` handles every type the gguf package implements (F32, F16,
+  BF16, Q4_0/Q4_1/Q5_x/Q8_0, K-quants, IQ-quants); anything else raises ValueError naming the
+  tensor. GGUF lists dims fastest-first, so HF shape is the reverse of `tensor.shape`.
+- Llama q/k: llama.cpp's converter permutes the rows of q_proj/k_proj (per head, the two rotary
+  halves are interleaved so GGML's adjacent-pair RoPE works). HF applies `rotate_half` to the
+  halves, so for the `llama` architecture the permutation is undone (q with num_attention_heads,
+  k with num_key_value_heads). Qwen2/Qwen3 are converted unpermuted and are passed through.
+- Tokenizer: built by transformers from the GGUF vocabulary (`AutoTokenizer(gguf_file=...)`, a
+  public entry point), then the chat template, EOS and add_bos/add_eos are set from the metadata
+  explicitly so they do not depend on what a given transformers release copies over (5.17 drops
+  `add_bos_token`, which Llama 3 files set).
+
+Parsing a GGUF header with a large vocabulary takes seconds (the gguf reader walks every token
+string), so each function accepts `reader=` to reuse one `open_gguf(path)` across the three calls.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+import transformers
+
+GGUF_ARCHITECTURES = {  # general.architecture -> (config class, HF architecture)
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_CONSUMED_BY_CONFIG = ("rope_freqs.weight",)
+# Llama 3.1/3.2/3.3 all use these with only `factor` varying (8 or 32).
+_LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, _LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+
+
+def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+    """Open (memory-map) a GGUF file; FileNotFoundError / ValueError with the path on failure."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except ValueError as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """A scalar or string metadata value (decoded by hand: `ReaderField.contents` needs gguf>=0.11)."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        raise ValueError(f"GGUF metadata key {key!r} is an array; expected a single value")
+    value = field.parts[field.data[0]]
+    return bytes(value).decode("utf-8") if field.types[0] == gguf.GGUFValueType.STRING else value.item()
+
+
+def _require(reader: gguf.GGUFReader, key: str) -> Any:
+    value = _meta(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF metadata key {key!r} is missing")
+    return value
+
+
+def _decimal(x: float) -> float:
+    """The shortest decimal that rounds to the same float32 (GGUF stores f32 metadata)."""
+    return float(str(np.float32(x)))
+
+
+def load_gguf_config(
+    path: str | os.PathLike[str], *, reader: gguf.GGUFReader | None = None
+) -> transformers.PretrainedConfig:
+    """A transformers config (LlamaConfig, Qwen2Config or Qwen3Config) from the GGUF metadata."""
+    reader = reader if reader is not None else open_gguf(path)
+    arch = _require(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
+    config_class, hf_arch = GGUF_ARCHITECTURES[arch]
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor")
+
+    hidden = int(_require(reader, f"{arch}.embedding_length"))
+    heads = int(_require(reader, f"{arch}.attention.head_count"))
+    head_dim = int(_meta(reader, f"{arch}.attention.key_length", hidden // heads))
+    context = int(_meta(reader, f"{arch}.context_length", 4096))
+    theta = _decimal(_meta(reader, f"{arch}.rope.freq_base", 10000.0))
+    kwargs: dict[str, Any] = dict(
+        architectures=[hf_arch],
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF dims: [hidden, vocab]
+        hidden_size=hidden,
+        intermediate_size=int(_require(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_require(reader, f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
+        max_position_embeddings=context,
+        rms_norm_eps=_decimal(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(reader, arch, theta, head_dim, tensors),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_meta(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    if arch == "qwen2":
+        if head_dim != hidden // heads:  # Qwen2Config derives head_dim; it cannot be overridden
+            raise ValueError(f"qwen2 GGUF with head_dim {head_dim} != hidden_size / num_heads is not supported")
+    else:
+        kwargs["head_dim"] = head_dim
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    return getattr(transformers, config_class)(**kwargs)
+
+
+def _rope_scaling(
+    reader: gguf.GGUFReader, arch: str, theta: float, head_dim: int, tensors: dict
+) -> dict[str, Any] | None:
+    """HF `rope_scaling` (None for plain RoPE) from the metadata or Llama 3's rope_freqs tensor."""
+    scaling = _meta(reader, f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensors:
+        return _llama3_rope(_dequantize(tensors["rope_freqs.weight"]), theta, head_dim)
+    if scaling == "linear":
+        return {"rope_type": "linear", "factor": _decimal(_require(reader, f"{arch}.rope.scaling.factor"))}
+    if scaling == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": _decimal(_require(reader, f"{arch}.rope.scaling.factor")),
+            "original_max_position_embeddings": int(
+                _require(reader, f"{arch}.rope.scaling.original_context_length")
+            ),
+        }
+    if scaling != "none":
+        raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported")
+    return None
+
+
+def _llama3_rope_divisors(
+    theta: float, head_dim: int, factor: float, low: float, high: float, original: int
+) -> np.ndarray:
+    """Per-frequency divisors of Llama 3 RoPE scaling ([head_dim // 2]), as stored in `rope_freqs`."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blended))
+
+
+def _llama3_rope(divisors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    factor = _decimal(divisors.max())
+    args = (_LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, _LLAMA3_ORIGINAL_CONTEXT)
+    expected = _llama3_rope_divisors(theta, head_dim, factor, *args)
+    if divisors.shape != expected.shape or not np.allclose(divisors, expected, rtol=1e-4):
+        raise ValueError("GGUF rope_freqs tensor does not match Llama 3 RoPE scaling; not supported")
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": args[0],
+        "high_freq_factor": args[1],
+        "original_max_position_embeddings": args[2],
+    }
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """fp32, C-contiguous, writable, in HF shape (GGUF lists dims in reverse)."""
+    try:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be dequantized: {e}"
+        ) from e
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return np.require(data.reshape(shape), np.float32, ["C", "W"])  # copies the read-only F32 memmap
+
+
+def _hf_name(name: str) -> str:
+    stem, _, suffix = name.rpartition(".")
+    if stem in _TOP_LEVEL_NAMES:
+        return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face equivalent known to this loader")
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave: GGUF row 2*i + j <- HF row j*half + i."""
+    rows = w.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(f"cannot undo the q/k permutation: {rows} rows for {num_heads} heads")
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(
+    path: str | os.PathLike[str],
+    hf_config: transformers.PretrainedConfig,
+    *,
+    reader: gguf.GGUFReader | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF tensor name, fp32 tensor) for every weight, one dequantized tensor at a time."""
+    reader = reader if reader is not None else open_gguf(path)  # fail now, not at the first next()
+    unpermute = _require(reader, "general.architecture") == "llama"
+    heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for tensor in reader.tensors:
+            if tensor.name in _CONSUMED_BY_CONFIG:
+                continue
+            name = _hf_name(tensor.name)
+            w = _dequantize(tensor)
+            proj = name.split(".")[-2]
+            if unpermute and proj in heads:
+                w = _unpermute_rows(w, heads[proj])
+            yield name, torch.from_numpy(w)
+
+    return weights()
+
+
+def load_gguf_tokenizer(
+    path: str | os.PathLike[str], *, reader: gguf.GGUFReader | None = None
+) -> transformers.PreTrainedTokenizerBase:
+    """The transformers tokenizer of a GGUF file, with its chat template and EOS from the metadata."""
+    path = Path(path)
+    reader = reader if reader is not None else open_gguf(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    template = _meta(reader, "tokenizer.chat_template")
+    if template:
+        tokenizer.chat_template = template
+    eos_id = _meta(reader, "tokenizer.ggml.eos_token_id")
+    if eos_id is not None and tokenizer.eos_token_id != eos_id:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos_id))
+    for attr in ("add_bos_token", "add_eos_token"):  # transformers 5.17 ignores these keys
+        value = _meta(reader, f"tokenizer.ggml.{attr}")
+        if value is not None and hasattr(tokenizer, attr) and getattr(tokenizer, attr) != bool(value):
+            setattr(tokenizer, attr, bool(value))  # rebuilds the post-processor
+    return tokenizer
