@@ -61,6 +61,7 @@ def run_w1(llm, runs: int) -> dict:
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     results = []
     for i in range(runs):
+        llm.reset_prefix_cache()  # every run starts cold, as a fresh engine would
         outs, seconds, split = timed_generate(llm, prompts, params)
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         r = dict(run=i, output_tokens=out_tokens, prompt_tokens=sum(map(len, prompts)), seconds=seconds,
@@ -80,6 +81,7 @@ def run_w5(llm, runs: int) -> dict:
     llm.generate([prompt], sp, use_tqdm=False)  # warm-up
     results = []
     for i in range(runs):
+        llm.reset_prefix_cache()
         engine.add_request(f"w5-{i}", prompt, sp)
         t0 = time.perf_counter()
         t_first = None

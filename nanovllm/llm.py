@@ -158,6 +158,10 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached prefixes (e.g. between benchmark runs); False while requests are running."""
+        return self.engine.block_manager.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

@@ -140,3 +140,15 @@ def test_decode_filled_blocks_become_cacheable():
         bm.cache_full_blocks(a)
     b = seq_of([0, 1, 2, 10, 11, 12, 13, 14, 15])
     assert len(bm.find_cached_prefix(b)) == 2
+
+
+def test_reset_prefix_cache_only_when_idle():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq_of(range(9))
+    bm.allocate(a, 9)
+    a.num_computed_tokens = 9
+    bm.cache_full_blocks(a)
+    assert not bm.reset_prefix_cache()  # a still holds blocks
+    bm.free(a)
+    assert bm.reset_prefix_cache()
+    assert bm.find_cached_prefix(seq_of(range(9))) == []

@@ -157,6 +157,15 @@ class BlockManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (benchmarks start cold). Only when no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.hash = block.parent_hash = block.token_ids = None
+        self.cached.clear()
+        return True
+
     def check_invariants(self, live: list[Sequence]) -> None:
         """Raise if ref counts disagree with the block tables of `live` sequences (tests, debug)."""
         counts = [0] * self.num_blocks

@@ -11,6 +11,11 @@ Config reading accepts both generations of transformers: v5 puts everything in t
 dict (whose type key is "rope_type", or "type" in older files). Supported scaling: none /
 "default", and "llama3" (Llama 3.1's frequency-dependent interpolation). Anything else raises,
 rather than silently producing a model that degrades past the original context.
+
+Attention calls `apply_qk_norm_rope`, which also applies Qwen3's per-head q/k RMSNorm: with fused
+ops on (CUDA tensors, `fused=True`), norm and rotary for q and k are one Triton launch that rewrites
+the q/k slices of the packed qkv output in place (layers/fused.py), instead of ~25 elementwise
+kernels. The torch code here stays the reference, for CPU and for fused ops turned off.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from nanovllm.layers.norm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -75,7 +82,14 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float = 10000.0, scaling: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float = 10000.0,
+        scaling: dict[str, Any] | None = None,
+        fused: bool = False,
+    ) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
@@ -84,21 +98,59 @@ class RotaryEmbedding(nn.Module):
         angles = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         # [max_position, head_dim] = [cos | sin], each over head_dim // 2 frequencies.
         self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
+        # Device types whose tensors take the Triton kernel; tests add "cpu" to run it interpreted.
+        self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.view(shape[0], -1, self.head_dim)
+        x = x.unflatten(-1, (-1, self.head_dim)) if x.dim() == 2 else x  # [T, H, D], also for T = 0
         x1, x2 = x.chunk(2, dim=-1)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(shape)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q, k [T, heads * head_dim] or [T, heads, head_dim] -> same shapes."""
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference: positions [T]; q, k [T, heads * head_dim] or [T, heads, head_dim]
+        -> new tensors of the same shapes."""
         cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, D/2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary alone (no q/k norm); see apply_qk_norm_rope."""
+        return apply_qk_norm_rope(self, positions, q, k)
 
-def build_rotary(config: Any, head_dim: int) -> RotaryEmbedding:
+
+def apply_qk_norm_rope(
+    rotary_emb: RotaryEmbedding,
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, Hq * D] or [T, Hq, D], e.g. a column slice of the packed qkv output
+    k: torch.Tensor,  # [T, Hk * D] or [T, Hk, D]
+    q_norm: RMSNorm | None = None,
+    k_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (Qwen3; skipped when the norms are None), then rotary.
+
+    Where fused ops run (`rotary_emb.fused_devices`), q and k are rewritten in place by one Triton
+    launch and returned as they were given; otherwise the torch reference returns new tensors
+    ([T, H, D] after a norm). Either way, use the returned pair.
+    """
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("apply_qk_norm_rope: pass both q_norm and k_norm, or neither")
+    if positions.device.type in rotary_emb.fused_devices:
+        from nanovllm.layers.fused import qk_norm_rope  # triton is optional; imported only where it runs
+
+        if q_norm is None:
+            return qk_norm_rope(q, k, positions, rotary_emb.cos_sin_cache, None, None, 0.0)
+        if q_norm.eps != k_norm.eps:
+            raise ValueError(f"apply_qk_norm_rope: q_norm eps {q_norm.eps} != k_norm eps {k_norm.eps}")
+        return qk_norm_rope(q, k, positions, rotary_emb.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
+    if q_norm is not None:
+        as_heads = (-1, rotary_emb.head_dim)  # [T, H * D] -> [T, H, D]; [T, H, D] is left as is
+        q = q_norm(q.unflatten(-1, as_heads) if q.dim() == 2 else q)
+        k = k_norm(k.unflatten(-1, as_heads) if k.dim() == 2 else k)
+    return rotary_emb.rotate(positions, q, k)
+
+
+def build_rotary(config: Any, head_dim: int, fused: bool = False) -> RotaryEmbedding:
     """The rotary embedding a HF decoder config asks for (theta and scaling read as above)."""
     theta, scaling = rope_parameters(config)
-    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling, fused=fused)

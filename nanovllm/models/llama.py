@@ -10,9 +10,16 @@ Contract (docs/architecture.md): `model(input_ids [T], positions [T], meta) -> h
 `compute_logits(hidden [N, H]) -> [N, vocab]`, and `load_weights` takes Hugging Face tensor names,
 packing q/k/v into `qkv_proj` and gate/up into `gate_up_proj`. Tensor-parallel sharding happens
 inside the layers; this file only wires them together.
+
+Fused ops: on CUDA the small ops (RMSNorm with the residual add, q/k norm plus rotary, SiLU-and-mul)
+run as single Triton launches (layers/fused.py); a decode step is otherwise ~1,500 tiny kernels.
+`NANOVLLM_FUSED_OPS=0` keeps the torch reference path for debugging. It is read once, when the
+model is built, and stored on the modules (`fused_devices`), never consulted per step.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +32,7 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
 from nanovllm.layers.norm import RMSNorm
-from nanovllm.layers.rotary import RotaryEmbedding, build_rotary
+from nanovllm.layers.rotary import RotaryEmbedding, apply_qk_norm_rope, build_rotary
 
 # HF module name -> (our packed module name, shard id).
 PACKED_MODULES = {
@@ -37,6 +44,7 @@ PACKED_MODULES = {
 }
 # Buffers some checkpoints carry that we recompute instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+FUSED_OPS_ENV = "NANOVLLM_FUSED_OPS"
 
 
 @dataclass(frozen=True)
@@ -51,8 +59,16 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def fused_ops_from_env() -> bool:
+    """Whether CUDA tensors take the fused Triton kernels: yes unless NANOVLLM_FUSED_OPS is 0 /
+    false / off / no, or triton is not installed."""
+    if os.environ.get(FUSED_OPS_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding, fused: bool) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -66,8 +82,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         if options.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, fused)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, fused)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb  # one module shared by every layer
@@ -75,34 +91,31 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
-            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = apply_qk_norm_rope(self.rotary_emb, positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions) -> None:
+    def __init__(self, config: Any, options: DecoderOptions, fused: bool) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}")
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=options.mlp_bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=options.mlp_bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding, fused: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, options, rotary_emb)
-        self.mlp = LlamaMLP(config, options)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, options, rotary_emb, fused)
+        self.mlp = LlamaMLP(config, options, fused)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -119,12 +132,14 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, options: DecoderOptions) -> None:
         super().__init__()
+        self.fused_ops = fused_ops_from_env()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = build_rotary(config, head_dim_of(config))
+        rotary_emb = build_rotary(config, head_dim_of(config), self.fused_ops)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options, rotary_emb) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, options, rotary_emb, self.fused_ops)
+            for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.fused_ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -54,7 +55,13 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        rank: int = 0,
+        agree_num_blocks: Callable[[int], int] | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.hf_config = source.hf_config
@@ -81,6 +88,10 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         t1 = time.perf_counter()
         self.num_kvcache_blocks = self._decide_num_blocks()
+        if agree_num_blocks is not None:
+            # Tensor parallelism: block ids must mean the same on every rank, so the executor
+            # passes a hook that makes every rank use the smallest pool (an all_reduce MIN).
+            self.num_kvcache_blocks = agree_num_blocks(self.num_kvcache_blocks)
         t2 = time.perf_counter()
         self._allocate_kv_cache(self.num_kvcache_blocks)
         t3 = time.perf_counter()

@@ -46,13 +46,31 @@ Why the work is cut this way:
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
+
 import triton
 import triton.language as tl
 
 # Running-max start value: finite, so exp2(m_old - m_new) is 1, not NaN, for fully masked rows.
+def _jit_stable(*, ints: tuple[str, ...], pointers: tuple[str, ...]):
+    """triton.jit that does not specialize on these per-step values.
+
+    Triton compiles a variant per value class of an int (==1, divisible by 16) and per 16-byte
+    alignment of a pointer. Per-step counts and row slices of the metadata (e.g. seq_lens[nd:])
+    would then compile several variants mid-run, seconds each; one variant serves them all.
+    """
+    kwargs = {"do_not_specialize": ints + pointers}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        kwargs["do_not_specialize_on_alignment"] = pointers
+    return triton.jit(**kwargs)
+
+
+_STEP_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")
+
+
 _NEG_BIG = tl.constexpr(-1.0e30)
 _LOG2E = 1.4426950408889634
 
@@ -168,7 +186,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@_jit_stable(ints=("num_seqs",), pointers=_STEP_POINTERS)
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -266,7 +284,7 @@ def _paged_attention_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@_jit_stable(ints=(), pointers=_STEP_POINTERS)
 def _paged_attention_split_kernel(
     q_ptr,
     k_cache_ptr,

@@ -1,0 +1,68 @@
+"""W3: the embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1) on the CPU.
+
+16 short chat prompts (one user message each), greedy, exactly 64 new tokens each (EOS
+ignored): 1,024 output tokens; tok/s over the whole set, model load excluded, median of 3 after
+a warm-up. Also single-stream decode (one prompt, per token after the first).
+Run it on an idle machine: CPU timings are easily skewed by other work.
+
+    python benchmarks/cpu_bench.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.", "How many legs does a spider have?",
+    "What is the boiling point of water?", "Who wrote Romeo and Juliet?", "What is photosynthesis?",
+    "Give me a synonym for happy.", "What is 12 times 12?", "Why is the sky blue?",
+    "What language is spoken in Brazil?", "What is the largest planet?", "Define gravity in one sentence.",
+    "What do bees make?", "How many days are in a leap year?", "What is the chemical symbol for gold?",
+    "Suggest a name for a pet cat.",
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from nanovllm import LLM, SamplingParams
+
+    llm = LLM(device="cpu")
+    tok = llm.tokenizer
+    prompts = [tok.encode(llm.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False) for q in QUESTIONS]
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    batch = []
+    for _ in range(args.runs):
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        batch.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+    single = []
+    engine = llm.engine
+    for i in range(args.runs):
+        llm.reset_prefix_cache()
+        engine.add_request(f"s{i}", prompts[0], sp)
+        engine.step()
+        t = time.perf_counter()
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        single.append(steps / (time.perf_counter() - t))
+    print(json.dumps({"batch_tok_per_s": batch, "single_decode_tok_per_s": single,
+                      "prompt_tokens": [len(p) for p in prompts], "threads": torch.get_num_threads()}))
+    print(f"W3 batch of 16: median {statistics.median(batch):.1f} tok/s; single-stream decode median "
+          f"{statistics.median(single):.1f} tok/s ({1000 / statistics.median(single):.1f} ms/token)")
+
+
+if __name__ == "__main__":
+    main()
