@@ -1,18 +1,44 @@
 """Runs each step on every tensor-parallel rank.
 
-With one rank the model runner lives in this process and a step is a method call. (Worker
-processes for tensor parallelism plug in behind the same three methods.)
+The engine sees three things: `num_kvcache_blocks` (the pool every rank allocated), `execute(step)`
+and `shutdown()`. With one rank the model runner lives in this process and a step is a method
+call. With N ranks, `multiproc.MultiprocExecutor` keeps rank 0 here and runs ranks 1..N-1 in
+worker processes behind the same three members.
+
+`NANOVLLM_EXECUTOR=mp` sends a one-rank engine through MultiprocExecutor too (no workers; the
+process group has one rank). It exists to measure that path's overhead against the in-process
+one (benchmarks/tp_overhead.py), not for serving.
 """
 from __future__ import annotations
 
+import os
+from typing import Protocol
+
 from nanovllm.config import EngineConfig
+from nanovllm.distributed import tp_size
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.loaders.source import ModelSource
 from nanovllm.runner.model_runner import ModelRunner, RunnerOutput
 
+EXECUTOR_ENV = "NANOVLLM_EXECUTOR"
+
+
+class Executor(Protocol):
+    num_kvcache_blocks: int
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
 
 class InProcessExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        if tp_size() != 1:
+            # The layers would shard themselves by the process group already set up here.
+            raise RuntimeError(
+                f"torch.distributed is initialized with {tp_size()} ranks in this process (a tensor-parallel "
+                "engine is running?); shut it down before creating a single-rank engine"
+            )
         self.runner = ModelRunner(config, source, rank=0)
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
 
@@ -23,8 +49,11 @@ class InProcessExecutor:
         pass
 
 
-def make_executor(config: EngineConfig, source: ModelSource):
-    if config.tensor_parallel_size == 1:
+def make_executor(config: EngineConfig, source: ModelSource) -> Executor:
+    kind = os.environ.get(EXECUTOR_ENV, "")
+    if kind not in ("", "inprocess", "mp"):
+        raise ValueError(f"{EXECUTOR_ENV}={kind!r}: expected 'inprocess' or 'mp'")
+    if config.tensor_parallel_size == 1 and kind != "mp":
         return InProcessExecutor(config, source)
     from nanovllm.executor.multiproc import MultiprocExecutor
 

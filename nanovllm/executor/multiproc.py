@@ -1,0 +1,502 @@
+"""Tensor parallelism across processes: rank 0 in the driver, ranks 1..N-1 in spawned workers.
+
+Every rank holds a ModelRunner over its shard of the model (the layers shard themselves from the
+torch.distributed process group, see layers/linear.py); the collectives inside the forward pass
+keep the ranks' activations identical. What the ranks need besides the collectives is the same
+step, in the same order. This module supplies that, and makes failures loud instead of hangs.
+
+Process group. NCCL on CUDA (rank r on cuda:r), gloo on CPU, so TP runs and is tested without a
+GPU. Rendezvous goes through a TCPStore that the driver opens on 127.0.0.1 port 0, so the kernel
+picks a free port and there is no window between choosing a port and binding it (a port can be
+forced with `port=` or NANOVLLM_TP_PORT). Nothing is named globally: no fixed port, no
+shared-memory name, so engines in different processes on one host never collide. torch.distributed
+has one default group per process and the layers read it, so a process holds one TP engine at a time.
+
+Control channel. One anonymous multiprocessing Pipe (a socketpair) per worker carries pickled
+messages, and every step is acknowledged:
+
+    driver -> worker   (step, payload)            payload = the step's plain data; None = stop
+    worker -> driver   ("ack", step) | ("error", step, traceback) | ("hello",) | ("ready", blocks)
+
+Why it is correct under any timing:
+- No shared buffer: `send_bytes` copies the message into the kernel, so the driver never reuses
+  memory a worker may still be reading, and each pipe delivers whole frames in FIFO order.
+- Lockstep: the driver sends step k+1 only after every worker acknowledged step k, and every ack
+  carries its step number (a mismatch raises). At most one step is in flight per pipe, so a
+  worker is already waiting in `recv` when its next message arrives and a send never waits on
+  a worker that is busy. Since every rank runs the same steps in the same order with the same
+  batch shape, every rank issues the same collectives in the same order.
+- Self-contained messages: a step carries everything the worker needs (full block tables, no
+  deltas against earlier steps), so no state can drift between the driver and a worker.
+- Small, bounded messages: only what a step needs crosses (per scheduled sequence: id, the token
+  ids computed this step, start position, block table, whether it samples). Sampling parameters
+  stay with rank 0, the only rank that samples. A message is pickled once for all workers, at
+  `execute` time, before the scheduler can mutate the lists it points at.
+- Empty steps (nothing scheduled) run no collective and are not sent.
+
+Failure handling. A worker that raises sends its traceback and exits; a worker that dies just
+exits. Either way its sockets close, so a gloo collective waiting on it on rank 0 fails at once
+(connection reset) rather than at the timeout, and the driver then names the cause: the worker's
+traceback, or its exit code / signal. The driver also checks liveness before sending a step and
+waits for acks on the pipes *and* the process sentinels, so a death between collectives is seen
+too. A worker that hangs while alive is caught by the process-group timeout (`timeout_s`,
+NANOVLLM_TP_TIMEOUT_S, default 300 s; it must also cover the skew of model loading across ranks,
+and the waits of start-up itself are never shorter than the default). On CUDA a dead peer can
+leave NCCL kernels spinning; a watcher thread aborts the NCCL group when a worker process dies,
+so the driver's pending sync returns and the error is raised (that path needs several GPUs and
+is not exercised in CPU CI). After any failure the executor shuts
+everything down and refuses further steps; a new engine can be created in the same process.
+
+Cleanup. `shutdown()` (also run by weakref.finalize when the executor is collected or the
+interpreter exits) sends stop, joins the workers (terminate, then kill, after a grace period),
+closes the pipes and destroys the process group. Workers are daemonic, so even if the finalizer
+runs after multiprocessing's own exit handler they are terminated and reaped, never left as
+zombies. Only pipes and processes are used: no semaphores or shared memory that could leak.
+Workers ignore SIGINT: Ctrl-C reaches the driver only, which then shuts the workers down. As with
+any spawn-based library, code creating a TP engine in a script must sit under
+`if __name__ == "__main__":`.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+import weakref
+from datetime import timedelta
+from multiprocessing import connection, get_context
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from nanovllm.loaders.source import ModelSource
+from nanovllm.runner.model_runner import ModelRunner, RunnerOutput, resolve_device
+
+logger = logging.getLogger("nanovllm")
+
+PORT_ENV = "NANOVLLM_TP_PORT"
+TIMEOUT_ENV = "NANOVLLM_TP_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+HOST = "127.0.0.1"
+STOP_GRACE_S = 10.0  # how long a clean shutdown waits for workers before terminating them
+EXPLAIN_GRACE_S = 3.0  # after a failed step, how long to wait for a worker to report why
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel worker failed (raised, died or hung); the executor is shut down."""
+
+
+# ---- the step message ------------------------------------------------------------------------
+StepPayload = tuple[int, int, list[tuple[int, list[int], int, list[int], bool]]]
+
+
+def encode_step(out: SchedulerOutput) -> StepPayload:
+    """What a non-sampling rank needs from a step: tuples of builtins, which pickle fast."""
+    seqs = [(s.seq_id, s.token_ids, s.start_pos, s.block_table, s.sample) for s in out.seqs]
+    return out.num_decodes, out.num_batched_tokens, seqs
+
+
+def decode_step(payload: StepPayload) -> SchedulerOutput:
+    """Rebuild a SchedulerOutput on a worker (no sampling params: workers never sample)."""
+    num_decodes, num_tokens, seqs = payload
+    return SchedulerOutput(
+        seqs=[ScheduledSeq(i, t, p, b, s, None, None, None) for i, t, p, b, s in seqs],  # type: ignore[arg-type]
+        num_decodes=num_decodes,
+        num_batched_tokens=num_tokens,
+    )
+
+
+def _dumps(msg: Any) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _min_across_ranks(n: int, device: torch.device) -> int:
+    """The KV pool size every rank can afford (block ids must mean the same everywhere)."""
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _collective_device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+# ---- the worker process ----------------------------------------------------------------------
+def _worker_main(
+    rank: int,
+    world: int,
+    backend: str,
+    port: int,
+    timeout_s: float,
+    num_threads: int,
+    config: EngineConfig,
+    source: ModelSource,
+    conn: connection.Connection,
+    runner_cls: type[ModelRunner],
+) -> None:
+    """Entry point of rank `rank` >= 1: join the group, build the runner, then serve steps."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    step: int | None = None
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(num_threads)
+        conn.send_bytes(_dumps(("hello",)))  # imports done: the driver may now join the group
+        startup = timedelta(seconds=max(timeout_s, DEFAULT_TIMEOUT_S))
+        store = dist.TCPStore(HOST, port, is_master=False, timeout=startup)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
+        device = _collective_device(backend)
+        runner = runner_cls(config, source, rank=rank, agree_num_blocks=lambda n: _min_across_ranks(n, device))
+        conn.send_bytes(_dumps(("ready", runner.num_kvcache_blocks)))
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except EOFError:
+                return  # the driver went away: nobody to report to; exiting frees our peers
+            step, payload = pickle.loads(data)
+            if payload is None:
+                break
+            runner.execute(decode_step(payload))
+            conn.send_bytes(_dumps(("ack", step)))
+    except BaseException:
+        try:
+            conn.send_bytes(_dumps(("error", step, traceback.format_exc())))
+        except OSError:
+            pass  # the driver is gone too
+        # Exit without destroying the group: peers may be stuck in a collective with us, and
+        # closing our sockets by exiting is what releases them.
+        raise SystemExit(1) from None
+    dist.destroy_process_group()
+
+
+# ---- the driver's view of the workers --------------------------------------------------------
+class _Workers:
+    """Processes, pipes and the process group of one executor; `close()` releases them all.
+
+    Kept apart from MultiprocExecutor so that weakref.finalize can hold `close` without keeping
+    the executor alive.
+    """
+
+    def __init__(self, backend: str, timeout_s: float) -> None:
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.procs: list[Any] = []  # multiprocessing SpawnProcess, index i = rank i + 1
+        self.conns: list[connection.Connection] = []
+        self.store: dist.TCPStore | None = None
+        self.group: Any = None  # the default group we created, destroyed by close()
+        self.broken = False  # set after a failure: close() then terminates instead of stopping
+        self.closed = False
+        self._watcher: threading.Thread | None = None
+        self._wake: connection.Connection | None = None
+
+    def rank_name(self, i: int) -> str:
+        return f"tensor-parallel worker rank {i + 1} (pid {self.procs[i].pid})"
+
+    # -- start-up --
+    def start(self, world: int, port: int, config: EngineConfig, source: ModelSource, runner_cls: type) -> None:
+        # The store only serves the rendezvous, which waits on start-up, not on a step.
+        startup = timedelta(seconds=max(self.timeout_s, DEFAULT_TIMEOUT_S))
+        self.store = dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False, timeout=startup)
+        ctx = get_context("spawn")
+        num_threads = max(1, torch.get_num_threads() // world)
+        for rank in range(1, world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, world, self.backend, self.store.port, self.timeout_s, num_threads,
+                      config, source, child, runner_cls),
+                name=f"nanovllm-tp{rank}",
+                daemon=True,
+            )
+            try:
+                proc.start()
+            except BaseException:
+                parent.close()
+                raise
+            finally:
+                child.close()  # only the worker holds its end, so its death reads as EOF here
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def join_group(self, world: int) -> None:
+        """Join as rank 0 once every worker has imported (a worker dying before that is seen at
+        once here, instead of as a rendezvous timeout). Spawning and importing torch can take
+        a while on a loaded machine, so this wait is not cut short by a small step timeout."""
+        self.collect("hello", None, max(self.timeout_s, DEFAULT_TIMEOUT_S))
+        dist.init_process_group(
+            self.backend, store=self.store, rank=0, world_size=world, timeout=timedelta(seconds=self.timeout_s)
+        )
+        self.group = dist.group.WORLD
+        if self.backend == "nccl" and self.procs:
+            self._start_watcher()
+
+    # -- per step --
+    def check_alive(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise TensorParallelError(self._describe_exit(i))
+
+    def send(self, data: bytes) -> None:
+        for i, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except OSError as exc:
+                raise TensorParallelError(self._describe_exit(i)) from exc
+
+    def collect(self, kind: str, step: int | None, timeout_s: float) -> list[tuple]:
+        """Wait until every worker sent a `kind` message (for `step`), watching the pipes and the
+        process sentinels; raise TensorParallelError on an error report, a death or the timeout."""
+        pending = dict(enumerate(self.conns))
+        got: list[tuple] = [()] * len(self.conns)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = ", ".join(self.rank_name(i) for i in pending)
+                raise TensorParallelError(f"{late}: no {kind!r} for step {step} within {timeout_s:.0f}s")
+            sentinels = {self.procs[i].sentinel: i for i in pending}
+            ready = connection.wait(list(pending.values()) + list(sentinels), remaining)
+            # Pipes first: a worker that reported an error and exited has both ready.
+            for i, conn in list(pending.items()):
+                if conn in ready:
+                    got[i] = self._recv(i)
+                    if got[i][0] != kind or (step is not None and got[i][1] != step):
+                        raise TensorParallelError(f"{self.rank_name(i)} sent {got[i]!r}, expected {kind!r} for step {step}")
+                    del pending[i]
+            for sentinel, i in sentinels.items():
+                if sentinel in ready and i in pending and not pending[i].poll():
+                    raise TensorParallelError(self._describe_exit(i))
+        return got
+
+    def _recv(self, i: int) -> tuple:
+        try:
+            msg = pickle.loads(self.conns[i].recv_bytes())
+        except (EOFError, OSError):
+            raise TensorParallelError(self._describe_exit(i)) from None
+        if msg[0] == "error":
+            where = "while starting" if msg[1] is None else f"at step {msg[1]}"
+            raise TensorParallelError(f"{self.rank_name(i)} raised {where}:\n{msg[2]}")
+        return msg
+
+    def _describe_exit(self, i: int) -> str:
+        proc = self.procs[i]
+        proc.join(1.0)  # reap it, so the exit code is known
+        code = proc.exitcode
+        if code is None:
+            return f"{self.rank_name(i)} closed its pipe"
+        if code < 0:
+            return f"{self.rank_name(i)} was killed by {signal.Signals(-code).name}"
+        return f"{self.rank_name(i)} exited with code {code}"
+
+    def explain(self, grace_s: float) -> str | None:
+        """After rank 0 failed inside a step: wait briefly for a worker to report an error or
+        die (its sockets closing is usually what made rank 0 fail) and describe it."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for i, (proc, conn) in enumerate(zip(self.procs, self.conns)):
+                try:
+                    if conn.poll():
+                        self._recv(i)  # raises on an error report or EOF
+                        continue  # a late ack: this worker is fine
+                except TensorParallelError as exc:
+                    return str(exc)
+                if not proc.is_alive():
+                    return self._describe_exit(i)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            connection.wait(self.conns + [p.sentinel for p in self.procs], remaining)
+
+    # -- NCCL watcher --
+    def _start_watcher(self) -> None:
+        """On CUDA, abort the NCCL group as soon as a worker process dies, so rank 0 is not left
+        spinning in a collective with a dead peer until the timeout."""
+        wake_r, self._wake = get_context("spawn").Pipe(duplex=False)
+
+        def watch() -> None:
+            try:
+                ready = connection.wait([p.sentinel for p in self.procs] + [wake_r])
+            finally:
+                wake_r.close()
+            if wake_r in ready or self.closed:
+                return
+            logger.error("a tensor-parallel worker died; aborting the NCCL process group")
+            try:
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            except Exception:  # best effort: the step will still raise from the sentinel
+                logger.exception("aborting the NCCL process group failed")
+
+        self._watcher = threading.Thread(target=watch, name="nanovllm-tp-watch", daemon=True)
+        self._watcher.start()
+
+    # -- shutdown --
+    def close(self) -> None:
+        """Stop (or, after a failure, terminate) every worker, reap it, and destroy the group."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._wake is not None:
+            self._wake.close()  # wakes the watcher, which sees `closed` and returns
+            if self._watcher is not None:
+                self._watcher.join(5.0)
+        if not self.broken:
+            stop = _dumps((None, None))
+            for conn, proc in zip(self.conns, self.procs):
+                if proc.is_alive():
+                    try:
+                        conn.send_bytes(stop)
+                    except OSError:
+                        pass  # already gone; reaped below
+            deadline = time.monotonic() + STOP_GRACE_S
+            for proc in self.procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        for proc in self.procs:
+            proc.close()
+        if self.group is not None and dist.is_initialized() and dist.group.WORLD is self.group:
+            dist.destroy_process_group()
+        self.group = None
+        self.store = None
+
+
+# ---- the executor ----------------------------------------------------------------------------
+class MultiprocExecutor:
+    """Runs each step on `config.tensor_parallel_size` ranks; rank 0's runner is in this process.
+
+    `port` (else NANOVLLM_TP_PORT, else 0 = a free one) and `timeout_s` (else
+    NANOVLLM_TP_TIMEOUT_S, else 300) are read here because EngineConfig does not carry them;
+    `worker_runner_cls` replaces the runner of ranks >= 1 (tests use it to inject failures).
+    With one rank there are no workers: only the process group and the bookkeeping remain
+    (NANOVLLM_EXECUTOR=mp, used by benchmarks/tp_overhead.py to measure this path).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        *,
+        port: int | None = None,
+        timeout_s: float | None = None,
+        worker_runner_cls: type[ModelRunner] = ModelRunner,
+    ) -> None:
+        world = config.tensor_parallel_size
+        port = _env_number(PORT_ENV, int, 0) if port is None else port
+        if not 0 <= port < 65536:
+            raise ValueError(f"rendezvous port must be in [0, 65535] (0 = pick a free one), got {port}")
+        timeout_s = _env_number(TIMEOUT_ENV, float, DEFAULT_TIMEOUT_S) if timeout_s is None else timeout_s
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        device = resolve_device(config.device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl" and torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs; torch sees {torch.cuda.device_count()}")
+        if dist.is_initialized():
+            gc.collect()  # an engine that was dropped but not yet collected releases its group
+        if dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is already initialized in this process (another tensor-parallel "
+                "engine is running?); shut it down first: one process holds one TP engine at a time"
+            )
+        if backend == "nccl" and world > 1:
+            torch.cuda.set_device(0)  # rank r lives on cuda:r
+
+        self.world_size = world
+        self.timeout_s = timeout_s
+        self._step = 0
+        self._failure: str | None = None
+        self._workers = _Workers(backend, timeout_s)
+        self._finalizer = weakref.finalize(self, self._workers.close)
+        try:
+            self._workers.start(world, port, config, source, worker_runner_cls)
+            self._workers.join_group(world)
+            device = _collective_device(backend)
+            agree = None if world == 1 else (lambda n: _min_across_ranks(n, device))
+            self.runner = ModelRunner(config, source, rank=0, agree_num_blocks=agree)
+            # Workers finish building (CUDA graphs...) about when rank 0 does; a small step
+            # timeout must not cut that short.
+            ready = self._workers.collect("ready", None, max(timeout_s, DEFAULT_TIMEOUT_S))
+            if any(msg[1] != self.runner.num_kvcache_blocks for msg in ready):
+                raise TensorParallelError(
+                    f"ranks disagree on the KV pool size: rank 0 has {self.runner.num_kvcache_blocks}, workers {ready}"
+                )
+        except BaseException as exc:
+            self._fail(exc, "start-up")
+            raise
+        self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+        logger.info("tensor parallel: %d ranks (%s), pids %s", world, backend, [p.pid for p in self._workers.procs])
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._workers.procs]
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if self._failure is not None:
+            raise TensorParallelError(f"the tensor-parallel executor was shut down after a failure: {self._failure}")
+        if self._workers.closed:
+            raise RuntimeError("the tensor-parallel executor is shut down")
+        if out.is_empty or not self._workers.procs:
+            return self.runner.execute(out)
+        self._step += 1
+        try:
+            self._workers.check_alive()
+            self._workers.send(_dumps((self._step, encode_step(out))))
+            result = self.runner.execute(out)
+            self._workers.collect("ack", self._step, self.timeout_s)
+        except BaseException as exc:
+            self._fail(exc, f"step {self._step}")
+            raise
+        return result
+
+    def _fail(self, exc: BaseException, when: str) -> None:
+        """Record why, shut everything down, and raise a TensorParallelError naming the cause.
+
+        Rank 0's own errors usually come from a collective whose peer failed, so the workers are
+        asked why first. Our own TensorParallelErrors, rank 0's ValueErrors (bad configuration,
+        e.g. a shape that cannot be split, which every rank hits alike) and KeyboardInterrupt
+        and the like propagate unchanged (the caller re-raises them).
+        """
+        wrap = isinstance(exc, Exception) and not isinstance(exc, (TensorParallelError, ValueError))
+        if wrap:
+            why = self._workers.explain(EXPLAIN_GRACE_S) or f"rank 0 raised {type(exc).__name__}: {exc}"
+        elif isinstance(exc, Exception):
+            why = str(exc)
+        else:
+            why = f"interrupted ({type(exc).__name__})"
+        self._failure = why
+        self._workers.broken = True
+        self._finalizer()
+        if wrap:
+            raise TensorParallelError(f"tensor parallelism failed during {when}: {why}") from exc
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _env_number(name: str, kind: type, default: float) -> Any:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
