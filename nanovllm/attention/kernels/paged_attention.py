@@ -186,7 +186,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@_jit_stable(ints=("num_seqs",), pointers=_STEP_POINTERS)
+@_jit_stable(ints=("seq_offset", "num_seqs"), pointers=_STEP_POINTERS)
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -195,6 +195,7 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    seq_offset,
     num_seqs,
     qk_scale,
     stride_qt,
@@ -221,6 +222,11 @@ def _paged_attention_kernel(
     """Grid: (query tiles, kv heads). One program: BLOCK_Q tokens of one sequence x GROUP heads."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
+    # This launch covers sequences [seq_offset, seq_offset + num_seqs) of the step's metadata
+    # (an offset instead of sliced tensors keeps one compiled variant for every offset).
+    query_start_loc_ptr += seq_offset
+    seq_lens_ptr += seq_offset
+    block_tables_ptr += seq_offset.to(tl.int64) * stride_bt
     first_token = tl.load(query_start_loc_ptr)
 
     if DECODE_ONLY:
@@ -425,6 +431,8 @@ def paged_attention(
     scale: float,
     config: TileConfig,
     decode_only: bool = False,
+    seq_offset: int = 0,
+    num_seqs: int | None = None,
 ) -> None:
     """Causal paged attention for a run of sequences (any mix of decodes and prefill chunks).
 
@@ -433,8 +441,9 @@ def paged_attention(
     promises every sequence has exactly one query token (then program i is sequence i).
     """
     group = _check(q, k_cache, v_cache, out)
-    num_seqs = seq_lens.shape[0]
-    if num_seqs == 0 or num_tokens == 0:
+    if num_seqs is None:
+        num_seqs = seq_lens.shape[0] - seq_offset
+    if num_seqs <= 0 or num_tokens == 0:
         return
     if config.block_m < group or config.block_m < 16 or config.block_n < 16:
         raise ValueError(f"paged attention: tile {config} too small for GQA group {group}")
@@ -445,7 +454,7 @@ def paged_attention(
     grid = ((num_tokens + num_seqs * (block_q - 1)) // block_q, num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        num_seqs, scale * _LOG2E,
+        seq_offset, num_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
