@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -19,7 +19,10 @@ class FakeEngine:
     position p of a sequence is the tuple of its tokens [0..p], and the sampled token is a
     deterministic function of that prefix, so any wrong cache reuse changes the output."""
 
-    def __init__(self, num_blocks, block_size, max_num_seqs, budget, prefix_caching=True):
+    def __init__(self, num_blocks, block_size, max_num_seqs, budget, prefix_caching=True, async_mode=False):
+        self.async_mode = async_mode
+        self.in_flight = None  # async: (output, sampled) of the launched step not yet resolved
+        self.device_prev: dict[int, int] = {}  # async: the last step's sampled ids, "on the device"
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(self.bm, max_num_seqs, budget)
         self.kv: dict[int, tuple] = {}
@@ -29,7 +32,7 @@ class FakeEngine:
         self.steps = 0
 
     def add(self, prompt, max_tokens):
-        seq = Sequence(self.next_id, str(self.next_id), list(prompt), SamplingParams(max_tokens=max_tokens))
+        seq = Sequence(self.next_id, str(self.next_id), list(prompt), SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
         self.next_id += 1
         self.seqs[seq.seq_id] = seq
         self.max_tokens[seq.seq_id] = max_tokens
@@ -45,27 +48,48 @@ class FakeEngine:
         assert out.num_batched_tokens <= self.sched.max_num_batched_tokens
         assert len(self.sched.running) <= self.sched.max_num_seqs
         assert all(len(s.token_ids) == 1 for s in out.seqs[: out.num_decodes])
-        sampled = []
+        sampled, device_now = [], {}
         for item in out.seqs:
             seq = self.seqs[item.seq_id]
+            # the "device" substitutes the previous step's sampled id for a placeholder input
+            new = [self.device_prev[item.seq_id] if t == PLACEHOLDER_TOKEN else t for t in item.token_ids]
+            assert PLACEHOLDER_TOKEN not in seq.token_ids[: item.start_pos]
+            full = seq.token_ids[: item.start_pos] + new
             # every cached position this step attends to holds the right prefix
             for pos in range(item.start_pos):
-                assert self.kv[self.slot(item.block_table, pos)] == tuple(seq.token_ids[: pos + 1])
-            for j, _ in enumerate(item.token_ids):
+                assert self.kv[self.slot(item.block_table, pos)] == tuple(full[: pos + 1])
+            for j in range(len(new)):
                 pos = item.start_pos + j
-                self.kv[self.slot(item.block_table, pos)] = tuple(seq.token_ids[: pos + 1])
+                self.kv[self.slot(item.block_table, pos)] = tuple(full[: pos + 1])
             if item.sample:
-                sampled.append(hash(tuple(seq.token_ids)) % 1000)
-        grew = self.sched.update(out, self.seqs, sampled)
-        for seq in grew:
-            if seq.num_completion_tokens >= self.max_tokens[seq.seq_id]:
-                self.sched.finish(seq, "length")
+                token = hash(tuple(full)) % 1000
+                sampled.append(token)
+                device_now[item.seq_id] = token
+        self.device_prev = device_now
+        self.sched.advance(out, self.seqs)
+        if self.async_mode:
+            previous, self.in_flight = self.in_flight, (out, sampled)
+            if previous is not None:
+                self._resolve(*previous)
+            if out.is_empty:
+                self._resolve(*self.in_flight)
+                self.in_flight = None
+        else:
+            self._resolve(out, sampled)
         live = [s for s in self.seqs.values() if s.block_table]
         self.bm.check_invariants(live)
         return out
 
+    def _resolve(self, out, sampled):
+        for seq, index in self.sched.resolve(out, self.seqs, sampled):
+            if index + 1 - seq.num_prompt_tokens >= self.max_tokens[seq.seq_id]:
+                self.sched.finish(seq, "length")
+
+    def has_unfinished(self):
+        return self.sched.has_unfinished() or self.in_flight is not None
+
     def run(self, max_steps=10_000):
-        while self.sched.has_unfinished():
+        while self.has_unfinished():
             self.step()
             assert self.steps < max_steps, "scheduler made no progress"
 
@@ -138,7 +162,7 @@ def test_prefix_hit_skips_cached_tokens():
     assert out.seqs[0].start_pos == 12 and s.num_cached_tokens == 12
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
     block_size=st.sampled_from([1, 2, 4, 8]),
@@ -146,17 +170,18 @@ def test_prefix_hit_skips_cached_tokens():
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(1, 40),
     prefix_caching=st.booleans(),
+    async_mode=st.booleans(),
 )
-def test_random_workloads_never_leak_or_corrupt(data, block_size, num_blocks, max_num_seqs, budget, prefix_caching):
-    eng = FakeEngine(num_blocks, block_size, max_num_seqs, budget, prefix_caching)
+def test_random_workloads_never_leak_or_corrupt(data, block_size, num_blocks, max_num_seqs, budget, prefix_caching, async_mode):
+    eng = FakeEngine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, async_mode)
     rng = random.Random(data.draw(st.integers(0, 2**31)))
     shared = [rng.randrange(50) for _ in range(12)]
     capacity = num_blocks * block_size
     expected = {}
     arrivals = data.draw(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 14), st.integers(1, 8)), min_size=1, max_size=12))
     pending = list(arrivals)
-    while pending or eng.sched.has_unfinished():
-        if pending and (not eng.sched.has_unfinished() or rng.random() < 0.5):
+    while pending or eng.has_unfinished():
+        if pending and (not eng.has_unfinished() or rng.random() < 0.5):
             shared_len, own_len, max_tokens = pending.pop(0)
             prompt = shared[:shared_len] + [rng.randrange(50) for _ in range(own_len)]
             if len(prompt) + 1 > capacity:
@@ -167,7 +192,7 @@ def test_random_workloads_never_leak_or_corrupt(data, block_size, num_blocks, ma
             victim = rng.choice(eng.sched.running)
             eng.sched.finish(victim, "abort")
             expected.pop(victim.seq_id)
-        if eng.sched.has_unfinished():
+        if eng.has_unfinished():
             eng.step()
         assert eng.steps < 5000
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
@@ -179,3 +204,15 @@ def test_random_workloads_never_leak_or_corrupt(data, block_size, num_blocks, ma
             assert seq.num_tokens > capacity - block_size  # stopped only because the pool is full
             ref = ref[: seq.num_completion_tokens]
         assert seq.completion_token_ids == ref
+
+
+def test_async_mode_gives_the_same_tokens_with_preemption():
+    prompts = [list(range(i * 10, i * 10 + 7)) for i in range(4)]
+    eng = FakeEngine(num_blocks=9, block_size=4, max_num_seqs=4, budget=64, async_mode=True)
+    seqs = [eng.add(p, max_tokens=10) for p in prompts]
+    eng.run()
+    assert eng.sched.num_preemptions > 0
+    for p, s in zip(prompts, seqs):
+        assert s.completion_token_ids == reference_tokens(p, 10)
+        assert PLACEHOLDER_TOKEN not in s.token_ids
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks

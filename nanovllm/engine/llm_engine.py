@@ -30,7 +30,6 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int  # params.max_tokens capped by max_model_len
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer | None]
     stream: bool
@@ -68,6 +67,11 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
         self.last_step = StepStats()
+        # Async scheduling: step N+1 is scheduled and launched before step N's sampled ids are
+        # read back, so host work overlaps the device. Needs an executor that can launch
+        # without waiting (the in-process one); the step in flight is kept here.
+        self.async_scheduling = config.async_scheduling and hasattr(self.executor, "execute_async")
+        self._in_flight = None
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -116,6 +120,7 @@ class LLMEngine:
                 params=params,
                 seed=None if params.seed is None else params.seed + i,
                 min_tokens_banned_ids=banned,
+                max_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
             )
             for i in range(params.n)
         ]
@@ -125,7 +130,6 @@ class LLMEngine:
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=ids,
             params=params,
-            max_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
             seqs=seqs,
             detokenizers=[
                 IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if need_detok else None
@@ -148,7 +152,8 @@ class LLMEngine:
         return self._finish_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # A step still in flight matters only while some request may get tokens from it.
+        return self.scheduler.has_unfinished() or (self._in_flight is not None and bool(self.requests))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -156,23 +161,44 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration. With async scheduling, this launches step N and then processes the
+        results of step N-1 (so outputs trail the device by one step)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        result = self.executor.execute(sched)
-        grew = self.scheduler.update(sched, self.seqs, result.token_ids)
-        num_tokens = sched.num_batched_tokens
-        self.last_step = StepStats(num_tokens - sched.num_decodes, sched.num_decodes, 0.0)
+        self.last_step = StepStats(sched.num_batched_tokens - sched.num_decodes, sched.num_decodes, 0.0)
+        if not self.async_scheduling:
+            result = self.executor.execute(sched)
+            self.scheduler.advance(sched, self.seqs)
+            outputs = self._process(sched, result)
+        else:
+            launched = self.executor.execute_async(sched)
+            self.scheduler.advance(sched, self.seqs)
+            previous, self._in_flight = self._in_flight, (sched, launched)
+            outputs = []
+            if previous is not None:
+                prev_sched, prev_launched = previous
+                outputs = self._process(prev_sched, prev_launched.result())
+            if sched.is_empty:  # nothing was launched: drain now instead of on the next call
+                outputs += self._process(sched, launched.result())
+                self._in_flight = None
+        self.last_step.seconds = time.perf_counter() - t0
+        return outputs
 
+    def _process(self, sched, result) -> list[RequestOutput]:
+        grew = self.scheduler.resolve(sched, self.seqs, result.token_ids)
         touched: dict[str, Request] = {}
         now = time.monotonic()
-        for i, seq in enumerate(grew):
+        sample_row = {item.seq_id: i for i, item in enumerate(s for s in sched.seqs if s.sample)} if result.logprobs else None
+        for seq, index in grew:
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
             if request.first_token_time is None:
                 request.first_token_time = now
-            if result.logprobs is not None and result.logprobs[i] is not None:
-                seq.logprobs.append(result.logprobs[i])
-            self._check_stop(request, seq)
+            if sample_row is not None:
+                lp = result.logprobs[sample_row[seq.seq_id]]
+                if lp is not None:
+                    seq.logprobs.append(lp)
+            self._check_stop(request, seq, index)
         for seq_id in sched.finished_seq_ids:  # finished inside schedule() (pool too small)
             seq = self.seqs.get(seq_id)
             if seq is not None and seq.request_id in self.requests:
@@ -184,13 +210,12 @@ class LLMEngine:
                 outputs.append(self._finish_request(request))
             elif request.stream:
                 outputs.append(self._make_output(request))
-        self.last_step.seconds = time.perf_counter() - t0
         return outputs
 
-    def _check_stop(self, request: Request, seq: Sequence) -> None:
+    def _check_stop(self, request: Request, seq: Sequence, index: int) -> None:
         params = request.params
-        token = seq.last_token_id
-        n = seq.num_completion_tokens
+        token = seq.token_ids[index]
+        n = index + 1 - seq.num_prompt_tokens  # generated tokens up to and including this one
         reason = None
         if not params.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
@@ -202,7 +227,7 @@ class LLMEngine:
             if reason is None and params.stop_list:
                 if self._truncate_at_stop(detok, params.stop_list):
                     reason = "stop"
-        if reason is None and (n >= request.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and n >= seq.max_tokens:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)

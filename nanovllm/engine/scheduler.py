@@ -10,6 +10,11 @@ usually survive in the prefix cache). No waiting sequence is admitted in a step 
 
 The output is plain data (`SchedulerOutput`) with decodes first, which is all the model runner
 (or a tensor-parallel worker) needs for one step.
+
+Async scheduling: after a step is launched, `advance` counts its tokens as computed and gives
+each sampling sequence a PLACEHOLDER_TOKEN, so the next step can be scheduled (its decode input
+is gathered on the device) before the sampled ids reach the host; `resolve` later writes the
+real ids in. A synchronous engine calls both back to back.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -81,6 +86,8 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+            seq.token_ids.pop()  # a token of a step launched after the end: discarded
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._finished_since_last_step.append(seq.seq_id)
@@ -103,6 +110,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_completion_tokens >= seq.max_tokens:
+                i += 1  # its last token is still in flight; it finishes when that arrives
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.allocate(seq, num_new):
                 if len(self.running) == 1:
@@ -160,16 +170,34 @@ class Scheduler:
             finished_seq_ids=finished,
         )
 
-    def update(self, output: SchedulerOutput, seqs: dict[int, Sequence], sampled: list[int]) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens (in order of the sampling rows) and
-        register newly full blocks in the prefix cache. Returns the sequences that got a token."""
-        grew: list[Sequence] = []
-        it = iter(sampled)
+    def advance(self, output: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
+        """The step was launched: count its tokens as computed, and give every sampling
+        sequence a placeholder for the token it will receive."""
         for item in output.seqs:
             seq = seqs[item.seq_id]
             seq.num_computed_tokens += len(item.token_ids)
             if item.sample:
-                seq.append_token(next(it))
-                grew.append(seq)
+                seq.append_token(PLACEHOLDER_TOKEN)
+
+    def resolve(self, output: SchedulerOutput, seqs: dict[int, Sequence], sampled: list[int]) -> list[tuple[Sequence, int]]:
+        """Write the step's sampled ids over their placeholders (in order of the sampling rows)
+        and register newly full blocks in the prefix cache. Returns (sequence, index of its new
+        token) for every live sequence that got one; sequences finished meanwhile are skipped."""
+        grew: list[tuple[Sequence, int]] = []
+        it = iter(sampled)
+        for item in output.seqs:
+            seq = seqs.get(item.seq_id)
+            token = next(it) if item.sample else None
+            if seq is None or seq.is_finished:
+                continue
+            if token is not None:
+                index = item.start_pos + len(item.token_ids)
+                seq.token_ids[index] = token
+                grew.append((seq, index))
             self.block_manager.cache_full_blocks(seq)
         return grew
+
+    def update(self, output: SchedulerOutput, seqs: dict[int, Sequence], sampled: list[int]) -> list[Sequence]:
+        """advance + resolve, for a step whose sampled ids are already known."""
+        self.advance(output, seqs)
+        return [seq for seq, _ in self.resolve(output, seqs, sampled)]

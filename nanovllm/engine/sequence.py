@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from nanovllm.sampling_params import SamplingParams
 
 
+# Stands in for a token that has been sampled on the device but not yet copied to the host
+# (async scheduling: step N+1 is scheduled while step N is still running).
+PLACEHOLDER_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -29,6 +34,8 @@ class Sequence:
     seed: int | None = None
     # Token ids that may not be sampled before params.min_tokens (EOS and stop_token_ids).
     min_tokens_banned_ids: list[int] = field(default_factory=list)
+    # Generation ends after this many tokens (params.max_tokens capped by max_model_len).
+    max_tokens: int = 2**31 - 1
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
@@ -55,7 +62,11 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """Generated tokens known on the host (a trailing in-flight placeholder is left out)."""
+        end = len(self.token_ids)
+        while end > self.num_prompt_tokens and self.token_ids[end - 1] == PLACEHOLDER_TOKEN:
+            end -= 1
+        return self.token_ids[self.num_prompt_tokens : end]
 
     @property
     def last_token_id(self) -> int:
@@ -67,3 +78,7 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop tokens past `num_tokens` (a placeholder of a step that ran after the end)."""
+        del self.token_ids[num_tokens:]

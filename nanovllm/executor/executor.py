@@ -45,6 +45,10 @@ class InProcessExecutor:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(out)
 
+    def execute_async(self, out: SchedulerOutput):
+        """Launch the step; `.result()` on the return value waits for its sampled ids."""
+        return self.runner.execute_async(out)
+
     def shutdown(self) -> None:
         pass
 

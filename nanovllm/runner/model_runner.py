@@ -19,6 +19,7 @@ import torch
 from nanovllm.attention.backend import AttentionMetadata, bind_kv_cache, get_backend
 from nanovllm.config import EngineConfig
 from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sequence import PLACEHOLDER_TOKEN
 from nanovllm.layers.sampler import Sampler, SamplingTensors, make_generator
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
@@ -54,6 +55,57 @@ class RunnerOutput:
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
 
 
+class PendingOutput:
+    """The sampled ids of a launched step, on their way to the host.
+
+    The device-to-host copy is queued behind the step's kernels into pinned memory and marked
+    with an event, so the host can launch the next step before it waits for this one.
+    """
+
+    def __init__(self, rows, sampled, device: torch.device) -> None:
+        self.rows = rows
+        self.has_logprobs = sampled.sampled_logprobs is not None
+        tensors = [sampled.token_ids]
+        if self.has_logprobs:
+            tensors += [sampled.sampled_logprobs, sampled.top_token_ids, sampled.top_logprobs]
+        self.event = None
+        if device.type == "cuda":
+            self.host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensors
+
+    def result(self) -> RunnerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        token_ids = self.host[0].tolist()
+        if not self.has_logprobs:
+            return RunnerOutput(token_ids)
+        sampled_lp = self.host[1].tolist()
+        top_ids = self.host[2].tolist() if self.host[2] is not None else None
+        top_lp = self.host[3].tolist() if self.host[3] is not None else None
+        logprobs: list = []
+        for i, s in enumerate(self.rows):
+            k = s.params.logprobs
+            if k is None:
+                logprobs.append(None)
+                continue
+            top = dict(zip(top_ids[i][:k], top_lp[i][:k])) if (k and top_ids is not None) else {}
+            logprobs.append((sampled_lp[i], top))
+        return RunnerOutput(token_ids, logprobs)
+
+
+class _Done:
+    """A PendingOutput that is already complete (nothing sampled, or a non-zero rank)."""
+
+    def __init__(self, output: RunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> RunnerOutput:
+        return self.output
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -86,6 +138,10 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
+        # The last step's sampled ids stay on the device: with async scheduling the next step's
+        # decode inputs are PLACEHOLDER_TOKEN on the host and are gathered from here.
+        self._prev_tokens: torch.Tensor | None = None
+        self._prev_rows: dict[int, int] = {}
         t1 = time.perf_counter()
         self.num_kvcache_blocks = self._decide_num_blocks()
         if agree_num_blocks is not None:
@@ -228,29 +284,44 @@ class ModelRunner:
             query_lens_cpu=qlens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        return to_dev(input_ids), to_dev(positions), meta, logits_indices
+        input_ids_dev = to_dev(input_ids)
+        pending = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
+        if len(pending):
+            # Tokens sampled by the previous step, not yet on the host: gather them on the device.
+            src = np.fromiter((self._prev_rows[seqs[i].seq_id] for i in seq_index[pending]), dtype=np.int64, count=len(pending))
+            if not pin:
+                input_ids_dev = input_ids_dev.clone()
+            input_ids_dev[to_dev(pending)] = self._prev_tokens[to_dev(src)]
+        return input_ids_dev, to_dev(positions), meta, logits_indices
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.execute_async(out).result()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute_async(self, out: SchedulerOutput) -> PendingOutput | _Done:
+        """Launch one step; the result's `.result()` waits for its sampled ids."""
         for seq_id in out.finished_seq_ids:
             self.generators.pop(seq_id, None)
         if out.is_empty:
-            return RunnerOutput([])
+            return _Done(RunnerOutput([]))
         input_ids, positions, meta, logits_indices = self.prepare(out)
         if self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
             hidden = self.graph_runner.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
         if len(logits_indices) == 0:
-            return RunnerOutput([])
+            return _Done(RunnerOutput([]))
         idx = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[idx])
         if self.rank != 0:
-            return RunnerOutput([])
-        return self._sample(out, logits)
-
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> RunnerOutput:
+            return _Done(RunnerOutput([]))
         rows = [s for s in out.seqs if s.sample]
+        sampled = self._sample(rows, logits)
+        self._prev_tokens = sampled.token_ids
+        self._prev_rows = {s.seq_id: i for i, s in enumerate(rows)}
+        return PendingOutput(rows, sampled, self.device)
+
+    def _sample(self, rows, logits: torch.Tensor):
         banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]
         if banned:
             r, c = zip(*banned)
@@ -266,19 +337,4 @@ class ModelRunner:
                 gen = self.generators[s.seq_id] = make_generator(s.seed, self.device)
             generators.append(gen)
         st = SamplingTensors.from_params([s.params for s in rows], generators, logits.shape[-1], self.device)
-        result = self.sampler(logits, st)
-        token_ids = result.token_ids.tolist()  # the step's one device-to-host copy
-        if result.sampled_logprobs is None:
-            return RunnerOutput(token_ids)
-        sampled_lp = result.sampled_logprobs.tolist()
-        top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
-        top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        logprobs: list = []
-        for i, s in enumerate(rows):
-            k = s.params.logprobs
-            if k is None:
-                logprobs.append(None)
-                continue
-            top = dict(zip(top_ids[i][:k], top_lp[i][:k])) if (k and top_ids is not None) else {}
-            logprobs.append((sampled_lp[i], top))
-        return RunnerOutput(token_ids, logprobs)
+        return self.sampler(logits, st)
