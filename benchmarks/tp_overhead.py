@@ -168,7 +168,10 @@ def main() -> None:
     prompts, params = w1(args.num_seqs, args.max_input_len, args.max_output_len, vocab)
     block_size = 16
     blocks = args.num_kvcache_blocks or sum(-(-(len(p) + sp.max_tokens) // block_size) for p, sp in zip(prompts, params)) + 256
-    opts = dict(device=args.device, max_model_len=4096, num_kvcache_blocks=blocks, kvcache_block_size=block_size)
+    # Like for like: the multiprocess executor steps synchronously, so the in-process engine is
+    # measured with async scheduling off too (the overlap is measured in bench.py).
+    opts = dict(device=args.device, max_model_len=4096, num_kvcache_blocks=blocks, kvcache_block_size=block_size,
+                async_scheduling=False)
     # Every timed run must prefill from scratch, as W1 does once: clear the prefix cache between
     # runs, or (on a checkout without reset_prefix_cache) run without it.
     can_reset = hasattr(LLM, "reset_prefix_cache")
