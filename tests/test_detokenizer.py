@@ -15,3 +15,22 @@ def test_multibyte_characters_stream_whole(tokenizer_dir):
     assert "".join(deltas) == tok.decode(ids) == text
     assert not any("\ufffd" in d for d in deltas)
     assert sum(1 for d in deltas if d == "") > 0  # some tokens had to wait for the rest of a character
+
+
+def test_flush_emits_a_trailing_incomplete_character(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tok.encode("ok 🙂")
+    detok = IncrementalDetokenizer(tok, [])
+    streamed = "".join(detok.add(t) for t in ids[:-1])  # stop one byte-token short of the emoji
+    streamed += detok.flush()
+    assert streamed == tok.decode(ids[:-1]) and streamed.endswith("\ufffd")
+
+
+def test_invalid_bytes_do_not_hold_back_text_forever(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    lone = tok.encode("🙂")[0]  # the emoji's first byte alone: never completes into a character
+    ids = tok.encode("a") + [lone] * 6 + tok.encode(" fine words")
+    detok = IncrementalDetokenizer(tok, [])
+    streamed = "".join(detok.add(t) for t in ids) + detok.flush()
+    assert streamed == tok.decode(ids)
+    assert "fine words" in detok.text

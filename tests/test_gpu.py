@@ -64,3 +64,24 @@ def test_chunked_prefix_and_preemption_on_gpu(checkpoint_factory):
     assert got == ref
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_engine_on_another_thread_replays_graphs(checkpoint_factory):
+    """The server steps the engine on its own thread: CUDA graphs captured on the main thread
+    must replay there with the same results."""
+    import threading
+
+    path = checkpoint_factory("qwen3")
+    llm, ref = run(path)
+    assert llm.engine.executor.runner.graph_runner is not None
+    ps = prompts(llm.engine.vocab_size, [1, 7, 33, 130, 300, 64, 2, 17])
+    box = {}
+
+    def work():
+        outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=24, min_tokens=24), use_tqdm=False)
+        box["tokens"] = [o.outputs[0].token_ids for o in outs]
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(timeout=120)
+    assert box["tokens"] == ref

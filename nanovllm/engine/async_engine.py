@@ -140,6 +140,7 @@ class AsyncEngine:
         # strings for logprobs) get their own copy, since HF tokenizers are not thread-safe.
         self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.error: BaseException | None = None  # set once the engine has failed
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
@@ -160,13 +161,15 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         """True while the engine accepts requests (not failed, not shut down)."""
-        return self.error is None and not self._closed
+        return self.error is None and not self._closed and self._thread.is_alive()
 
     def _check_alive(self) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine has failed: {self.error!r}")
         if self._closed:
             raise EngineDeadError("the engine is shutting down")
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread has died")
 
     async def add_request(
         self,
@@ -214,14 +217,16 @@ class AsyncEngine:
         if not stream.finished:
             self._inbox.put(_Abort(stream.request_id, stream))
 
-    def shutdown(self, abort: bool = True, timeout: float | None = 60.0) -> None:
-        """Stop the engine thread: abort in-flight requests (or, with abort=False, let them
-        finish), reject new ones, shut the executor down and join the thread. Idempotent."""
+    def shutdown(self, abort: bool = True, timeout: float | None = 60.0, wait: bool = True) -> None:
+        """Stop the engine thread: abort in-flight requests (their streams end with
+        finish_reason "abort") or, with abort=False, let them finish; reject new ones; shut the
+        executor down; join the thread unless wait=False (safe to call from an event loop then).
+        Idempotent."""
         with self._lock:
             if not self._closed:
                 self._closed = True
                 self._inbox.put(_Stop(abort))
-        if threading.current_thread() is not self._thread:
+        if wait and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("the engine thread did not stop within %s s", timeout)
@@ -266,7 +271,9 @@ class AsyncEngine:
                 return False
             try:
                 self.engine.add_request(stream.request_id, command.prompt, command.params, stream=command.stream_outputs)
-            except ValueError as exc:
+            except Exception as exc:  # rejected before the engine changed: only this request fails
+                if not isinstance(exc, ValueError):
+                    logger.exception("add_request(%r) failed", stream.request_id)
                 self._settle(stream, exc)
                 return False
             self._streams[stream.request_id] = stream

@@ -4,7 +4,11 @@ Decoding token by token breaks multi-byte characters (one emoji can span several
 tokens) and loses the leading space that SentencePiece-style tokenizers attach to a word. So we
 decode a short window: the text of tokens [prefix_offset:] minus the text of
 [prefix_offset:read_offset]; when the new text ends in U+FFFD (an incomplete UTF-8 sequence) we
-wait for more tokens. The window starts with a few prompt tokens for context.
+wait for more tokens. An incomplete character at the end decodes to exactly one U+FFFD; two or
+more in a row are invalid bytes (e.g. from a random model) that no later token can mend, so they
+are emitted as they are rather than held back forever. When the
+request ends, `flush` emits whatever is still held, so streamed text always adds up to the whole.
+The window starts with a few prompt tokens for context.
 """
 from __future__ import annotations
 
@@ -28,10 +32,21 @@ class IncrementalDetokenizer:
         self.tokens.append(token_id)
         prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.tokens[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        if len(full_text) <= len(prefix_text):
+            return ""
+        if full_text.endswith("\ufffd") and not full_text.endswith("\ufffd\ufffd"):
             return ""
         delta = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.tokens)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit text still held back for an incomplete character (the request has ended)."""
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.tokens[self.prefix_offset :])
+        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.tokens)
         self.text += delta
         return delta

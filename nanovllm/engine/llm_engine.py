@@ -99,6 +99,9 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
@@ -217,6 +220,7 @@ class LLMEngine:
         token = seq.token_ids[index]
         n = index + 1 - seq.num_prompt_tokens  # generated tokens up to and including this one
         reason = None
+        stopped_by_string = False
         if not params.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         elif token in params.stop_token_ids:
@@ -227,8 +231,13 @@ class LLMEngine:
             if reason is None and params.stop_list:
                 if self._truncate_at_stop(detok, params.stop_list):
                     reason = "stop"
+                    stopped_by_string = True
         if reason is None and n >= seq.max_tokens:
             reason = "length"
+        if detok is not None and reason is not None and not stopped_by_string:
+            detok.flush()
+            if params.stop_list and self._truncate_at_stop(detok, params.stop_list):
+                reason = "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)
 

@@ -1,13 +1,24 @@
-"""Command line: `nanovllm generate "PROMPT"` (and `python -m nanovllm ...`).
+"""Command line: `nanovllm {serve,generate,chat,bench}` (also `python -m nanovllm ...`).
 
-With no --model the embedded default model (SmolLM2-135M-Instruct, GGUF) is used. Generated
-text goes to stdout; progress and logs go to stderr, so the output can be piped.
+With no model the embedded default model (SmolLM2-135M-Instruct, GGUF) is used. Generated text
+goes to stdout; progress and logs go to stderr, so the output can be piped. Heavy imports (torch,
+FastAPI) happen inside the subcommands, so `--help` is instant.
+
+`serve` exits 0 on SIGINT/SIGTERM: uvicorn stops accepting, in-flight requests get
+--shutdown-timeout seconds to finish, then the engine aborts the rest (streams end with
+finish_reason "abort", unstreamed requests get a 503), then the engine thread is stopped.
+uvicorn re-raises the signal it caught once it is done (to give the default behaviour, death by
+signal); we install our own handlers around it so the process exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import random
+import signal
 import sys
+import time
 from typing import Sequence
 
 
@@ -39,42 +50,240 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names}
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from nanovllm import LLM, SamplingParams
+def _model_arg(args: argparse.Namespace) -> str | None:
+    """The model given positionally or with --model (not both, unless they agree)."""
+    positional = getattr(args, "model_pos", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise ValueError(f"two models given: {positional!r} and --model {args.model!r}")
+    return positional if positional is not None else args.model
 
-    llm = LLM(args.model, **engine_kwargs(args))
-    params = SamplingParams(
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from nanovllm import SamplingParams
+
+    return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.sample_seed, ignore_eos=args.ignore_eos,
     )
+
+
+# ---- generate --------------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace) -> int:
+    from nanovllm import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = _sampling_params(args)
     prompts = args.prompt or [sys.stdin.read()]
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not args.quiet)
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
-    for out in outputs:
-        sys.stdout.write(out.outputs[0].text + "\n")
-    sys.stdout.flush()
-    llm.shutdown()
+    try:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not args.quiet)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+        for out in outputs:
+            sys.stdout.write(out.outputs[0].text + "\n")
+        sys.stdout.flush()
+    finally:
+        llm.shutdown()
     return 0
 
 
+# ---- serve -----------------------------------------------------------------------------------
+def _served_name(source_path: str) -> str:
+    name = os.path.basename(os.path.normpath(source_path))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from nanovllm.engine.async_engine import AsyncEngine
+    from nanovllm.entrypoints.server import GracefulServer, create_app
+
+    model = _model_arg(args)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("NANOVLLM_API_KEY")
+    engine = AsyncEngine.from_kwargs(model, **engine_kwargs(args))
+    caught: list[int] = []
+    previous = {}
+    try:
+        name = args.served_model_name or _served_name(engine.engine.source.path)
+        app = create_app(engine, name, api_key=api_key or None)
+        server = GracefulServer(engine, app, args.shutdown_timeout, host=args.host, port=args.port,
+                                log_level=args.log_level, access_log=args.access_log)
+        logging.getLogger("nanovllm").info("serving the model as %r", name)
+        # uvicorn re-raises the signal it handled after shutting down; these handlers swallow it.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda s, f: caught.append(s))
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        engine.shutdown(abort=True)
+    if caught:
+        logging.getLogger("nanovllm").info("stopped by %s", signal.Signals(caught[-1]).name)
+    return 0 if server.started or caught else 1
+
+
+# ---- chat ------------------------------------------------------------------------------------
+def cmd_chat(args: argparse.Namespace) -> int:
+    from nanovllm import LLM
+
+    llm = LLM(_model_arg(args), **engine_kwargs(args))
+    params = _sampling_params(args)
+    tok = llm.tokenizer
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(base)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("chat: /exit or Ctrl-D to quit, /reset to clear the conversation, Ctrl-C stops a reply",
+              file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input(">>> ") if interactive else sys.stdin.readline()
+            except EOFError:
+                break
+            if not interactive and line == "":
+                break
+            line = line.strip()
+            if line in ("/exit", "/quit"):
+                break
+            if line == "/reset":
+                history = list(base)
+                continue
+            if not line:
+                continue
+            history.append({"role": "user", "content": line})
+            try:
+                ids = tok.encode(llm.apply_chat_template(history), add_special_tokens=False)
+                reply = _stream_reply(llm, ids, params)
+            except ValueError as exc:  # e.g. the conversation outgrew max_model_len
+                print(f"error: {exc}", file=sys.stderr)
+                history.pop()
+                continue
+            history.append({"role": "assistant", "content": reply})
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def _stream_reply(llm, prompt_ids: list[int], params) -> str:
+    """Print a reply as it is generated; Ctrl-C stops it (the request is aborted)."""
+    printed = ""
+    stream = llm.stream(prompt_ids, params)
+    try:
+        for out in stream:
+            text = out.outputs[0].text
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    except KeyboardInterrupt:
+        sys.stdout.write(" [stopped]")
+    finally:
+        stream.close()  # aborts the request if it is still running
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return printed
+
+
+# ---- bench -----------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.serving:
+        from nanovllm.entrypoints.serve_bench import run_from_args
+
+        return run_from_args(args)
+    from nanovllm import LLM, SamplingParams
+
+    for lo, hi, what in ((args.min_input_len, args.max_input_len, "input"), (args.min_output_len, args.max_output_len, "output")):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"need 1 <= --min-{what}-len <= --max-{what}-len")
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    llm = LLM(_model_arg(args), **engine_kwargs(args))
+    try:
+        # W1 (BENCHMARKS.md): random.seed(0), random token prompts, random output lengths, EOS ignored.
+        random.seed(0)
+        top = min(10000, llm.engine.vocab_size - 1)  # W1 draws ids from randint(0, 10000)
+        prompts = [[random.randint(0, top) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
+                   for _ in range(args.num_prompts)]
+        params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                                 max_tokens=random.randint(args.min_output_len, args.max_output_len))
+                  for _ in range(args.num_prompts)]
+        llm.generate(["Benchmark: "], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+        seconds = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_tokens = sum(len(p) for p in prompts)
+    print(f"requests: {len(prompts)}  prompt tokens: {in_tokens}  output tokens: {out_tokens}  "
+          f"time: {seconds:.2f}s  throughput: {out_tokens / seconds:.1f} tok/s")
+    return 0
+
+
+# ---- parser ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description="nano-vllm: a small, fast LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompt", nargs="*", help="prompt text (read from stdin when none is given)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    gen.add_argument("--ignore-eos", action="store_true")
+    _add_sampling_args(gen, max_tokens=64)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                           "/metrics (see docs/server.md).")
+    serve.add_argument("model_pos", nargs="?", metavar="MODEL", help="model path (or use --model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOVLLM_API_KEY, else none)")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: the file/directory name)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal (streams the reply)",
+                          description="Chat with the model using its chat template; the conversation is kept. "
+                          "Type /exit (or Ctrl-D) to quit, /reset to start over.")
+    chat.add_argument("model_pos", nargs="?", metavar="MODEL", help="model path (or use --model)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(chat, max_tokens=512)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="offline throughput (W1) or, with --serving, a serving load (W4)",
+                           description="Without --serving: W1 from BENCHMARKS.md (random token prompts, "
+                           "temperature 0.6, EOS ignored) on a model in this process. With --serving: N concurrent "
+                           "streaming clients against a running server on this machine.")
+    bench.add_argument("model_pos", nargs="?", metavar="MODEL", help="model path (or use --model)")
+    bench.add_argument("--num-prompts", type=int, default=256)
+    bench.add_argument("--min-input-len", type=int, default=100)
+    bench.add_argument("--max-input-len", type=int, default=1024)
+    bench.add_argument("--min-output-len", type=int, default=100)
+    bench.add_argument("--max-output-len", type=int, default=1024)
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.add_argument("--serving", action="store_true", help="run the serving load against --url instead")
+    from nanovllm.entrypoints.serve_bench import add_serve_bench_args
+
+    add_serve_bench_args(bench)
+    add_engine_args(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

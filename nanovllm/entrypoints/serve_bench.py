@@ -1,0 +1,297 @@
+"""W4 serving load generator: N concurrent streaming clients against a local nano-vllm server.
+
+Each client sends streaming `/v1/completions` requests one after another until the request
+count or the time limit is reached. Prompts are random token-id lists (so the load does not
+depend on the tokenizer), generation uses `ignore_eos` so every request produces exactly
+`output_len` tokens, and `stream_options.include_usage` gives the server's token counts.
+
+Reported: requests/s, output tok/s, time to first token, inter-token latency and time per
+output token (per request: (last chunk - first chunk) / (tokens - 1)), p50 and p99. For ITL the
+requests ask for `logprobs: 0`, so every chunk lists its tokens (a chunk can carry several: a
+token that ends mid-character waits for the next, and a client that falls behind gets the
+newest output); a chunk of k tokens after a gap g counts as k gaps of g / k. With
+--no-token-counts chunks count as one token each (then ITL is the gap between chunks); failures (HTTP errors, broken streams, wrong token counts) with a sample message; and,
+from /metrics after the run, whether the KV block pool is entirely free again.
+
+Bounded on purpose: a request count, a wall-clock limit, a per-request timeout, and the target
+must be this machine (127.0.0.1 / localhost), so the tool cannot be pointed at someone else.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    import httpx
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class ServeBenchConfig:
+    url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # None: the first model of /v1/models
+    num_clients: int = 16
+    num_requests: int = 64
+    input_len: int = 128
+    output_len: int = 128
+    time_limit_s: float = 300.0
+    request_timeout_s: float = 120.0
+    api_key: str | None = None
+    token_id_low: int = 16  # prompt ids are drawn from [low, high): every tokenizer has these
+    token_id_high: int = 256
+    seed: int = 0
+    count_tokens: bool = True  # ask for logprobs=0 so chunks carry their token count (exact ITL)
+
+    def validate(self) -> None:
+        host = urlparse(self.url).hostname
+        if host not in LOCAL_HOSTS:
+            raise ValueError(f"the serving benchmark only targets this machine (127.0.0.1), not {host!r}")
+        for name in ("num_clients", "num_requests", "input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.time_limit_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("time limits must be positive")
+        if not 0 <= self.token_id_low < self.token_id_high:
+            raise ValueError("need 0 <= token_id_low < token_id_high")
+
+
+@dataclass
+class _RequestResult:
+    ok: bool
+    error: str | None = None
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    tpot: float | None = None
+    output_tokens: int = 0
+
+
+@dataclass
+class ServeBenchResult:
+    config: ServeBenchConfig
+    duration_s: float
+    num_ok: int
+    num_failed: int
+    output_tokens: int
+    ttft: list[float]
+    itl: list[float]
+    tpot: list[float]
+    errors: list[str]
+    pool_free_after: bool | None  # None: /metrics unreadable
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_ok / self.duration_s if self.duration_s else 0.0
+
+    @property
+    def output_tok_per_s(self) -> float:
+        return self.output_tokens / self.duration_s if self.duration_s else 0.0
+
+    def summary(self) -> dict:
+        def pct(xs: list[float], q: float) -> float | None:
+            if not xs:
+                return None
+            xs = sorted(xs)
+            return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+        ms = lambda x: None if x is None else round(x * 1000, 2)  # noqa: E731
+        return {
+            "clients": self.config.num_clients,
+            "requests_ok": self.num_ok,
+            "requests_failed": self.num_failed,
+            "duration_s": round(self.duration_s, 3),
+            "requests_per_s": round(self.requests_per_s, 3),
+            "output_tok_per_s": round(self.output_tok_per_s, 1),
+            "ttft_ms_p50": ms(pct(self.ttft, 50)), "ttft_ms_p99": ms(pct(self.ttft, 99)),
+            "itl_ms_p50": ms(pct(self.itl, 50)), "itl_ms_p99": ms(pct(self.itl, 99)),
+            "tpot_ms_p50": ms(pct(self.tpot, 50)), "tpot_ms_p99": ms(pct(self.tpot, 99)),
+            "kv_pool_free_after": self.pool_free_after,
+        }
+
+    def format(self) -> str:
+        s = self.summary()
+        lines = [f"{k:>20}: {v}" for k, v in s.items()]
+        if self.errors:
+            lines.append(f"{'first error':>20}: {self.errors[0]}")
+        return "\n".join(lines)
+
+
+def _headers(cfg: ServeBenchConfig) -> dict[str, str]:
+    return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+
+
+async def _one_request(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: str, prompt: list[int]) -> _RequestResult:
+    import httpx
+
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+    if cfg.count_tokens:
+        body["logprobs"] = 0  # each chunk then lists its tokens, even those with no text yet
+    start = time.perf_counter()
+    chunks: list[tuple[float, int]] = []  # (arrival time, tokens; 1 if unknown) per chunk with output
+    usage = None
+    done = False
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, headers=_headers(cfg)) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                return _RequestResult(False, f"HTTP {resp.status_code}: {text[:200]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                payload = json.loads(data)
+                if "error" in payload:
+                    return _RequestResult(False, f"stream error: {payload['error'].get('message')}")
+                now = time.perf_counter()
+                if payload.get("usage"):
+                    usage = payload["usage"]
+                for choice in payload.get("choices", []):
+                    tokens = len((choice.get("logprobs") or {}).get("tokens") or [])
+                    if tokens or (not cfg.count_tokens and choice.get("text")):
+                        chunks.append((now, max(tokens, 1)))
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        return _RequestResult(False, f"{type(exc).__name__}: {exc}")
+    if not done or usage is None:
+        return _RequestResult(False, "stream ended without usage and [DONE]")
+    tokens = usage.get("completion_tokens", 0)
+    if tokens != cfg.output_len:
+        return _RequestResult(False, f"got {tokens} tokens, expected {cfg.output_len}")
+    result = _RequestResult(True, output_tokens=tokens)
+    if chunks:
+        first, last = chunks[0][0], chunks[-1][0]
+        result.ttft = first - start
+        if tokens > 1:
+            result.tpot = (last - first) / (tokens - 1)
+        for (t0, _), (t1, k) in zip(chunks, chunks[1:]):  # a chunk of k tokens: k gaps of (t1 - t0) / k
+            result.itls.extend([(t1 - t0) / k] * k)
+    return result
+
+
+async def _pool_free(client: httpx.AsyncClient, wait_s: float = 5.0) -> bool | None:
+    """True once /metrics shows no running/waiting request and every KV block free."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            resp = await client.get("/metrics")
+            values = {s.name: s.value for f in text_string_to_metric_families(resp.text) for s in f.samples}
+        except (httpx.HTTPError, ValueError):
+            return None
+        needed = ("nanovllm_kv_cache_blocks_free", "nanovllm_kv_cache_blocks_total", "nanovllm_num_requests_running",
+                  "nanovllm_num_requests_waiting")
+        if not all(k in values for k in needed):
+            return None
+        free = (values["nanovllm_kv_cache_blocks_free"] == values["nanovllm_kv_cache_blocks_total"]
+                and values["nanovllm_num_requests_running"] == 0 and values["nanovllm_num_requests_waiting"] == 0)
+        if free or time.monotonic() > deadline:
+            return free
+        await asyncio.sleep(0.1)
+
+
+async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
+    import httpx
+
+    cfg.validate()
+    rng = random.Random(cfg.seed)
+    prompts = [[rng.randrange(cfg.token_id_low, cfg.token_id_high) for _ in range(cfg.input_len)]
+               for _ in range(cfg.num_requests)]
+    limits = httpx.Limits(max_connections=cfg.num_clients + 2, max_keepalive_connections=cfg.num_clients + 2)
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
+    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), limits=limits, timeout=timeout) as client:
+        model = cfg.model
+        if model is None:
+            resp = await client.get("/v1/models", headers=_headers(cfg))
+            resp.raise_for_status()
+            model = resp.json()["data"][0]["id"]
+        results: list[_RequestResult] = []
+        next_prompt = iter(prompts)
+        deadline = time.perf_counter() + cfg.time_limit_s
+
+        async def client_loop() -> None:
+            for prompt in next_prompt:  # shared iterator: each prompt is sent once
+                if time.perf_counter() > deadline:
+                    return
+                results.append(await _one_request(client, cfg, model, prompt))
+
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(client_loop()) for _ in range(cfg.num_clients)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=cfg.time_limit_s + cfg.request_timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        duration = time.perf_counter() - start
+        pool_free = await _pool_free(client)
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    return ServeBenchResult(
+        config=cfg,
+        duration_s=duration,
+        num_ok=len(ok),
+        num_failed=len(failed) + (cfg.num_requests - len(results)),
+        output_tokens=sum(r.output_tokens for r in ok),
+        ttft=[r.ttft for r in ok if r.ttft is not None],
+        itl=[x for r in ok for x in r.itls],
+        tpot=[r.tpot for r in ok if r.tpot is not None],
+        errors=[r.error for r in failed if r.error] + (["not sent: time limit"] if len(results) < cfg.num_requests else []),
+        pool_free_after=pool_free,
+    )
+
+
+def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("serving load (W4)")
+    g.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (this machine only)")
+    g.add_argument("--served-model", default=None, help="model name to request (default: the server's first model)")
+    g.add_argument("--num-clients", type=int, default=16, help="concurrent streaming clients")
+    g.add_argument("--num-requests", type=int, default=None, help="total requests (default: 4 per client)")
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    g.add_argument("--output-len", type=int, default=128, help="generated tokens per request (EOS ignored)")
+    g.add_argument("--time-limit", type=float, default=300.0, help="stop sending new requests after this many seconds")
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--no-token-counts", dest="count_tokens", action="store_false",
+                   help="do not ask for logprobs=0 (ITL then assumes one token per chunk)")
+    g.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
+    return ServeBenchConfig(
+        url=args.url, model=args.served_model, num_clients=args.num_clients,
+        num_requests=args.num_requests if args.num_requests is not None else 4 * args.num_clients,
+        input_len=args.input_len, output_len=args.output_len, time_limit_s=args.time_limit, api_key=args.api_key,
+        count_tokens=args.count_tokens,
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    result = asyncio.run(run_serve_bench(config_from_args(args)))
+    print(json.dumps(result.summary()) if args.json else result.format())
+    return 0 if result.num_failed == 0 and result.pool_free_after is not False else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_serve_bench_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_from_args(args)
+    except ValueError as exc:
+        print(f"serve_bench: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

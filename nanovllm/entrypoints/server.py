@@ -1,0 +1,631 @@
+"""OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health, metrics.
+
+`create_app(engine, model_name, api_key)` builds an app around a running `AsyncEngine`. The app
+does not own the engine: `nanovllm serve` shuts the engine down after uvicorn has stopped (after
+in-flight requests finished, or were cancelled at the graceful-shutdown timeout).
+
+A request goes: parse (pydantic) -> checks -> `SamplingParams` -> `AsyncEngine.add_request` for
+each prompt. The engine accepts or rejects a prompt before any byte of the response is sent, so
+a bad prompt (too long, empty, ids outside the vocabulary) is a clean 400 even for a stream.
+Then the handler streams SSE chunks or waits for the final outputs.
+
+Clients that go away abort their requests (blocks freed at once): for streams, Starlette cancels
+the response when it sees `http.disconnect` and `_EventStream` aborts whatever is unfinished; for
+non-streaming requests a watcher on `receive()` does the same.
+
+Every error leaves in OpenAI's shape. Client mistakes are 400 (FastAPI's 422 is overridden),
+401 for a wrong API key, 404/405 for unknown routes, 503 once the engine has failed or is
+shutting down; 500 is only for bugs.
+
+Metrics live in a per-app `CollectorRegistry` (two apps in one process do not collide): HTTP
+responses by endpoint and code, finished completions by reason, prompt/generation tokens, TTFT,
+inter-token latency and end-to-end histograms, and engine gauges read from `AsyncEngine.stats`
+(a snapshot, so scraping never touches the engine thread).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from nanovllm.entrypoints.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    bad_request,
+    error_body,
+)
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanovllm.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+class _EngineCollector:
+    """Engine gauges and counters, read from the engine's latest stats snapshot at scrape time."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats
+        gauges = [
+            ("nanovllm_num_requests_running", "Requests with a sequence in the running batch.", s.num_requests_running),
+            ("nanovllm_num_requests_waiting", "Requests waiting to be scheduled (new or preempted).", s.num_requests_waiting),
+            ("nanovllm_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1).", s.kv_cache_usage),
+            ("nanovllm_kv_cache_blocks_total", "KV cache blocks in the pool.", s.num_blocks),
+            ("nanovllm_kv_cache_blocks_free", "Free KV cache blocks (prefix-cached but unreferenced count as free).", s.num_free_blocks),
+            ("nanovllm_prefix_cache_hit_rate", "Prompt blocks served by the prefix cache / blocks looked up, since start.", s.prefix_cache_hit_rate),
+            ("nanovllm_engine_healthy", "1 while the engine accepts requests, 0 once it failed or is shutting down.", float(self.engine.is_running)),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [
+            ("nanovllm_prefix_cache_queries", "Prompt blocks looked up in the prefix cache.", s.prefix_queries),
+            ("nanovllm_prefix_cache_hits", "Prompt blocks found in the prefix cache.", s.prefix_hits),
+            ("nanovllm_num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.", s.num_preemptions),
+            ("nanovllm_num_aborted_requests", "Requests aborted while running (client gone, shutdown).", s.num_aborted),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter("nanovllm_http_requests", "HTTP responses by endpoint and status code.",
+                                     ["endpoint", "code"], registry=r)
+        self.finished = Counter("nanovllm_request_finished", "Completions (choices) finished, by finish reason "
+                                "(stop, length, abort, error).", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("nanovllm_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("nanovllm_generation_tokens", "Generated tokens.", registry=r)
+        self.ttft = Histogram("nanovllm_time_to_first_token_seconds", "Request arrival to first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("nanovllm_inter_token_latency_seconds", "Time between generated tokens of a streamed "
+                             "request, as seen by the server.", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("nanovllm_e2e_request_latency_seconds", "Request arrival to last token.",
+                             buckets=E2E_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine))
+
+
+class _HTTPMetricsMiddleware:
+    """Counts responses by endpoint and status code (pure ASGI, so streaming passes through)."""
+
+    def __init__(self, app: Any, counter: Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_record(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        path = scope.get("path", "")
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.counter.labels(path if path in ENDPOINTS else "other", str(status)).inc()
+
+
+class _Tracker:
+    """Per-HTTP-request accounting for metrics: TTFT, inter-token latency, tokens, finish reasons."""
+
+    def __init__(self, metrics: ServerMetrics, num_streams: int, n: int, streaming: bool) -> None:
+        self.metrics = metrics
+        self.n = n
+        self.streaming = streaming
+        self.start = time.monotonic()
+        self.last_time = [self.start] * num_streams
+        self.num_tokens = [0] * num_streams
+        self.outputs: list[RequestOutput | None] = [None] * num_streams
+
+    def update(self, i: int, out: RequestOutput) -> None:
+        now = time.monotonic()
+        count = max(len(c.token_ids) for c in out.outputs)
+        prev = self.num_tokens[i]
+        if count > prev:
+            if prev == 0:
+                first = out.metrics.get("first_token_time")
+                self.metrics.ttft.observe((now if self.streaming or first is None else first) - self.start)
+            elif self.streaming:
+                gap = (now - self.last_time[i]) / (count - prev)
+                for _ in range(count - prev):
+                    self.metrics.itl.observe(gap)
+            self.last_time[i] = now
+            self.num_tokens[i] = count
+        self.outputs[i] = out
+
+    def finish(self, error: bool = False) -> None:
+        m = self.metrics
+        for out in self.outputs:
+            if out is None:
+                m.finished.labels("error" if error else "abort").inc(self.n)
+                continue
+            m.prompt_tokens.inc(len(out.prompt_token_ids))
+            for c in out.outputs:
+                m.generation_tokens.inc(len(c.token_ids))
+                reason = c.finish_reason if out.finished and c.finish_reason else ("error" if error else "abort")
+                m.finished.labels(reason).inc()
+        m.e2e.observe(time.monotonic() - self.start)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (stream index, output), as outputs arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                out = task.result()
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends (done, client gone, cancelled)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(payload: Any) -> str:
+    if hasattr(payload, "model_dump_json"):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class _TokenText:
+    """Token id -> its text, cached (for logprobs). Uses the AsyncEngine's tokenizer copy, which
+    only the event loop's thread touches."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"<{token_id}>"
+            self.cache[token_id] = text
+        return text
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    # An entry holds the top-k alternatives plus the sampled token (which may rank below them).
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+# ---- the server ------------------------------------------------------------------------------
+class OpenAIServer:
+    """Request handlers; `create_app` wires them to routes."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.metrics = ServerMetrics(engine)
+        self.token_text = _TokenText(engine.tokenizer)
+
+    # ---- checks ----
+    async def check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise OpenAIError(401, "invalid API key: send 'Authorization: Bearer <key>'", "authentication_error",
+                              code="invalid_api_key")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise bad_request(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                              param="model", code="model_not_found")
+
+    async def submit(self, base_id: str, prompts: list[str | list[int]], params: SamplingParams, stream: bool,
+                     param: str) -> list[RequestStream]:
+        """Add one engine request per prompt, all at once; all or nothing. ValueError -> 400
+        naming `param`."""
+        ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
+        results = await asyncio.gather(
+            *(self.engine.add_request(rid, prompt, params, stream=stream) for rid, prompt in zip(ids, prompts)),
+            return_exceptions=True,
+        )
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if failed:
+            self.abort(streams)
+            i, exc = failed[0]
+            if isinstance(exc, ValueError):
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                raise bad_request(f"{where}{exc}", param=param) from None
+            raise exc
+        return streams
+
+    def abort(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            self.engine.abort_stream(stream)
+
+    async def wait_final(self, streams: list[RequestStream], request: Request,
+                         tracker: _Tracker) -> list[RequestOutput] | None:
+        """Final outputs in prompt order, or None when the client went away first (aborted)."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+
+        async def collect() -> None:
+            async for i, out in _merge(streams):
+                tracker.update(i, out)
+                if out.finished:
+                    finals[i] = out
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                work.result()  # re-raises the engine's error, if any
+                if any(c.finish_reason == "abort" for out in finals for c in out.outputs):  # type: ignore[union-attr]
+                    raise EngineDeadError("the request was aborted: the server is shutting down")
+                return finals  # type: ignore[return-value]
+            return None
+        finally:
+            for task in (work, gone):
+                task.cancel()
+            self.abort(streams)
+
+    # ---- /v1/completions ----
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        body.check_unsupported()
+        prompts = body.prompts()
+        max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        params = body.sampling_params(max_tokens, body.logprobs, self.engine.vocab_size)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        tracker = _Tracker(self.metrics, len(prompts), params.n, body.stream)
+        streams = await self.submit(request_id, prompts, params, body.stream, "prompt")
+        if body.stream:
+            return _EventStream(self._completion_events(request_id, body, params, streams, tracker),
+                                lambda: self.abort(streams))
+        try:
+            finals = await self.wait_final(streams, request, tracker)
+        except EngineDeadError:
+            tracker.finish(error=True)
+            raise
+        tracker.finish()
+        if finals is None:
+            return Response(status_code=499)  # client closed the connection; nobody reads this
+        choices = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(c.token_ids, c.logprobs or [], body.logprobs, 0)
+                choices.append(CompletionChoice(index=i * params.n + c.index, text=c.text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason))
+        return JSONResponse(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                               usage=self._usage(finals)).model_dump())
+
+    async def _completion_events(self, request_id: str, body: CompletionRequest, params: SamplingParams,
+                                 streams: list[RequestStream], tracker: _Tracker) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        offsets: dict[int, int] = {}
+        error = False
+        try:
+            async for i, out in _merge(streams):
+                tracker.update(i, out)
+                for c in out.outputs:
+                    index = i * params.n + c.index
+                    start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                    delta = c.text[start_text:]
+                    new_ids = c.token_ids[start_tok:]
+                    finish = c.finish_reason if out.finished else None
+                    logprobs = None
+                    if body.logprobs is not None and new_ids:
+                        logprobs = self._completion_logprobs(new_ids, (c.logprobs or [])[start_tok:], body.logprobs,
+                                                             offsets.get(index, 0))
+                        offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+                    if not delta and logprobs is None and finish is None:
+                        continue
+                    sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
+                    yield _sse(CompletionResponse(
+                        id=request_id, created=created, model=self.model_name,
+                        choices=[CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish)],
+                    ))
+            if body.include_usage:
+                yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                                              usage=self._usage(tracker.outputs)))
+            yield "data: [DONE]\n\n"
+        except EngineDeadError as exc:
+            error = True
+            yield _sse(error_body(str(exc), "service_unavailable", None, "engine_unavailable"))
+            yield "data: [DONE]\n\n"
+        finally:
+            tracker.finish(error=error)
+
+    # ---- /v1/chat/completions ----
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        body.check_unsupported()
+        prompt_ids = self._chat_prompt(body)
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:  # OpenAI's default: whatever room the context leaves
+            max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling_params(max_tokens, top, self.engine.vocab_size)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        tracker = _Tracker(self.metrics, 1, params.n, body.stream)
+        streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages")
+        if body.stream:
+            return _EventStream(self._chat_events(request_id, body, params, streams[0], tracker),
+                                lambda: self.abort(streams))
+        try:
+            finals = await self.wait_final(streams, request, tracker)
+        except EngineDeadError:
+            tracker.finish(error=True)
+            raise
+        tracker.finish()
+        if finals is None:
+            return Response(status_code=499)
+        out = finals[0]
+        choices = [
+            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                       logprobs=self._chat_logprobs(c.token_ids, c.logprobs or [], top) if top is not None else None,
+                       finish_reason=c.finish_reason)
+            for c in out.outputs
+        ]
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                                   usage=self._usage(finals)).model_dump())
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        from jinja2 import TemplateError
+
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
+        except (TemplateError, ValueError, TypeError, KeyError) as exc:
+            raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+        # The template already holds any BOS, as in LLM.chat.
+        return tok.encode(text, add_special_tokens=False)
+
+    async def _chat_events(self, request_id: str, body: ChatCompletionRequest, params: SamplingParams,
+                           stream: RequestStream, tracker: _Tracker) -> AsyncIterator[str]:
+        created = int(time.time())
+        top = (body.top_logprobs or 0) if body.logprobs else None
+
+        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+            return _sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                            choices=choices, usage=usage))
+
+        sent_text = [0] * params.n
+        sent_tokens = [0] * params.n
+        error = False
+        try:
+            for i in range(params.n):
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            async for _, out in _merge([stream]):
+                tracker.update(0, out)
+                for c in out.outputs:
+                    i = c.index
+                    delta = c.text[sent_text[i]:]
+                    new_ids = c.token_ids[sent_tokens[i]:]
+                    finish = c.finish_reason if out.finished else None
+                    logprobs = None
+                    if top is not None and new_ids:
+                        logprobs = self._chat_logprobs(new_ids, (c.logprobs or [])[sent_tokens[i]:], top)
+                    if not delta and logprobs is None and finish is None:
+                        continue
+                    sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=delta or None),
+                                                 logprobs=logprobs, finish_reason=finish)])
+            if body.include_usage:
+                yield chunk([], usage=self._usage(tracker.outputs))
+            yield "data: [DONE]\n\n"
+        except EngineDeadError as exc:
+            error = True
+            yield _sse(error_body(str(exc), "service_unavailable", None, "engine_unavailable"))
+            yield "data: [DONE]\n\n"
+        finally:
+            tracker.finish(error=error)
+
+    # ---- formatting ----
+    @staticmethod
+    def _usage(outputs: list[RequestOutput | None]) -> UsageInfo:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+        completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int,
+                             offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for token, entry in zip(token_ids, logprobs):
+            text = self.token_text(token)
+            result.tokens.append(text)
+            result.token_logprobs.append(entry.get(token, float("-inf")))
+            result.top_logprobs.append({self.token_text(t): lp for t, lp in _top(entry, k)})
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int) -> ChatLogprobs:
+        content = []
+        for token, entry in zip(token_ids, logprobs):
+            text = self.token_text(token)
+            tops = []
+            for t, lp in _top(entry, k):
+                s = self.token_text(t)
+                tops.append(TopLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8"))))
+            content.append(TokenLogprob(token=text, logprob=entry.get(token, float("-inf")),
+                                        bytes=list(text.encode("utf-8")), top_logprobs=tops))
+        return ChatLogprobs(content=content)
+
+    # ---- other endpoints ----
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)])
+
+    async def health(self) -> Response:
+        if self.engine.error is not None:
+            raise EngineDeadError(f"the engine has failed: {self.engine.error!r}")
+        if not self.engine.is_running:
+            raise EngineDeadError("the engine is shutting down")
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, plus a clean end for requests still running at shutdown.
+
+    On SIGINT/SIGTERM uvicorn stops accepting and waits for open connections. After `grace`
+    seconds we abort what is left in the engine: streams then end properly (a final chunk with
+    finish_reason "abort", then `data: [DONE]`) and unstreamed requests get a 503, instead of
+    uvicorn cancelling their tasks mid-write, which it still does as a backstop a little later.
+    """
+
+    def __init__(self, engine: AsyncEngine, app: FastAPI, grace: float, **config: Any) -> None:
+        config.setdefault("timeout_graceful_shutdown", grace + 5.0)
+        super().__init__(uvicorn.Config(app, **config))
+        self.engine = engine
+        self.grace = grace
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.grace, lambda: self.engine.shutdown(abort=True, wait=False))
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            timer.cancel()
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON: {detail}".rstrip(": "), None
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if not loc:
+        if first.get("type") == "missing":
+            return "the request needs a JSON body", None
+        return f"invalid request body: {first.get('msg', '')}", None
+    param = loc[0]
+    # A union field fails once per alternative, each with the alternative's name in its location;
+    # name just the field then.
+    union = sum(1 for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == [param]) > 1
+    where = param if union else ".".join(loc)
+    return f"invalid value for {where}: {first.get('msg', '')}", param
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` as model `model_name`. With `api_key`, /v1/* requires
+    `Authorization: Bearer <api_key>` (/health and /metrics stay open)."""
+    server = OpenAIServer(engine, model_name, api_key)
+    app = FastAPI(title="nano-vllm", docs_url=None, redoc_url=None)
+    app.state.server = server
+    app.add_middleware(_HTTPMetricsMiddleware, counter=server.metrics.http_requests)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        if param is None and "json" not in request.headers.get("content-type", ""):
+            message = "the request body must be a JSON object sent with 'Content-Type: application/json'"
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "service_unavailable", code="engine_unavailable"), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error while serving %s", request.url.path)
+        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}", "server_error"),
+                            status_code=500)
+
+    auth = [Depends(server.check_api_key)]
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
+    return app
