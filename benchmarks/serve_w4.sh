@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# W4: start `nanovllm serve` on a free local port, run the streaming load generator for
+# N = 1, 16, 64, 256 concurrent clients, check the KV pool is free afterwards, stop the server.
+#   benchmarks/serve_w4.sh [MODEL] [extra serve options...]   (no MODEL: the embedded default)
+set -euo pipefail
+model=${1:-}
+shift || true
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+log=$(mktemp)
+python3 -m nanovllm serve ${model:+"$model"} --host 127.0.0.1 --port "$port" "$@" >"$log" 2>&1 &
+server=$!
+trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+  kill -0 $server 2>/dev/null || { cat "$log"; exit 1; }
+  sleep 0.5
+done
+for n in ${W4_CLIENTS:-1 16 64 256}; do
+  python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$n" \
+    --num-requests "$(( n < 16 ? 8 : 2 * n ))" --input-len "${W4_INPUT_LEN:-128}" --output-len "${W4_OUTPUT_LEN:-128}" --json
+done
+curl -s "http://127.0.0.1:$port/metrics" | grep -E '^nanovllm_(kv_cache|request_finished|num_requests)' || true
