@@ -139,11 +139,34 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
-    """`Sampler()(logits [B, V], st) -> SamplerOutput`; see the module docstring."""
+    """`Sampler()(logits [B, V], st) -> SamplerOutput`; see the module docstring.
+
+    fused: whether batches that only need temperature / greedy sampling take the one-kernel
+    Triton path (fused_sampler.py) on CUDA; None reads NANOVLLM_FUSED_OPS. Tests force it on
+    other devices by editing `fused_devices`."""
+
+    def __init__(self, fused: bool | None = None) -> None:
+        super().__init__()
+        if fused is None:
+            from nanovllm.layers.fusion import fused_ops_from_env
+
+            fused = fused_ops_from_env()
+        self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
+
+    @staticmethod
+    def fast_path_ok(st: SamplingTensors) -> bool:
+        """Temperature or greedy only: no filters, no seeded rows, no logprobs."""
+        return not (st.any_top_k or st.any_top_p or st.any_min_p or st.max_num_logprobs is not None
+                    or any(g is not None for g in st.generators))
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != st.num_rows:
             raise ValueError(f"Sampler: logits {tuple(logits.shape)} for {st.num_rows} rows; expected [B, V]")
+        if logits.device.type in self.fused_devices and self.fast_path_ok(st):
+            from nanovllm.layers.fused_sampler import gumbel_argmax
+
+            seed = torch.randint(0, 2**31 - 1, (1,), device=logits.device, dtype=torch.int64)
+            return SamplerOutput(gumbel_argmax(logits.contiguous(), st.temperature, seed), None, None, None)
         # May alias the caller's tensor when it is already fp32: nothing below writes into it.
         logits = logits.float()
 

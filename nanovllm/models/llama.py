@@ -18,8 +18,6 @@ model is built, and stored on the modules (`fused_devices`), never consulted per
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +28,7 @@ from torch import nn
 from nanovllm.attention.backend import Attention, AttentionMetadata
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.fusion import fused_ops_from_env
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding, apply_qk_norm_rope, build_rotary
@@ -44,7 +43,6 @@ PACKED_MODULES = {
 }
 # Buffers some checkpoints carry that we recompute instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-FUSED_OPS_ENV = "NANOVLLM_FUSED_OPS"
 
 
 @dataclass(frozen=True)
@@ -57,14 +55,6 @@ class DecoderOptions:
 
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def fused_ops_from_env() -> bool:
-    """Whether CUDA tensors take the fused Triton kernels: yes unless NANOVLLM_FUSED_OPS is 0 /
-    false / off / no, or triton is not installed."""
-    if os.environ.get(FUSED_OPS_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
-        return False
-    return importlib.util.find_spec("triton") is not None
 
 
 class LlamaAttention(nn.Module):

@@ -1,0 +1,75 @@
+"""The one-kernel temperature/greedy sampler (Gumbel-max) against the reference semantics.
+
+Runs the Triton kernel on CPU under TRITON_INTERPRET=1 (set in conftest) at small shapes.
+"""
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from nanovllm.layers import fused_sampler  # noqa: E402
+from nanovllm.layers.sampler import Sampler, SamplingTensors  # noqa: E402
+from nanovllm.sampling_params import SamplingParams  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def fused_sampler_on(device=DEV):
+    s = Sampler(fused=True)
+    s.fused_devices = (torch.device(device).type,)
+    return s
+
+
+def test_greedy_rows_equal_argmax_with_ties_across_tiles():
+    v = fused_sampler.BLOCK_V * 2 + 37  # three tiles
+    logits = torch.randn(4, v, device=DEV)
+    logits[1, 5] = logits[1, fused_sampler.BLOCK_V + 9] = 50.0  # tie across tiles: lowest id wins
+    logits[2, v - 1] = 60.0  # the max in the ragged last tile
+    logits[3, 100] = logits[3, 101] = 70.0  # tie inside a tile
+    t = torch.zeros(4, device=DEV)
+    got = fused_sampler.gumbel_argmax(logits, t, torch.tensor([123], device=DEV))
+    assert got.tolist() == logits.argmax(-1).tolist() == [logits[0].argmax().item(), 5, v - 1, 100]
+
+
+def test_bf16_logits_are_read_as_they_are():
+    logits = torch.randn(3, 300, device=DEV).to(torch.bfloat16)
+    got = fused_sampler.gumbel_argmax(logits, torch.zeros(3, device=DEV), torch.tensor([1], device=DEV))
+    assert got.tolist() == logits.float().argmax(-1).tolist()
+
+
+def test_temperature_sampling_matches_softmax():
+    torch.manual_seed(0)
+    base = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -3.0], device=DEV)
+    temperature = 0.7
+    rows = 4000 if DEV == "cuda" else 400  # the interpreter runs programs one by one
+    counts = torch.zeros(6)
+    for _ in range(5):  # each call draws a new seed from torch's RNG
+        st = SamplingTensors.from_params([SamplingParams(temperature=temperature)] * rows, None, 6, DEV)
+        out = fused_sampler_on()(base.expand(rows, 6).contiguous(), st)
+        counts += torch.bincount(out.token_ids.cpu(), minlength=6).float()
+    expected = torch.softmax(base.cpu() / temperature, -1) * counts.sum()
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 25.0  # 5 degrees of freedom: p < 1e-4 for a correct sampler
+    wrong = torch.softmax(base.cpu(), -1) * counts.sum()  # ignoring the temperature is caught
+    assert (((counts - wrong) ** 2) / wrong).sum().item() > 50
+
+
+def test_only_plain_batches_take_the_fast_path(monkeypatch):
+    calls = []
+    real = fused_sampler.gumbel_argmax
+    monkeypatch.setattr(fused_sampler, "gumbel_argmax", lambda *a: calls.append(1) or real(*a))
+    s = fused_sampler_on()
+    logits = torch.randn(2, 50, device=DEV)
+    plain = [SamplingParams(temperature=0.8), SamplingParams(temperature=0)]
+    s(logits, SamplingTensors.from_params(plain, None, 50, DEV))
+    assert calls == [1]
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    for params, gens in [
+        ([SamplingParams(temperature=0.8, top_p=0.9), plain[1]], None),
+        ([SamplingParams(temperature=0.8, top_k=5), plain[1]], None),
+        ([SamplingParams(temperature=0.8, min_p=0.1), plain[1]], None),
+        ([SamplingParams(temperature=0.8, logprobs=1), plain[1]], None),
+        ([SamplingParams(temperature=0.8, seed=3), plain[1]], [gen, None]),
+    ]:
+        s(logits, SamplingTensors.from_params(params, gens, 50, DEV))
+    assert calls == [1]
