@@ -59,8 +59,9 @@ def _jit_stable(*, ints: tuple[str, ...], pointers: tuple[str, ...]):
     """triton.jit that does not specialize on these per-step values.
 
     Triton compiles a variant per value class of an int (==1, divisible by 16) and per 16-byte
-    alignment of a pointer. Per-step counts and row slices of the metadata (e.g. seq_lens[nd:])
-    would then compile several variants mid-run, seconds each; one variant serves them all.
+    alignment of a pointer. Per-step counts, the block-table width (it follows the longest
+    sequence of the step) and row slices of the metadata would then compile several variants
+    mid-run, seconds each; one variant serves them all.
     """
     kwargs = {"do_not_specialize": ints + pointers}
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
@@ -186,7 +187,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@_jit_stable(ints=("seq_offset", "num_seqs"), pointers=_STEP_POINTERS)
+@_jit_stable(ints=("seq_offset", "num_seqs", "stride_bt"), pointers=_STEP_POINTERS)
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -290,7 +291,7 @@ def _paged_attention_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@_jit_stable(ints=(), pointers=_STEP_POINTERS)
+@_jit_stable(ints=("stride_bt",), pointers=_STEP_POINTERS)
 def _paged_attention_split_kernel(
     q_ptr,
     k_cache_ptr,
