@@ -17,6 +17,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def fused_sampler_on(device=DEV):
     s = Sampler(fused=True)
     s.fused_devices = (torch.device(device).type,)
+    s.fast_path_min_rows = 1
     return s
 
 
@@ -63,6 +64,10 @@ def test_only_plain_batches_take_the_fast_path(monkeypatch):
     plain = [SamplingParams(temperature=0.8), SamplingParams(temperature=0)]
     s(logits, SamplingTensors.from_params(plain, None, 50, DEV))
     assert calls == [1]
+    s.fast_path_min_rows = 3  # a batch smaller than this stays on torch's path
+    s(logits, SamplingTensors.from_params(plain, None, 50, DEV))
+    s.fast_path_min_rows = 1
+    s(logits, SamplingTensors.from_params([plain[1], plain[1]], None, 50, DEV))  # all greedy: torch argmax
     gen = torch.Generator(device=DEV).manual_seed(3)
     for params, gens in [
         ([SamplingParams(temperature=0.8, top_p=0.9), plain[1]], None),

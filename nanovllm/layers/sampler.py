@@ -153,10 +153,14 @@ class Sampler(nn.Module):
             fused = fused_ops_from_env()
         self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
 
-    @staticmethod
-    def fast_path_ok(st: SamplingTensors) -> bool:
-        """Temperature or greedy only: no filters, no seeded rows, no logprobs."""
-        return not (st.any_top_k or st.any_top_p or st.any_min_p or st.max_num_logprobs is not None
+    # The fused kernel runs one program per row: it pays for large batches that sample (one pass
+    # instead of ~6); a small or all-greedy batch is faster as torch's own argmax.
+    fast_path_min_rows = 32
+
+    def fast_path_ok(self, st: SamplingTensors) -> bool:
+        """Temperature sampling only: no filters, no seeded rows, no logprobs, enough rows."""
+        return not (st.all_greedy or st.num_rows < self.fast_path_min_rows
+                    or st.any_top_k or st.any_top_p or st.any_min_p or st.max_num_logprobs is not None
                     or any(g is not None for g in st.generators))
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
