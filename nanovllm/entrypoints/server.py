@@ -312,6 +312,16 @@ class OpenAIServer:
         for stream in streams:
             self.engine.abort_stream(stream)
 
+    async def collect_finals(self, streams, request, tracker):
+        """Final outputs of a non-streamed request (None if the client went away), with metrics."""
+        try:
+            finals = await self.wait_final(streams, request, tracker)
+        except EngineDeadError:
+            tracker.finish(error=True)
+            raise
+        tracker.finish()
+        return finals
+
     async def wait_final(self, streams: list[RequestStream], request: Request,
                          tracker: _Tracker) -> list[RequestOutput] | None:
         """Final outputs in prompt order, or None when the client went away first (aborted)."""
@@ -351,12 +361,7 @@ class OpenAIServer:
         if body.stream:
             return _EventStream(self._completion_events(request_id, body, params, streams, tracker),
                                 lambda: self.abort(streams))
-        try:
-            finals = await self.wait_final(streams, request, tracker)
-        except EngineDeadError:
-            tracker.finish(error=True)
-            raise
-        tracker.finish()
+        finals = await self.collect_finals(streams, request, tracker)
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
         choices = []
@@ -425,14 +430,9 @@ class OpenAIServer:
         if body.stream:
             return _EventStream(self._chat_events(request_id, body, params, streams[0], tracker),
                                 lambda: self.abort(streams))
-        try:
-            finals = await self.wait_final(streams, request, tracker)
-        except EngineDeadError:
-            tracker.finish(error=True)
-            raise
-        tracker.finish()
+        finals = await self.collect_finals(streams, request, tracker)
         if finals is None:
-            return Response(status_code=499)
+            return Response(status_code=499)  # client closed the connection; nobody reads this
         out = finals[0]
         choices = [
             ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
