@@ -38,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="wait for each step's tokens before scheduling the next (debugging)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -45,7 +47,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     names = (
         "device", "attention_backend", "tensor_parallel_size", "dtype", "max_model_len", "max_num_seqs",
         "max_num_batched_tokens", "kvcache_block_size", "num_kvcache_blocks", "gpu_memory_utilization",
-        "enable_prefix_caching", "enforce_eager", "seed",
+        "enable_prefix_caching", "enforce_eager", "seed", "async_scheduling",
     )
     return {n: getattr(args, n) for n in names}
 
