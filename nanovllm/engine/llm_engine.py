@@ -35,7 +35,6 @@ class Request:
     stream: bool
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    texts: list[str] = field(default_factory=list)  # final text per sample (set when finished)
 
     @property
     def finished(self) -> bool:

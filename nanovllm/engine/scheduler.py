@@ -73,10 +73,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` (stop rule, length, abort): free its blocks and drop it from the queues."""
         if seq.is_finished:
@@ -196,8 +192,3 @@ class Scheduler:
                 grew.append((seq, index))
             self.block_manager.cache_full_blocks(seq)
         return grew
-
-    def update(self, output: SchedulerOutput, seqs: dict[int, Sequence], sampled: list[int]) -> list[Sequence]:
-        """advance + resolve, for a step whose sampled ids are already known."""
-        self.advance(output, seqs)
-        return [seq for seq, _ in self.resolve(output, seqs, sampled)]
