@@ -28,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--async-scheduling", action="store_true", help="force async scheduling on (default: off on CPU)")
     args = ap.parse_args()
     import torch
 
@@ -35,7 +36,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from nanovllm import LLM, SamplingParams
 
-    llm = LLM(device="cpu")
+    llm = LLM(device="cpu", async_scheduling=True if args.async_scheduling else None)
     tok = llm.tokenizer
     prompts = [tok.encode(llm.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False) for q in QUESTIONS]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

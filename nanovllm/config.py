@@ -30,8 +30,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
-    # Schedule step N+1 while step N runs on the device (outputs trail by one step).
-    async_scheduling: bool = True
+    # Schedule step N+1 while step N runs on the device (outputs trail by one step). None = on
+    # where there is a device to overlap with (CUDA); on the CPU the host *is* the device.
+    async_scheduling: bool | None = None
     # CPU only: memory for the KV pool when num_kvcache_blocks is not given.
     cpu_kvcache_space_gib: float = 4.0
     # Accepted for nano-vllm compatibility: a preloaded HF config and an EOS override.

@@ -271,8 +271,8 @@ def test_triton_backend_under_interpreter_equals_torch(qwen3_tiny, reference):
 def test_async_scheduling_equals_synchronous(qwen3_tiny, reference, extra):
     """Scheduling step N+1 before step N's ids reach the host changes nothing, greedy or seeded."""
     prompts, expected = reference
-    sync = engine(qwen3_tiny, async_scheduling=False, **extra)
-    asyn = engine(qwen3_tiny, **extra)
+    sync = engine(qwen3_tiny, **extra)  # on CPU the default is synchronous
+    asyn = engine(qwen3_tiny, async_scheduling=True, **extra)
     assert asyn.engine.async_scheduling and not sync.engine.async_scheduling
     assert [o.outputs[0].token_ids for o in sync.generate(prompts, greedy(20), use_tqdm=False)] == expected
     assert [o.outputs[0].token_ids for o in asyn.generate(prompts, greedy(20), use_tqdm=False)] == expected
@@ -288,8 +288,9 @@ def test_async_scheduling_equals_synchronous(qwen3_tiny, reference, extra):
     assert_free(asyn)
 
 
-def test_abandoned_stream_frees_blocks(qwen3_tiny):
-    llm = engine(qwen3_tiny)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abandoned_stream_frees_blocks(qwen3_tiny, async_scheduling):
+    llm = engine(qwen3_tiny, async_scheduling=async_scheduling)
     stream = llm.stream([40, 41, 42], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     first = [next(stream) for _ in range(3)]
     assert len(first[-1].outputs[0].token_ids) == 3

@@ -69,7 +69,10 @@ class LLMEngine:
         # Async scheduling: step N+1 is scheduled and launched before step N's sampled ids are
         # read back, so host work overlaps the device. Needs an executor that can launch
         # without waiting (the in-process one); the step in flight is kept here.
-        self.async_scheduling = config.async_scheduling and hasattr(self.executor, "execute_async")
+        wanted = config.async_scheduling
+        if wanted is None:
+            wanted = getattr(self.executor, "device_type", "cpu") == "cuda"
+        self.async_scheduling = wanted and hasattr(self.executor, "execute_async")
         self._in_flight = None
 
     # ---- requests ------------------------------------------------------------------------

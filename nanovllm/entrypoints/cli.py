@@ -38,8 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="wait for each step's tokens before scheduling the next (debugging)")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
+                   help="wait for each step's tokens before scheduling the next (default: async on CUDA)")
     g.add_argument("--seed", type=int, default=0)
 
 

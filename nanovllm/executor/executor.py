@@ -41,6 +41,7 @@ class InProcessExecutor:
             )
         self.runner = ModelRunner(config, source, rank=0)
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+        self.device_type = self.runner.device.type
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(out)
