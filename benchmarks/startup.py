@@ -27,17 +27,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     t0 = process_start()
     t = time.time()
     import torch
 
-    torch.cuda.init()
+    if torch.cuda.is_available():
+        torch.cuda.init()
     t_torch = time.time()
     from nanovllm import LLM, SamplingParams
 
     t_import = time.time()
-    llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager)
+    llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager, device=args.device)
     t_llm = time.time()
     llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=1), use_tqdm=False)
     t_first = time.time()
@@ -45,8 +47,9 @@ def main() -> None:
         "interpreter_to_script_s": t - t0,
         "import_torch_and_cuda_init_s": t_torch - t,
         "import_nanovllm_s": t_import - t_torch,
-        **{f"llm_{k}_s": v for k, v in llm.engine.executor.runner.startup_seconds.items()},
-        "llm_other_s": (t_llm - t_import) - sum(llm.engine.executor.runner.startup_seconds.values()),
+        **{f"engine_{k}_s": v for k, v in llm.engine.startup_seconds.items()},
+        **{f"runner_{k}_s": v for k, v in llm.engine.executor.runner.startup_seconds.items()},
+        "llm_total_s": t_llm - t_import,
         "first_token_s": t_first - t_llm,
         "total_process_start_to_first_token_s": t_first - t0,
     }

@@ -34,7 +34,7 @@ class EngineConfig:
     # where there is a device to overlap with (CUDA); on the CPU the host *is* the device.
     async_scheduling: bool | None = None
     # CPU only: memory for the KV pool when num_kvcache_blocks is not given.
-    cpu_kvcache_space_gib: float = 4.0
+    cpu_kvcache_space_gib: float = 1.0
     # Accepted for nano-vllm compatibility: a preloaded HF config and an EOS override.
     hf_config: Any = field(default=None, repr=False)
     eos: int | None = None

@@ -51,16 +51,23 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Start-up breakdown in seconds (benchmarks/startup.py prints it with the runner's).
+        self.startup_seconds: dict[str, float] = {}
+        t = time.perf_counter()
         self.source = resolve_model(config.model, config.hf_config)
         hf = self.source.hf_config
+        t = self._mark("config", t)
         self.tokenizer = self.source.tokenizer()
         self.eos_token_ids = [config.eos] if config.eos is not None else self.source.eos_token_ids(self.tokenizer)
+        t = self._mark("tokenizer", t)
         self.vocab_size = hf.vocab_size
         self.max_model_len = min(config.max_model_len, getattr(hf, "max_position_embeddings", config.max_model_len))
         self.executor = make_executor(config, self.source)
+        t = self._mark("executor", t)
         self.block_manager = BlockManager(
             self.executor.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching
         )
+        self._mark("block_manager", t)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
@@ -74,6 +81,11 @@ class LLMEngine:
             wanted = getattr(self.executor, "device_type", "cpu") == "cuda"
         self.async_scheduling = wanted and hasattr(self.executor, "execute_async")
         self._in_flight = None
+
+    def _mark(self, part: str, since: float) -> float:
+        now = time.perf_counter()
+        self.startup_seconds[part] = now - since
+        return now
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
