@@ -10,16 +10,20 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.executor.executor import make_executor
 from nanovllm.loaders.source import resolve_model
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.runner.model_runner import RunnerOutput
 
 logger = logging.getLogger("nanovllm")
 
@@ -201,7 +205,8 @@ class LLMEngine:
         self.last_step.seconds = time.perf_counter() - t0
         return outputs
 
-    def _process(self, sched, result) -> list[RequestOutput]:
+    def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Resolve a finished step: tokens in, stop rules, outputs for the requests it touched."""
         grew = self.scheduler.resolve(sched, self.seqs, result.token_ids)
         touched: dict[str, Request] = {}
         now = time.monotonic()
