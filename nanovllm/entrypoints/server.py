@@ -235,6 +235,23 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
+async def _sse_body(events: AsyncIterator[str], tracker: "_Tracker") -> AsyncIterator[str]:
+    """A stream's events, then `[DONE]`; an engine failure becomes an error event (then `[DONE]`);
+    the request's metrics are recorded however the stream ends."""
+    error = False
+    try:
+        async for event in events:
+            yield event
+        yield "data: [DONE]\n\n"
+    except EngineDeadError as exc:
+        error = True
+        yield _sse(error_body(str(exc), "service_unavailable", None, "engine_unavailable"))
+        yield "data: [DONE]\n\n"
+    finally:
+        await events.aclose()  # also when the client went away mid-stream
+        tracker.finish(error=error)
+
+
 def _sse(payload: Any) -> str:
     if hasattr(payload, "model_dump_json"):
         return f"data: {payload.model_dump_json()}\n\n"
@@ -359,7 +376,7 @@ class OpenAIServer:
         tracker = _Tracker(self.metrics, len(prompts), params.n, body.stream)
         streams = await self.submit(request_id, prompts, params, body.stream, "prompt")
         if body.stream:
-            return _EventStream(self._completion_events(request_id, body, params, streams, tracker),
+            return _EventStream(_sse_body(self._completion_events(request_id, body, params, streams, tracker), tracker),
                                 lambda: self.abort(streams))
         finals = await self.collect_finals(streams, request, tracker)
         if finals is None:
@@ -381,38 +398,29 @@ class OpenAIServer:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         offsets: dict[int, int] = {}
-        error = False
-        try:
-            async for i, out in _merge(streams):
-                tracker.update(i, out)
-                for c in out.outputs:
-                    index = i * params.n + c.index
-                    start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                    delta = c.text[start_text:]
-                    new_ids = c.token_ids[start_tok:]
-                    finish = c.finish_reason if out.finished else None
-                    logprobs = None
-                    if body.logprobs is not None and new_ids:
-                        logprobs = self._completion_logprobs(new_ids, (c.logprobs or [])[start_tok:], body.logprobs,
-                                                             offsets.get(index, 0))
-                        offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
-                    if not delta and logprobs is None and finish is None:
-                        continue
-                    sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
-                    yield _sse(CompletionResponse(
-                        id=request_id, created=created, model=self.model_name,
-                        choices=[CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish)],
-                    ))
-            if body.include_usage:
-                yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
-                                              usage=self._usage(tracker.outputs)))
-            yield "data: [DONE]\n\n"
-        except EngineDeadError as exc:
-            error = True
-            yield _sse(error_body(str(exc), "service_unavailable", None, "engine_unavailable"))
-            yield "data: [DONE]\n\n"
-        finally:
-            tracker.finish(error=error)
+        async for i, out in _merge(streams):
+            tracker.update(i, out)
+            for c in out.outputs:
+                index = i * params.n + c.index
+                start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                delta = c.text[start_text:]
+                new_ids = c.token_ids[start_tok:]
+                finish = c.finish_reason if out.finished else None
+                logprobs = None
+                if body.logprobs is not None and new_ids:
+                    logprobs = self._completion_logprobs(new_ids, (c.logprobs or [])[start_tok:], body.logprobs,
+                                                         offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+                if not delta and logprobs is None and finish is None:
+                    continue
+                sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
+                yield _sse(CompletionResponse(
+                    id=request_id, created=created, model=self.model_name,
+                    choices=[CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish)],
+                ))
+        if body.include_usage:
+            yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                                          usage=self._usage(tracker.outputs)))
 
     # ---- /v1/chat/completions ----
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -428,7 +436,7 @@ class OpenAIServer:
         tracker = _Tracker(self.metrics, 1, params.n, body.stream)
         streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages")
         if body.stream:
-            return _EventStream(self._chat_events(request_id, body, params, streams[0], tracker),
+            return _EventStream(_sse_body(self._chat_events(request_id, body, params, streams[0], tracker), tracker),
                                 lambda: self.abort(streams))
         finals = await self.collect_finals(streams, request, tracker)
         if finals is None:
@@ -468,34 +476,25 @@ class OpenAIServer:
 
         sent_text = [0] * params.n
         sent_tokens = [0] * params.n
-        error = False
-        try:
-            for i in range(params.n):
-                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-            async for _, out in _merge([stream]):
-                tracker.update(0, out)
-                for c in out.outputs:
-                    i = c.index
-                    delta = c.text[sent_text[i]:]
-                    new_ids = c.token_ids[sent_tokens[i]:]
-                    finish = c.finish_reason if out.finished else None
-                    logprobs = None
-                    if top is not None and new_ids:
-                        logprobs = self._chat_logprobs(new_ids, (c.logprobs or [])[sent_tokens[i]:], top)
-                    if not delta and logprobs is None and finish is None:
-                        continue
-                    sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=delta or None),
-                                                 logprobs=logprobs, finish_reason=finish)])
-            if body.include_usage:
-                yield chunk([], usage=self._usage(tracker.outputs))
-            yield "data: [DONE]\n\n"
-        except EngineDeadError as exc:
-            error = True
-            yield _sse(error_body(str(exc), "service_unavailable", None, "engine_unavailable"))
-            yield "data: [DONE]\n\n"
-        finally:
-            tracker.finish(error=error)
+        for i in range(params.n):
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        async for _, out in _merge([stream]):
+            tracker.update(0, out)
+            for c in out.outputs:
+                i = c.index
+                delta = c.text[sent_text[i]:]
+                new_ids = c.token_ids[sent_tokens[i]:]
+                finish = c.finish_reason if out.finished else None
+                logprobs = None
+                if top is not None and new_ids:
+                    logprobs = self._chat_logprobs(new_ids, (c.logprobs or [])[sent_tokens[i]:], top)
+                if not delta and logprobs is None and finish is None:
+                    continue
+                sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=delta or None),
+                                             logprobs=logprobs, finish_reason=finish)])
+        if body.include_usage:
+            yield chunk([], usage=self._usage(tracker.outputs))
 
     # ---- formatting ----
     @staticmethod
