@@ -245,6 +245,11 @@ class ModelRunner:
         bind_kv_cache(self.model, self.k_caches, self.v_caches, self.backend)
 
     # ---- one step ------------------------------------------------------------------------
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """Host array -> device tensor: through pinned memory without blocking on CUDA, as is on CPU."""
+        t = torch.from_numpy(a)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
         seqs = out.seqs
         num_seqs = len(seqs)
@@ -266,33 +271,26 @@ class ModelRunner:
         sample_rows = np.fromiter((s.sample for s in seqs), dtype=bool, count=num_seqs)
         logits_indices = cu[1:][sample_rows] - 1
 
-        dev = self.device
-        pin = dev.type == "cuda"
-
-        def to_dev(a: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(a)
-            return t.pin_memory().to(dev, non_blocking=True) if pin else t
-
         meta = AttentionMetadata(
-            slot_mapping=to_dev(slot_mapping),
-            query_start_loc=to_dev(cu.astype(np.int32)),
-            seq_lens=to_dev(seq_lens.astype(np.int32)),
-            block_tables=to_dev(block_tables),
+            slot_mapping=self._to_device(slot_mapping),
+            query_start_loc=self._to_device(cu.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            block_tables=self._to_device(block_tables),
             num_decodes=out.num_decodes,
             max_query_len=int(qlens.max()),
             max_seq_len=int(seq_lens.max()),
             query_lens_cpu=qlens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        input_ids_dev = to_dev(input_ids)
+        input_ids_dev = self._to_device(input_ids)
         pending = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
         if len(pending):
             # Tokens sampled by the previous step, not yet on the host: gather them on the device.
             src = np.fromiter((self._prev_rows[seqs[i].seq_id] for i in seq_index[pending]), dtype=np.int64, count=len(pending))
-            if not pin:
-                input_ids_dev = input_ids_dev.clone()
-            input_ids_dev[to_dev(pending)] = self._prev_tokens[to_dev(src)]
-        return input_ids_dev, to_dev(positions), meta, logits_indices
+            if self.device.type == "cpu":
+                input_ids_dev = input_ids_dev.clone()  # it shares memory with the numpy array
+            input_ids_dev[self._to_device(pending)] = self._prev_tokens[self._to_device(src)]
+        return input_ids_dev, self._to_device(positions), meta, logits_indices
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.execute_async(out).result()
@@ -311,7 +309,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         if len(logits_indices) == 0:
             return _Done(RunnerOutput([]))
-        idx = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
+        idx = self._to_device(logits_indices)
         logits = self.model.compute_logits(hidden[idx])
         if self.rank != 0:
             return _Done(RunnerOutput([]))
