@@ -55,16 +55,8 @@ class LLM:
         return prompts, params
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams], stream: bool) -> list[str]:
-        # Validate every prompt before adding any, so a bad one leaves the engine untouched.
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
-            try:
-                ids = self.engine.tokenize(p)
-                if not ids:
-                    raise ValueError("the prompt is empty")
-            except ValueError as exc:
-                raise ValueError(f"prompt {i}: {exc}") from None
+        # add_request validates each prompt; if one is bad, the ones already added are aborted,
+        # so the engine is left as it was.
         request_ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
