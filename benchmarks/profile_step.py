@@ -1,57 +1,166 @@
-"""Where a W1 decode step spends its time: torch profiler over steady-state decode steps.
+"""Where a decode step spends its time (GPU kernels, host functions, fixed cost per step).
 
-Admits all 256 W1 requests, steps until every prompt is prefilled, then profiles N decode-only
-steps and prints the GPU kernels by total time, plus GPU-busy time vs wall time (the
-difference is host overhead the GPU waits on).
+    python benchmarks/profile_step.py --model /tmp/q06 --workload w1   # steady decode at batch 256
+    python benchmarks/profile_step.py --model /tmp/q06 --workload w5   # one stream (W5)
+    python benchmarks/profile_step.py --model /tmp/q06 --graphs        # replay cost per batch size
+    python benchmarks/profile_step.py --model /tmp/q06 --timeline      # W1 wall time by batch size
 
-    python benchmarks/profile_step.py --model /tmp/qwen3-0.6b
+w1 / w5: brings the requests to steady decode, times N steps without a profiler (wall per
+step), then prints the torch profiler's kernel table (GPU busy per step; the difference to the
+wall is time the GPU waits on the host) and cProfile's top host functions.
+--graphs: replays each captured decode graph with every row at a context of --context tokens,
+timed with CUDA events: the GPU cost of a step outside the host's reach.
+--timeline: one W1 run, every step's wall time binned by how many sequences it ran.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import sys
 import time
+from random import randint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--trace", default=None, help="write a chrome trace here")
-    args = ap.parse_args()
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+def steady_decode(engine, workload: str) -> None:
+    from nanovllm import SamplingParams
 
     from bench import w1_requests
-    from nanovllm import LLM
 
-    llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager)
-    engine = llm.engine
-    prompts, params = w1_requests()
+    if workload == "w1":
+        prompts, params = w1_requests()
+    else:
+        prompts = [[randint(0, 10000) for _ in range(128)]]
+        params = [SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)]
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p, sp)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()
-    for _ in range(5):
+    for _ in range(10):
         engine.step()
+
+
+def profile_steps(engine, steps: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / steps
+
+    prof_steps = min(steps, 20)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
+        for _ in range(prof_steps):
             engine.step()
         torch.cuda.synchronize()
-    wall = (time.perf_counter() - t) / args.steps
     events = prof.key_averages()
-    gpu = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / args.steps / 1e3
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
-    print(f"\nbatch {len(engine.scheduler.running)}: wall {wall * 1e3:.2f} ms/step, GPU busy {gpu:.2f} ms/step, "
-          f"host gap {wall * 1e3 - gpu:.2f} ms/step")
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
+    gpu = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / prof_steps / 1e3
+    print(events.table(sort_by="self_cuda_time_total", row_limit=30))
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+    print(s.getvalue())
+    print(f"\nbatch {len(engine.scheduler.running)}: wall {wall * 1e3:.3f} ms/step (no profiler), "
+          f"GPU busy {gpu:.3f} ms/step (profiler), difference {wall * 1e3 - gpu:.3f} ms/step")
+
+
+def graph_replay(runner, context: int) -> None:
+    import torch
+
+    g = runner.graph_runner
+    if g is None:
+        print("no CUDA graphs (eager)")
+        return
+    blocks = -(-context // runner.block_size)
+    for bs in [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s in g.graphs]:
+        g.seq_lens[:bs] = context
+        g.positions[:bs] = context - 1
+        g.slot_mapping[:bs] = -1  # write nothing
+        g.block_tables[:bs, :blocks] = torch.arange(blocks, dtype=torch.int32, device=g.block_tables.device) % runner.num_kvcache_blocks
+        for _ in range(3):
+            g.graphs[bs].replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n = 50
+        start.record()
+        for _ in range(n):
+            g.graphs[bs].replay()
+        end.record()
+        end.synchronize()
+        print(f"graph batch {bs:4d} context {context}: {start.elapsed_time(end) / n * 1e3:8.1f} us/replay")
+    g.seq_lens.zero_()
+
+
+def timeline(llm) -> None:
+    from nanovllm import SamplingParams
+
+    from bench import w1_requests
+
+    engine = llm.engine
+    prompts, params = w1_requests()
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)
+    bins = [(1, 8), (9, 32), (33, 64), (65, 128), (129, 192), (193, 256)]
+    stats = {b: [0, 0.0] for b in bins}
+    prefill = [0, 0.0]
+    original = engine.step
+
+    def step():
+        n = len(engine.scheduler.running)  # before this step's schedule; close enough for binning
+        outs = original()
+        st = engine.last_step
+        if st.num_prefill_tokens:
+            prefill[0] += 1
+            prefill[1] += st.seconds
+        else:
+            for lo, hi in bins:
+                if lo <= n <= hi:
+                    stats[(lo, hi)][0] += 1
+                    stats[(lo, hi)][1] += st.seconds
+        return outs
+
+    engine.step = step
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    total = time.perf_counter() - t
+    engine.step = original
+    print(f"W1 timeline: total {total:.2f} s; steps with prefill: {prefill[0]} steps, {prefill[1]:.2f} s")
+    for (lo, hi), (count, secs) in stats.items():
+        if count:
+            print(f"  decode batch {lo:3d}-{hi:3d}: {count:4d} steps, {secs:.2f} s, {secs / count * 1e3:.2f} ms/step")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workload", choices=["w1", "w5"], default=None)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--graphs", action="store_true")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--timeline", action="store_true")
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args()
+    from nanovllm import LLM
+
+    llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager)
+    if args.graphs:
+        graph_replay(llm.engine.executor.runner, args.context)
+    if args.timeline:
+        timeline(llm)
+    if args.workload:
+        steady_decode(llm.engine, args.workload)
+        profile_steps(llm.engine, args.steps)
 
 
 if __name__ == "__main__":
