@@ -223,6 +223,38 @@ def time_store(results: dict) -> list[dict]:
     return rows
 
 
+def split_sweep(results: dict) -> list[dict]:
+    """Decode batches as W1 meets them (the batch shrinks as short requests finish, so small
+    batches have long contexts): each batch size with 1..16 splits and a few tile shapes, timed
+    in CUDA graphs. Picks the split heuristic and the decode tile."""
+    gen = torch.Generator().manual_seed(1)
+    cases = {256: (100, 1100), 192: (300, 1400), 128: (600, 1700), 64: (1100, 1900), 32: (1400, 2000),
+             16: (1600, 2048), 4: (1800, 2048), 1: (300, 700)}
+    tiles = [TileConfig(16, bn, w, st) for bn, w, st in ((64, 4, 2), (32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 2))]
+    rows = []
+    for bs, (lo, hi) in cases.items():
+        ctx = [int(x) for x in torch.randint(lo, hi + 1, (bs,), generator=gen)]
+        b = build(ctx, [], block_size=16)
+        out = torch.empty_like(b["q"])
+        nbytes = kv_bytes(b["meta"])
+        auto = TritonAttentionBackend().decode_num_splits(bs, NUM_KV_HEADS, b["q"].device)
+        for splits in (1, 2, 4, 8, 16, 32):
+            if bs * NUM_KV_HEADS * splits > 16384:
+                continue
+            for cfg in tiles if splits in (1, auto) else tiles[:1]:
+                be = TritonAttentionBackend(split_kv=splits > 1, num_splits=splits if splits > 1 else None, decode_config=cfg)
+                fn = lambda be=be: be.attend(b["q"], b["k_cache"], b["v_cache"], b["meta"], SCALE, out)  # noqa: E731
+                try:
+                    us = median_ms(fn, graph=True) * 1e3
+                except Exception as exc:  # noqa: BLE001 - out-of-resources configs are expected
+                    print(f"  b{bs} split {splits} {cfg}: {type(exc).__name__}")
+                    continue
+                rows.append(dict(bs=bs, ctx=f"{lo}-{hi}", splits=splits, auto=splits == auto, tile=str(cfg), us=us,
+                                 pct=100 * nbytes / (us * 1e-6) / 1e9 / PEAK_GBS))
+    results["split_sweep"] = rows
+    return rows
+
+
 def sweep(results: dict) -> dict:
     """Try tile shapes; report the fastest per case (failures to compile are skipped)."""
     best = {}
@@ -263,6 +295,7 @@ def sweep(results: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also sweep tile configs")
+    parser.add_argument("--splits", action="store_true", help="only the W1-shaped split / tile sweep")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for the JSON results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -274,6 +307,12 @@ def main() -> None:
     )
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
 
+    if args.splits:
+        rows = split_sweep(results)
+        print(f"  {'batch':>5s} {'ctx':>10s} {'splits':>6s} {'us':>8s} {'% 4.3TB/s':>9s}  tile")
+        for r in rows:
+            print(f"  {r['bs']:5d} {r['ctx']:>10s} {r['splits']:6d}{'*' if r['auto'] else ' '} {r['us']:8.1f} {r['pct']:8.0f}%  {r['tile']}")
+        return
     t0 = time.time()
     par = parity(results)
     print(f"parity done in {time.time() - t0:.0f}s")

@@ -107,17 +107,26 @@ def decode_tile_config(group: int, head_dim: int, dtype: torch.dtype) -> TileCon
     return TileConfig(block_m=block_m, block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 32) -> int:
-    """Splits per sequence for decode: enough (sequence, kv head, split) programs to cover every SM.
+# Decode programs (sequence x KV head x split) wanted per SM before a step is left unsplit:
+# about 3 programs fit on an SM at once, and a few waves smooth out uneven context lengths.
+_PROGRAMS_PER_SM = 3
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """Splits per sequence for decode: enough (sequence, kv head, split) programs to fill every SM
+    about _PROGRAMS_PER_SM times over.
 
     Static inputs only (CUDA graphs replay one captured grid for all context lengths). Returns 1
-    when num_seqs * num_kv_heads programs already fill the GPU. Contexts shorter than the split
-    count leave trailing splits empty, which costs a few idle programs and nothing more.
+    when num_seqs * num_kv_heads programs already do. Contexts shorter than the split count leave
+    trailing splits empty, which costs a few idle programs and nothing more; that cost is why the
+    count is capped at 16 (a single 300-700 token sequence ran fastest at 8-16 splits on the
+    H200, 32 was slower; `benchmarks/attention_kernels.py --splits`).
     """
     programs = max(1, num_seqs * num_kv_heads)
-    if programs >= num_sms:
+    target = _PROGRAMS_PER_SM * num_sms
+    if programs >= target:
         return 1
-    return min(max_splits, triton.next_power_of_2(triton.cdiv(num_sms, programs)))
+    return min(max_splits, triton.next_power_of_2(triton.cdiv(target, programs)))
 
 
 @triton.jit
