@@ -78,3 +78,36 @@ def test_only_plain_batches_take_the_fast_path(monkeypatch):
     ]:
         s(logits, SamplingTensors.from_params(params, gens, 50, DEV))
     assert calls == [1]
+
+
+def test_vocabulary_splits_give_the_same_tokens():
+    """Each row's vocabulary is cut into chunks, one program each; the noise depends only on the
+    element's position, so every split count samples the same tokens, ties go to the lowest id
+    across chunk boundaries, and chunks past the vocabulary's end are harmless."""
+    v = fused_sampler.BLOCK_V * 4 + 37
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, v, generator=gen) * 3).to(DEV)
+    logits[4, 7] = logits[4, 2 * fused_sampler.BLOCK_V + 1] = 80.0  # greedy tie across chunks
+    logits[5, v - 2] = 90.0  # the max in the last, ragged chunk
+    t = torch.tensor([0.7, 1.0, 1.3, 0.5, 0.0, 0.0], device=DEV)
+    seed = torch.tensor([42], device=DEV)
+    results = [fused_sampler.gumbel_argmax(logits, t, seed, num_splits=s).tolist() for s in (1, 2, 4, 8)]
+    assert all(r == results[0] for r in results)
+    assert results[0][4:] == [7, v - 2]
+    other = fused_sampler.gumbel_argmax(logits, t, torch.tensor([43], device=DEV), num_splits=4).tolist()
+    assert other[:4] != results[0][:4]  # the seed matters (4 rows agreeing by chance: ~impossible)
+    with pytest.raises(ValueError, match="power of two"):
+        fused_sampler.gumbel_argmax(logits, t, seed, num_splits=3)
+
+
+def test_choose_num_splits():
+    # Enough 8-warp programs to fill 132 SMs 8 times over, each chunk at least two tiles.
+    assert fused_sampler.choose_num_splits(256, 151936, 132) == 8
+    assert fused_sampler.choose_num_splits(32, 151936, 132) == 32
+    assert fused_sampler.choose_num_splits(2048, 151936, 132) == 1
+    assert fused_sampler.choose_num_splits(32, 5000, 132) == 1
+    assert fused_sampler.choose_num_splits(0, 151936, 132) == 1
+    for rows in (1, 7, 32, 100, 256, 1000):
+        for vocab in (1000, 30000, 49152, 151936):
+            s = fused_sampler.choose_num_splits(rows, vocab, 132)
+            assert s & (s - 1) == 0 and (s == 1 or vocab // s >= 2 * fused_sampler.BLOCK_V)
