@@ -297,3 +297,13 @@ def test_abandoned_stream_frees_blocks(qwen3_tiny, async_scheduling):
     stream.close()  # the consumer walks away: the request is aborted
     assert_free(llm)
     assert llm.generate([[1, 2]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_cuda_graph_capture_sizes():
+    from nanovllm.runner.cuda_graph import capture_sizes
+
+    # The smallest graph has 8 rows (small batches are padded up to it), then multiples of 16.
+    assert capture_sizes(512) == [8] + list(range(16, 513, 16))
+    assert capture_sizes(256)[:3] == [8, 16, 32] and capture_sizes(256)[-1] == 256
+    assert capture_sizes(40) == [8, 16, 32, 40]
+    assert capture_sizes(1) == [8] and capture_sizes(8) == [8] and capture_sizes(16) == [8, 16]
