@@ -96,8 +96,9 @@ def test_vocabulary_splits_give_the_same_tokens():
     assert results[0][4:] == [7, v - 2]
     other = fused_sampler.gumbel_argmax(logits, t, torch.tensor([43], device=DEV), num_splits=4).tolist()
     assert other[:4] != results[0][:4]  # the seed matters (4 rows agreeing by chance: ~impossible)
-    with pytest.raises(ValueError, match="power of two"):
-        fused_sampler.gumbel_argmax(logits, t, seed, num_splits=3)
+    for bad in (3, 0, 2 * fused_sampler.MAX_SPLITS):
+        with pytest.raises(ValueError, match="power of two"):
+            fused_sampler.gumbel_argmax(logits, t, seed, num_splits=bad)
 
 
 def test_choose_num_splits():
@@ -111,3 +112,13 @@ def test_choose_num_splits():
         for vocab in (1000, 30000, 49152, 151936):
             s = fused_sampler.choose_num_splits(rows, vocab, 132)
             assert s & (s - 1) == 0 and (s == 1 or vocab // s >= 2 * fused_sampler.BLOCK_V)
+
+
+def test_warm_up_compiles_the_kernel_only_where_it_runs(monkeypatch):
+    calls = []
+    real = fused_sampler.gumbel_argmax
+    monkeypatch.setattr(fused_sampler, "gumbel_argmax", lambda *a: calls.append(a[0].dtype) or real(*a))
+    Sampler(fused=False).warm_up(300, torch.float16, torch.device(DEV))
+    assert calls == []
+    fused_sampler_on().warm_up(300, torch.float16, torch.device(DEV))
+    assert calls == [torch.float16]  # the logits' dtype picks the compiled variant

@@ -13,7 +13,9 @@ second small kernel picks the best chunk per row. Drawing the noise (Philox plus
 element) makes the pass compute-heavy: with one program per row, a 256-row batch left most of
 each SM idle (0.26 ms per step on the H200). The split count is chosen from the shapes only.
 The noise of an element depends on its position alone, so the sampled token is the same for
-every split count.
+every split count. The split count is a runtime argument (one compiled kernel for every batch:
+no compile in the middle of a run), and one Philox call feeds four elements (`tl.rand4x`), a
+quarter of the random-number work of one call per element.
 
 Only batches without top-k / top-p / min-p, without seeded requests (they keep their own
 torch.Generator stream, so they are reproducible whatever the batch) and without logprobs take
@@ -29,7 +31,7 @@ import triton.language as tl
 BLOCK_V = 2048
 # 8-warp programs wanted per SM (8 x 8 = 64 warps, a Hopper SM's maximum).
 _PROGRAMS_PER_SM = 8
-_MAX_SPLITS = 32
+MAX_SPLITS = 32
 
 
 def choose_num_splits(rows: int, vocab_size: int, num_sms: int) -> int:
@@ -38,10 +40,20 @@ def choose_num_splits(rows: int, vocab_size: int, num_sms: int) -> int:
         return 1
     by_occupancy = triton.next_power_of_2(triton.cdiv(_PROGRAMS_PER_SM * num_sms, rows))
     by_length = 1 << (max(1, vocab_size // (2 * BLOCK_V)).bit_length() - 1)  # a power of two
-    return max(1, min(_MAX_SPLITS, by_occupancy, by_length))
+    return max(1, min(MAX_SPLITS, by_occupancy, by_length))
 
 
-@triton.jit(do_not_specialize=("chunk",))
+@triton.jit
+def _quarter_best(row_ptr, cols, hi, u, inv_t, noise_scale):
+    """Best Gumbel-perturbed score (and its column) among `cols`, with uniforms `u`."""
+    valid = cols < hi
+    x = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
+    score = tl.where(valid, x * inv_t + gumbel * noise_scale, float("-inf"))
+    return tl.max(score, axis=0), tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=("chunk", "num_splits"))
 def _gumbel_argmax_kernel(
     logits_ptr,
     temperature_ptr,
@@ -51,9 +63,16 @@ def _gumbel_argmax_kernel(
     stride_row,
     vocab_size,
     chunk,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK: tl.constexpr,
 ):
+    """Program (row, split) scans columns [split * chunk, (split + 1) * chunk) of its row.
+
+    One Philox call yields four uniforms (`tl.rand4x`), so a BLOCK tile is read as four
+    quarter-tiles that share one call per column: counter = the quarter-tile column's absolute
+    position / 4 in the row (tiles start at multiples of BLOCK, so chunks never change which
+    uniform an element gets), lane = which quarter."""
+    QUARTER: tl.constexpr = BLOCK // 4
     row = tl.program_id(0)
     split = tl.program_id(1)
     t = tl.load(temperature_ptr + row)
@@ -61,37 +80,44 @@ def _gumbel_argmax_kernel(
     inv_t = 1.0 / tl.where(greedy, 1.0, t)
     noise_scale = tl.where(greedy, 0.0, 1.0)
     seed = tl.load(seed_ptr)
-    offs = tl.arange(0, BLOCK)
+    offs = tl.arange(0, QUARTER)
     best_val = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int64)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    row_counter = row.to(tl.int64) * tl.cdiv(vocab_size, BLOCK) * QUARTER
     lo = split * chunk
     hi = tl.minimum(vocab_size, lo + chunk)
     for start in range(lo, hi, BLOCK):
-        cols = start + offs
-        valid = cols < hi
-        x = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
-        u = tl.rand(seed, row.to(tl.int64) * vocab_size + cols)
-        u = tl.maximum(u, 1e-20)
-        gumbel = -tl.log(-tl.log(u))
-        score = tl.where(valid, x * inv_t + gumbel * noise_scale, float("-inf"))
-        tile_best = tl.max(score, axis=0)
-        tile_idx = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64) + start
-        better = tile_best > best_val  # strictly: earlier tiles win ties
-        best_idx = tl.where(better, tile_idx, best_idx)
-        best_val = tl.where(better, tile_best, best_val)
-    tl.store(best_val_ptr + row * NUM_SPLITS + split, best_val)
-    tl.store(best_idx_ptr + row * NUM_SPLITS + split, best_idx)
+        u0, u1, u2, u3 = tl.rand4x(seed, row_counter + start // 4 + offs)
+        # Quarters in column order with a strict ">" keep the lowest column on ties.
+        v, i = _quarter_best(row_ptr, start + offs, hi, u0, inv_t, noise_scale)
+        better = v > best_val
+        best_idx = tl.where(better, i + start, best_idx)
+        best_val = tl.where(better, v, best_val)
+        v, i = _quarter_best(row_ptr, start + QUARTER + offs, hi, u1, inv_t, noise_scale)
+        better = v > best_val
+        best_idx = tl.where(better, i + start + QUARTER, best_idx)
+        best_val = tl.where(better, v, best_val)
+        v, i = _quarter_best(row_ptr, start + 2 * QUARTER + offs, hi, u2, inv_t, noise_scale)
+        better = v > best_val
+        best_idx = tl.where(better, i + start + 2 * QUARTER, best_idx)
+        best_val = tl.where(better, v, best_val)
+        v, i = _quarter_best(row_ptr, start + 3 * QUARTER + offs, hi, u3, inv_t, noise_scale)
+        better = v > best_val
+        best_idx = tl.where(better, i + start + 3 * QUARTER, best_idx)
+        best_val = tl.where(better, v, best_val)
+    tl.store(best_val_ptr + row * num_splits + split, best_val)
+    tl.store(best_idx_ptr + row * num_splits + split, best_idx)
 
 
-@triton.jit
-def _best_split_kernel(best_val_ptr, best_idx_ptr, out_ptr, NUM_SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=("num_splits",))
+def _best_split_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_splits, MAX: tl.constexpr):
     row = tl.program_id(0)
-    offs = tl.arange(0, NUM_SPLITS)
-    vals = tl.load(best_val_ptr + row * NUM_SPLITS + offs)
+    offs = tl.arange(0, MAX)
+    vals = tl.load(best_val_ptr + row * num_splits + offs, mask=offs < num_splits, other=float("-inf"))
     # Chunks are in token order, so the first best chunk holds the lowest tied token id.
     winner = tl.argmax(vals, axis=0, tie_break_left=True)
-    tl.store(out_ptr + row, tl.load(best_idx_ptr + row * NUM_SPLITS + winner))
+    tl.store(out_ptr + row, tl.load(best_idx_ptr + row * num_splits + winner))
 
 
 def gumbel_argmax(
@@ -100,7 +126,8 @@ def gumbel_argmax(
     """Sample one token per row of logits [B, V] at the row's temperature (0 = greedy).
 
     temperature: [B] float32 on the device; seed: a one-element int64 device tensor.
-    num_splits: vocabulary chunks per row (a power of two); None chooses from the shapes."""
+    num_splits: vocabulary chunks per row (a power of two up to MAX_SPLITS); None chooses from
+    the shapes. It is a runtime argument: one compiled kernel serves every batch."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"gumbel_argmax: logits must be [B, V] with contiguous rows, got {tuple(logits.shape)}")
     rows, vocab = logits.shape
@@ -110,14 +137,14 @@ def gumbel_argmax(
     if num_splits is None:
         sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
         num_splits = choose_num_splits(rows, vocab, sms)
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"gumbel_argmax: num_splits must be a power of two, got {num_splits}")
+    if not 1 <= num_splits <= MAX_SPLITS or num_splits & (num_splits - 1):
+        raise ValueError(f"gumbel_argmax: num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}")
     chunk = triton.cdiv(triton.cdiv(vocab, num_splits), BLOCK_V) * BLOCK_V  # whole tiles per chunk
     best_val = torch.empty((rows, num_splits), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, num_splits), dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(rows, num_splits)](
-        logits, temperature, seed, best_val, best_idx, logits.stride(0), vocab, chunk,
-        NUM_SPLITS=num_splits, BLOCK=BLOCK_V, num_warps=8,
+        logits, temperature, seed, best_val, best_idx, logits.stride(0), vocab, chunk, num_splits,
+        BLOCK=BLOCK_V, num_warps=8,
     )
-    _best_split_kernel[(rows,)](best_val, best_idx, out, NUM_SPLITS=num_splits, num_warps=1)
+    _best_split_kernel[(rows,)](best_val, best_idx, out, num_splits, MAX=MAX_SPLITS, num_warps=1)
     return out
