@@ -79,7 +79,7 @@ def test_greedy_is_argmax(device):
 
 def test_tiny_temperature_is_greedy():
     st = SamplingTensors.from_params([SamplingParams(temperature=1e-7)], None, 10, "cpu")
-    assert st.all_greedy and st.temperature.item() == 0.0
+    assert st.all_greedy and st.temperature is None  # greedy rows need no controls on the device
     logits = torch.randn(1, 10) * 100
     assert Sampler()(logits, st).token_ids.item() == logits.argmax().item()
 
@@ -298,11 +298,16 @@ def test_from_params_tensors_and_flags():
     ]
     st = SamplingTensors.from_params(params, [None, None, None], 32, "cpu")
     assert st.temperature.dtype == st.top_p.dtype == st.min_p.dtype == torch.float32
-    assert st.top_k.dtype == torch.int64
-    assert st.top_k.tolist() == [2, 32, 32]  # -1 and k > vocab both mean "off"
+    assert st.top_k is None  # only the greedy row asks for top-k; 50 > vocab means "off"
     assert st.temperature.tolist() == pytest.approx([0.0, 0.7, 1.0])
+    assert st.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0]) and st.min_p.tolist() == pytest.approx([0.0, 0.0, 0.05])
     assert (st.all_greedy, st.all_random, st.any_top_k, st.any_top_p, st.any_min_p) == (False, False, False, True, True)
     assert st.max_num_logprobs == 3
+    params[1] = SamplingParams(temperature=0.7, top_k=-1)
+    params[2] = SamplingParams(temperature=1.0, top_k=5)
+    st = SamplingTensors.from_params(params, None, 32, "cpu")
+    assert st.top_k.dtype == torch.int64 and st.top_k.tolist() == [2, 32, 5]  # -1 means "off": the vocab size
+    assert st.top_p is None and st.min_p is None and st.any_top_k
     st = SamplingTensors.from_params([SamplingParams()], None, 32, "cpu")
     assert st.all_random and not (st.any_top_k or st.any_top_p or st.any_min_p) and st.max_num_logprobs is None
 

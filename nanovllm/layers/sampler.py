@@ -59,10 +59,12 @@ class SamplingTensors:
     the sampler skip work without reading the device.
     """
 
-    temperature: torch.Tensor  # [B] float32; 0 = greedy row
-    top_k: torch.Tensor  # [B] int64; vocab size when off
-    top_p: torch.Tensor  # [B] float32; 1 when off
-    min_p: torch.Tensor  # [B] float32; 0 when off
+    # Each control is on the device only when some row needs it (None otherwise): every
+    # host-to-device copy is a launch the GPU waits on between steps.
+    temperature: torch.Tensor | None  # [B] float32; 0 = greedy row. None when all_greedy
+    top_k: torch.Tensor | None  # [B] int64; vocab size when off. None unless any_top_k
+    top_p: torch.Tensor | None  # [B] float32; 1 when off. None unless any_top_p
+    min_p: torch.Tensor | None  # [B] float32; 0 when off. None unless any_min_p
     # One per row; None = draw from the global RNG. Always None for greedy rows (they draw nothing).
     generators: list[torch.Generator | None]
     all_greedy: bool
@@ -88,7 +90,7 @@ class SamplingTensors:
     ) -> SamplingTensors:
         """One row per entry of `params`; `generators[i]` is row i's seeded generator or None.
 
-        Each tensor is one host-to-device copy (pinned and non-blocking on CUDA).
+        Each tensor that is needed is one host-to-device copy (pinned and non-blocking on CUDA).
         """
         num_rows = len(params)
         gens: list[torch.Generator | None] = [None] * num_rows if generators is None else list(generators)
@@ -115,17 +117,20 @@ class SamplingTensors:
             host = torch.tensor(values, dtype=dtype, pin_memory=pin)
             return host.to(device, non_blocking=pin)
 
+        any_top_k = any(top_k[i] < vocab_size for i in sampled)
+        any_top_p = any(top_p[i] < 1.0 for i in sampled)
+        any_min_p = any(min_p[i] > 0.0 for i in sampled)
         return cls(
-            temperature=to_device(temperature, torch.float32),
-            top_k=to_device(top_k, torch.int64),
-            top_p=to_device(top_p, torch.float32),
-            min_p=to_device(min_p, torch.float32),
+            temperature=to_device(temperature, torch.float32) if sampled else None,
+            top_k=to_device(top_k, torch.int64) if any_top_k else None,
+            top_p=to_device(top_p, torch.float32) if any_top_p else None,
+            min_p=to_device(min_p, torch.float32) if any_min_p else None,
             generators=[None if greedy[i] else g for i, g in enumerate(gens)],
             all_greedy=len(sampled) == 0,
             all_random=len(sampled) == num_rows,
-            any_top_k=any(top_k[i] < vocab_size for i in sampled),
-            any_top_p=any(top_p[i] < 1.0 for i in sampled),
-            any_min_p=any(min_p[i] > 0.0 for i in sampled),
+            any_top_k=any_top_k,
+            any_top_p=any_top_p,
+            any_min_p=any_min_p,
             max_num_logprobs=max(asked) if asked else None,
         )
 

@@ -254,6 +254,22 @@ class ModelRunner:
         t = torch.from_numpy(a)
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
+    def _to_device_packed(self, arrays: list[np.ndarray], dtype: type) -> list[torch.Tensor]:
+        """Several host arrays of one dtype -> device views of one buffer, in one copy (each copy
+        is a launch the GPU waits on between steps, so a step's arrays travel together)."""
+        sizes = [a.size for a in arrays]
+        flat = np.empty(sum(sizes), dtype=dtype)
+        views, offset = [], 0
+        for a, n in zip(arrays, sizes):
+            flat[offset : offset + n] = a.reshape(-1)
+            offset += n
+        dev = self._to_device(flat)
+        offset = 0
+        for a, n in zip(arrays, sizes):
+            views.append(dev[offset : offset + n].view(a.shape))
+            offset += n
+        return views
+
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
         seqs = out.seqs
         num_seqs = len(seqs)
@@ -274,27 +290,29 @@ class ModelRunner:
         slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         sample_rows = np.fromiter((s.sample for s in seqs), dtype=bool, count=num_seqs)
         logits_indices = cu[1:][sample_rows] - 1
+        # Tokens sampled by the previous step are not on the host yet (async scheduling): their
+        # rows of input_ids are gathered on the device from the last step's sampled ids.
+        pending = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
+        src = np.fromiter((self._prev_rows[seqs[i].seq_id] for i in seq_index[pending]), dtype=np.int64, count=len(pending))
 
+        input_ids_dev, positions_dev, slot_mapping_dev, pending_dev, src_dev = self._to_device_packed(
+            [input_ids, positions, slot_mapping, pending, src], np.int64
+        )
+        qsl_dev, seq_lens_dev, block_tables_dev = self._to_device_packed([cu, seq_lens, block_tables], np.int32)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            query_start_loc=self._to_device(cu.astype(np.int32)),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            block_tables=self._to_device(block_tables),
+            slot_mapping=slot_mapping_dev,
+            query_start_loc=qsl_dev,
+            seq_lens=seq_lens_dev,
+            block_tables=block_tables_dev,
             num_decodes=out.num_decodes,
             max_query_len=int(qlens.max()),
             max_seq_len=int(seq_lens.max()),
             query_lens_cpu=qlens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        input_ids_dev = self._to_device(input_ids)
-        pending = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
         if len(pending):
-            # Tokens sampled by the previous step, not yet on the host: gather them on the device.
-            src = np.fromiter((self._prev_rows[seqs[i].seq_id] for i in seq_index[pending]), dtype=np.int64, count=len(pending))
-            if self.device.type == "cpu":
-                input_ids_dev = input_ids_dev.clone()  # it shares memory with the numpy array
-            input_ids_dev[self._to_device(pending)] = self._prev_tokens[self._to_device(src)]
-        return input_ids_dev, self._to_device(positions), meta, logits_indices
+            input_ids_dev[pending_dev] = self._prev_tokens[src_dev]
+        return input_ids_dev, positions_dev, meta, logits_indices
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.execute_async(out).result()
@@ -313,8 +331,10 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         if len(logits_indices) == 0:
             return _Done(RunnerOutput([]))
-        idx = self._to_device(logits_indices)
-        logits = self.model.compute_logits(hidden[idx])
+        if len(logits_indices) == hidden.shape[0]:  # every token samples (decodes): no gather
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden[self._to_device(logits_indices)])
         if self.rank != 0:
             return _Done(RunnerOutput([]))
         rows = [s for s in out.seqs if s.sample]
