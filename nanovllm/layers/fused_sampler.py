@@ -44,13 +44,14 @@ def choose_num_splits(rows: int, vocab_size: int, num_sms: int) -> int:
 
 
 @triton.jit
-def _quarter_best(row_ptr, cols, hi, u, inv_t, noise_scale):
-    """Best Gumbel-perturbed score (and its column) among `cols`, with uniforms `u`."""
+def _keep_best(best_val, best_idx, row_ptr, cols, hi, u, inv_t, noise_scale):
+    """Fold one quarter-tile into the per-lane running best (no cross-lane reduction)."""
     valid = cols < hi
     x = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
     gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
     score = tl.where(valid, x * inv_t + gumbel * noise_scale, float("-inf"))
-    return tl.max(score, axis=0), tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
+    better = score > best_val  # strict: each lane sees its columns in increasing order
+    return tl.where(better, score, best_val), tl.where(better, cols, best_idx)
 
 
 @triton.jit(do_not_specialize=("chunk", "num_splits"))
@@ -71,7 +72,9 @@ def _gumbel_argmax_kernel(
     One Philox call yields four uniforms (`tl.rand4x`), so a BLOCK tile is read as four
     quarter-tiles that share one call per column: counter = the quarter-tile column's absolute
     position / 4 in the row (tiles start at multiples of BLOCK, so chunks never change which
-    uniform an element gets), lane = which quarter."""
+    uniform an element gets), lane = which quarter. Each lane keeps its own running best and
+    the lanes are reduced once at the end: a reduction per tile (a barrier across 8 warps)
+    would cost more than the tile's loads."""
     QUARTER: tl.constexpr = BLOCK // 4
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -81,33 +84,24 @@ def _gumbel_argmax_kernel(
     noise_scale = tl.where(greedy, 0.0, 1.0)
     seed = tl.load(seed_ptr)
     offs = tl.arange(0, QUARTER)
-    best_val = tl.full((), float("-inf"), tl.float32)
-    best_idx = tl.full((), 0, tl.int64)
+    best_val = tl.full((QUARTER,), float("-inf"), tl.float32)
+    best_idx = tl.full((QUARTER,), 0, tl.int64)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     row_counter = row.to(tl.int64) * tl.cdiv(vocab_size, BLOCK) * QUARTER
     lo = split * chunk
     hi = tl.minimum(vocab_size, lo + chunk)
     for start in range(lo, hi, BLOCK):
         u0, u1, u2, u3 = tl.rand4x(seed, row_counter + start // 4 + offs)
-        # Quarters in column order with a strict ">" keep the lowest column on ties.
-        v, i = _quarter_best(row_ptr, start + offs, hi, u0, inv_t, noise_scale)
-        better = v > best_val
-        best_idx = tl.where(better, i + start, best_idx)
-        best_val = tl.where(better, v, best_val)
-        v, i = _quarter_best(row_ptr, start + QUARTER + offs, hi, u1, inv_t, noise_scale)
-        better = v > best_val
-        best_idx = tl.where(better, i + start + QUARTER, best_idx)
-        best_val = tl.where(better, v, best_val)
-        v, i = _quarter_best(row_ptr, start + 2 * QUARTER + offs, hi, u2, inv_t, noise_scale)
-        better = v > best_val
-        best_idx = tl.where(better, i + start + 2 * QUARTER, best_idx)
-        best_val = tl.where(better, v, best_val)
-        v, i = _quarter_best(row_ptr, start + 3 * QUARTER + offs, hi, u3, inv_t, noise_scale)
-        better = v > best_val
-        best_idx = tl.where(better, i + start + 3 * QUARTER, best_idx)
-        best_val = tl.where(better, v, best_val)
-    tl.store(best_val_ptr + row * num_splits + split, best_val)
-    tl.store(best_idx_ptr + row * num_splits + split, best_idx)
+        cols = (start + offs).to(tl.int64)
+        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols, hi, u0, inv_t, noise_scale)
+        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols + QUARTER, hi, u1, inv_t, noise_scale)
+        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols + 2 * QUARTER, hi, u2, inv_t, noise_scale)
+        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols + 3 * QUARTER, hi, u3, inv_t, noise_scale)
+    top = tl.max(best_val, axis=0)
+    # Lowest column among the lanes holding the maximum (ties go to the lowest token id).
+    top_idx = tl.min(tl.where(best_val == top, best_idx, tl.full((QUARTER,), 2**62, tl.int64)), axis=0)
+    tl.store(best_val_ptr + row * num_splits + split, top)
+    tl.store(best_idx_ptr + row * num_splits + split, top_idx)
 
 
 @triton.jit(do_not_specialize=("num_splits",))
