@@ -307,3 +307,19 @@ def test_cuda_graph_capture_sizes():
     assert capture_sizes(256)[:3] == [8, 16, 32] and capture_sizes(256)[-1] == 256
     assert capture_sizes(40) == [8, 16, 32, 40]
     assert capture_sizes(1) == [8] and capture_sizes(8) == [8] and capture_sizes(16) == [8, 16]
+
+
+def test_packed_step_arrays_start_on_16_byte_boundaries(qwen3_tiny):
+    """A step's arrays share one host-to-device copy; each view must start 16-byte aligned
+    whatever the token count (Triton compiles a variant per pointer alignment)."""
+    import numpy as np
+
+    runner = LLM(str(qwen3_tiny), device="cpu").engine.executor.runner
+    for sizes in [(3, 3, 3, 0, 0), (5, 1, 7, 2, 2), (1, 1, 1, 1, 1)]:
+        arrays = [np.arange(n, dtype=np.int64) * (i + 1) for i, n in enumerate(sizes)]
+        views = runner._to_device_packed(arrays, np.int64)
+        for a, v in zip(arrays, views):
+            assert v.data_ptr() % 16 == 0 and v.tolist() == a.tolist()
+    int32 = [np.arange(n, dtype=np.int32).reshape(shape) for n, shape in [(3, (3,)), (2, (2,)), (6, (2, 3))]]
+    for a, v in zip(int32, runner._to_device_packed(int32, np.int32)):
+        assert v.data_ptr() % 16 == 0 and v.dtype == torch.int32 and v.tolist() == a.tolist()

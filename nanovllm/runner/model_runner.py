@@ -256,19 +256,21 @@ class ModelRunner:
 
     def _to_device_packed(self, arrays: list[np.ndarray], dtype: type) -> list[torch.Tensor]:
         """Several host arrays of one dtype -> device views of one buffer, in one copy (each copy
-        is a launch the GPU waits on between steps, so a step's arrays travel together)."""
-        sizes = [a.size for a in arrays]
-        flat = np.empty(sum(sizes), dtype=dtype)
-        views, offset = [], 0
-        for a, n in zip(arrays, sizes):
-            flat[offset : offset + n] = a.reshape(-1)
-            offset += n
+        is a launch the GPU waits on between steps, so a step's arrays travel together).
+
+        Every view starts on a 16-byte boundary: Triton compiles a kernel variant per pointer
+        alignment, so a view whose alignment followed the step's token count would compile a
+        new variant in the middle of a run."""
+        align = 16 // np.dtype(dtype).itemsize
+        offsets, end = [], 0
+        for a in arrays:
+            offsets.append(end)
+            end += -(-a.size // align) * align
+        flat = np.empty(end, dtype=dtype)
+        for a, offset in zip(arrays, offsets):
+            flat[offset : offset + a.size] = a.reshape(-1)
         dev = self._to_device(flat)
-        offset = 0
-        for a, n in zip(arrays, sizes):
-            views.append(dev[offset : offset + n].view(a.shape))
-            offset += n
-        return views
+        return [dev[offset : offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
         seqs = out.seqs
