@@ -168,16 +168,6 @@ class Sampler(nn.Module):
                     or st.any_top_k or st.any_top_p or st.any_min_p or st.max_num_logprobs is not None
                     or any(g is not None for g in st.generators))
 
-    def warm_up(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Compile the fused kernel at start-up (one variant serves every batch) instead of in
-        the middle of the first batch that samples through it."""
-        if device.type not in self.fused_devices:
-            return
-        from nanovllm.layers.fused_sampler import gumbel_argmax
-
-        logits = torch.zeros((1, vocab_size), dtype=dtype, device=device)
-        gumbel_argmax(logits, torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device))
-
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != st.num_rows:
             raise ValueError(f"Sampler: logits {tuple(logits.shape)} for {st.num_rows} rows; expected [B, V]")
