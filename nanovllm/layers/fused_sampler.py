@@ -3,7 +3,7 @@
 The reference sampler (sampler.py) runs ~6 full-vocabulary passes per step (fp32 cast, divide,
 softmax, exponential noise, divide, argmax); on a 151,936-token vocabulary at batch 256 that
 is ~0.6 ms, about a tenth of a decode step. Here the logits are streamed once, in their own
-dtype, and keeps a running argmax of `logits / T + Gumbel noise` (greedy rows: of the
+dtype, keeping a running argmax of `logits / T + Gumbel noise` (greedy rows: of the
 logits), which draws exactly from softmax(logits / T) (the Gumbel-max trick). The noise is
 Philox (`tl.rand4x`) keyed by a per-step seed that is drawn on the device from torch's RNG (so
 `torch.manual_seed` still governs it and there is no host sync) and by the element's position.
