@@ -2,7 +2,7 @@
 
 Run from the repository root on the H200:
 
-    python3 benchmarks/attention_kernels.py [--sweep] [--out DIR]
+    python3 benchmarks/attention_kernels.py [--sweep | --splits] [--out DIR]
 
 1. Parity at the Qwen3-0.6B attention shape (16 q heads, 8 kv heads, head_dim 128, bf16) for
    several batch mixes and block sizes 16 and 32 (max abs error vs the torch backend).
@@ -16,6 +16,8 @@ Run from the repository root on the H200:
 3. Prefill timing (causal, fresh prompts and a chunk after a prefix) vs torch's SDPA (flash) on the
    same shapes, in TFLOP/s; store_kv timing.
 4. --sweep: tile shapes / warps / stages for the decode and prefill kernels; prints the best.
+5. --splits (alone): decode batches shaped like W1's (the batch shrinks as contexts grow) at
+   1-32 splits and a few tiles, in CUDA graphs; what the split heuristic was chosen from.
 The short table is printed last; with --out the full results are also written as JSON.
 """
 from __future__ import annotations
