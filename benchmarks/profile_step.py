@@ -4,6 +4,7 @@
     python benchmarks/profile_step.py --model /tmp/q06 --workload w5   # one stream (W5)
     python benchmarks/profile_step.py --model /tmp/q06 --graphs        # replay cost per batch size
     python benchmarks/profile_step.py --model /tmp/q06 --timeline      # W1 wall time by batch size
+    python benchmarks/profile_step.py --model /tmp/q06 --first-prefill # a fresh engine's first W1 step
 
 w1 / w5: brings the requests to steady decode, times N steps without a profiler (wall per
 step), then prints the torch profiler's kernel table (GPU busy per step; the difference to the
@@ -11,6 +12,9 @@ wall is time the GPU waits on the host) and cProfile's top host functions.
 --graphs: replays each captured decode graph with every row at a context of --context tokens,
 timed with CUDA events: the GPU cost of a step outside the host's reach.
 --timeline: one W1 run, every step's wall time binned by how many sequences it ran.
+--first-prefill: the first W1 step of a fresh engine (after bench.py's short warm-up) under the
+profiler, sorted by host time: a new process's first W1 run is ~0.3 s slower there than later
+runs with no Triton compile involved (docs/benchmarks.md); this shows where that time goes.
 """
 from __future__ import annotations
 
@@ -141,6 +145,33 @@ def timeline(llm) -> None:
             print(f"  decode batch {lo:3d}-{hi:3d}: {count:4d} steps, {secs:.2f} s, {secs / count * 1e3:.2f} ms/step")
 
 
+def first_prefill(llm) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanovllm import SamplingParams
+
+    from bench import w1_requests
+
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # bench.py's warm-up
+    engine = llm.engine
+    prompts, params = w1_requests()
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"first-{i}", p, sp)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(2):  # with async scheduling the first step's work finishes in the second
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+    print(f"first two W1 steps: {wall * 1e3:.1f} ms wall")
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -149,11 +180,14 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--timeline", action="store_true")
+    ap.add_argument("--first-prefill", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args()
     from nanovllm import LLM
 
     llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager)
+    if args.first_prefill:  # first, while the engine is fresh
+        first_prefill(llm)
     if args.graphs:
         graph_replay(llm.engine.executor.runner, args.context)
     if args.timeline:
