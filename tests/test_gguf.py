@@ -299,26 +299,27 @@ def test_synthetic_tokenizer(tmp_path, checkpoint_factory, tokenizer_dir):
 # ---------------------------------------------------------------- errors
 
 
-def test_unsupported_tensor_type(tmp_path):
-    from transformers import LlamaConfig
-
-    writer = gguf.GGUFWriter(str(tmp_path / "int.gguf"), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.int8))
+def write_one_tensor_gguf(path: Path, arch: str, array: np.ndarray) -> Path:
+    """A GGUF file with just an architecture and `token_embd.weight`."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tensor("token_embd.weight", array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_unsupported_tensor_type(tmp_path):
+    from transformers import LlamaConfig
+
+    write_one_tensor_gguf(tmp_path / "int.gguf", "llama", np.zeros((64, 32), dtype=np.int8))
     with pytest.raises(ValueError, match="token_embd.weight.*I8"):
         next(iter_gguf_weights(tmp_path / "int.gguf", LlamaConfig()))
 
 
 def test_unsupported_architecture_and_missing_file(tmp_path):
-    writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
-    writer.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_one_tensor_gguf(tmp_path / "gpt2.gguf", "gpt2", np.zeros((64, 32), dtype=np.float32))
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         load_gguf_config(tmp_path / "gpt2.gguf")
     with pytest.raises(FileNotFoundError):
