@@ -30,6 +30,11 @@ from random import randint
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def add_requests(engine, prompts, params, prefix: str = "") -> None:
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"{prefix}{i}", p, sp)
+
+
 def steady_decode(engine, workload: str) -> None:
     from nanovllm import SamplingParams
 
@@ -40,8 +45,7 @@ def steady_decode(engine, workload: str) -> None:
     else:
         prompts = [[randint(0, 10000) for _ in range(128)]]
         params = [SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)]
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), p, sp)
+    add_requests(engine, prompts, params)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()
     for _ in range(10):
@@ -155,9 +159,7 @@ def first_prefill(llm) -> None:
 
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # bench.py's warm-up
     engine = llm.engine
-    prompts, params = w1_requests()
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(f"first-{i}", p, sp)
+    add_requests(engine, *w1_requests(), prefix="first-")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
