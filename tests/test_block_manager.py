@@ -15,6 +15,13 @@ def seq_of(tokens):
     return Sequence(seq_id=next(_ids), request_id="r", prompt_token_ids=list(tokens), params=SamplingParams())
 
 
+def compute_and_cache(bm, seq):
+    """Allocate all of seq, count every token as computed, register its full blocks."""
+    bm.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+
+
 def test_pure_python_modules_do_not_import_torch():
     code = (
         "import sys; import nanovllm.engine.scheduler, nanovllm.engine.block_manager, nanovllm.engine.sequence;"
@@ -56,9 +63,7 @@ def test_prefix_hit_after_computation_and_ref_counts():
     bm = BlockManager(num_blocks=16, block_size=4)
     a = seq_of(range(10))
     assert bm.find_cached_prefix(a) == []
-    bm.allocate(a, 10)
-    a.num_computed_tokens = 10
-    bm.cache_full_blocks(a)  # two full blocks registered
+    compute_and_cache(bm, a)  # two full blocks registered
     b = seq_of(list(range(8)) + [99, 98, 97])
     hits = bm.find_cached_prefix(b)
     assert hits == a.block_table[:2]
@@ -74,9 +79,7 @@ def test_prefix_hit_after_computation_and_ref_counts():
 def test_hit_never_covers_the_whole_prompt():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = seq_of(range(8))
-    bm.allocate(a, 8)
-    a.num_computed_tokens = 8
-    bm.cache_full_blocks(a)
+    compute_and_cache(bm, a)
     b = seq_of(range(8))
     assert len(bm.find_cached_prefix(b)) == 1  # the last token must still be computed
 
@@ -84,9 +87,7 @@ def test_hit_never_covers_the_whole_prompt():
 def test_freed_cached_blocks_are_reused_until_evicted():
     bm = BlockManager(num_blocks=4, block_size=4)
     a = seq_of(range(9))
-    bm.allocate(a, 9)
-    a.num_computed_tokens = 9
-    bm.cache_full_blocks(a)
+    compute_and_cache(bm, a)
     bm.free(a)
     assert bm.num_free_blocks == 4
     b = seq_of(list(range(8)) + [5])
@@ -102,9 +103,7 @@ def test_freed_cached_blocks_are_reused_until_evicted():
 def test_hit_verification_rejects_a_colliding_hash():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = seq_of(range(9))
-    bm.allocate(a, 9)
-    a.num_computed_tokens = 9
-    bm.cache_full_blocks(a)
+    compute_and_cache(bm, a)
     # Forge a collision: make b's first-block hash point at a's block although tokens differ.
     b = seq_of([50, 51, 52, 53, 54])
     forged = hash_block(0, [50, 51, 52, 53])
@@ -117,9 +116,7 @@ def test_hit_reusing_free_blocks_counts_them_correctly():
     serve as the new blocks: allocation must fail rather than hand out a block twice."""
     bm = BlockManager(num_blocks=3, block_size=4)
     a = seq_of(range(9))
-    bm.allocate(a, 9)
-    a.num_computed_tokens = 9
-    bm.cache_full_blocks(a)
+    compute_and_cache(bm, a)
     bm.free(a)
     b = seq_of(list(range(8)) + list(range(100, 109)))  # 17 tokens: 2 hit + needs 3 more blocks
     hits = bm.find_cached_prefix(b)
@@ -145,9 +142,7 @@ def test_decode_filled_blocks_become_cacheable():
 def test_reset_prefix_cache_only_when_idle():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = seq_of(range(9))
-    bm.allocate(a, 9)
-    a.num_computed_tokens = 9
-    bm.cache_full_blocks(a)
+    compute_and_cache(bm, a)
     assert not bm.reset_prefix_cache()  # a still holds blocks
     bm.free(a)
     assert bm.reset_prefix_cache()
