@@ -18,6 +18,7 @@ Run from the repository root on the H200:
 4. --sweep: tile shapes / warps / stages for the decode and prefill kernels; prints the best.
 5. --splits (alone): decode batches shaped like W1's (the batch shrinks as contexts grow) at
    1-32 splits and a few tiles, in CUDA graphs; what the split heuristic was chosen from.
+6. --order (alone): the same batches in arrival order vs longest context first.
 The short table is printed last; with --out the full results are also written as JSON.
 """
 from __future__ import annotations
@@ -257,6 +258,44 @@ def split_sweep(results: dict) -> list[dict]:
     return rows
 
 
+def order_sweep(results: dict) -> list[dict]:
+    """W1-shaped decode batches in the order requests arrived (random lengths) vs longest context
+    first (the scheduler's order), single-pass with 64- and 128-row KV tiles and the split kernel
+    where the backend would pick it. Programs are dispatched roughly in grid order, so the order
+    decides which programs are left running alone at the end of a launch."""
+    from nanovllm.attention.kernels.paged_attention import paged_attention
+
+    gen = torch.Generator().manual_seed(1)
+    cases = {256: (100, 1100), 192: (300, 1400), 128: (600, 1700), 64: (1100, 1900), 48: (1300, 2000),
+             32: (1400, 2000), 16: (1600, 2048)}
+    rows = []
+    for bs, (lo, hi) in cases.items():
+        ctx = [int(x) for x in torch.randint(lo, hi + 1, (bs,), generator=gen)]
+        for order in ("random", "longest first"):
+            b = build(sorted(ctx, reverse=True) if order != "random" else ctx, [], block_size=16)
+            out = torch.empty_like(b["q"])
+            nbytes = kv_bytes(b["meta"])
+            m = b["meta"]
+            auto = TritonAttentionBackend().decode_num_splits(bs, NUM_KV_HEADS, b["q"].device)
+            variants = []
+            for bn in (64, 128):
+                cfg = TileConfig(16, bn, 4, 2)
+                fn = lambda cfg=cfg: paged_attention(  # noqa: E731
+                    b["q"], b["k_cache"], b["v_cache"], out, m.block_tables, m.seq_lens, m.query_start_loc,
+                    bs, SCALE, cfg, decode_only=True)
+                variants.append((f"single pass, n{bn}", fn))
+            if auto > 1:
+                be = TritonAttentionBackend()
+                variants.append((f"split {auto}", lambda be=be: be.attend(b["q"], b["k_cache"], b["v_cache"], m, SCALE, out)))
+            for label, fn in variants:
+                us = median_ms(fn, graph=True) * 1e3
+                rows.append(dict(bs=bs, ctx=f"{lo}-{hi}", order=order, kernel=label, us=us,
+                                 pct=100 * nbytes / (us * 1e-6) / 1e9 / PEAK_GBS))
+                print(f"  {bs:5d} {lo:>5d}-{hi:<5d} {order:>13s} {label:>18s} {us:8.1f} us {rows[-1]['pct']:5.0f}%", flush=True)
+    results["order_sweep"] = rows
+    return rows
+
+
 def sweep(results: dict) -> dict:
     """Try tile shapes; report the fastest per case (failures to compile are skipped)."""
     best = {}
@@ -298,6 +337,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also sweep tile configs")
     parser.add_argument("--splits", action="store_true", help="only the W1-shaped split / tile sweep")
+    parser.add_argument("--order", action="store_true", help="only the W1-shaped batch-order / grid-order sweep")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for the JSON results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -309,6 +349,9 @@ def main() -> None:
     )
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
 
+    if args.order:
+        order_sweep(results)
+        return
     if args.splits:
         rows = split_sweep(results)
         print(f"  {'batch':>5s} {'ctx':>10s} {'splits':>6s} {'us':>8s} {'% 4.3TB/s':>9s}  tile")

@@ -48,6 +48,8 @@ class FakeEngine:
         assert out.num_batched_tokens <= self.sched.max_num_batched_tokens
         assert len(self.sched.running) <= self.sched.max_num_seqs
         assert all(len(s.token_ids) == 1 for s in out.seqs[: out.num_decodes])
+        decode_contexts = [s.start_pos for s in out.seqs[: out.num_decodes]]
+        assert decode_contexts == sorted(decode_contexts, reverse=True)  # longest context first
         sampled, device_now = [], {}
         for item in out.seqs:
             seq = self.seqs[item.seq_id]
@@ -112,6 +114,18 @@ def test_decodes_first_and_prefill_is_chunked_by_budget():
     assert out.seqs[1].sample is False
     eng.run()
     assert all(s.finish_reason == "length" for s in eng.seqs.values())
+
+
+def test_decodes_are_listed_longest_context_first():
+    eng = FakeEngine(num_blocks=64, block_size=4, max_num_seqs=8, budget=64)
+    short, long_, mid = eng.add(range(2), max_tokens=9), eng.add(range(30), max_tokens=9), eng.add(range(9), max_tokens=9)
+    eng.step()  # all three prefilled in arrival order
+    out = eng.step()
+    assert out.num_decodes == 3
+    assert [s.seq_id for s in out.seqs] == [long_.seq_id, mid.seq_id, short.seq_id]
+    eng.run()
+    for seq, n in ((short, 2), (long_, 30), (mid, 9)):
+        assert seq.completion_token_ids == reference_tokens(list(range(n)), 9)
 
 
 def test_preemption_recomputes_and_gives_same_tokens():
