@@ -5,6 +5,7 @@
     python benchmarks/profile_step.py --model /tmp/q06 --graphs        # replay cost per batch size
     python benchmarks/profile_step.py --model /tmp/q06 --timeline      # W1 wall time by batch size
     python benchmarks/profile_step.py --model /tmp/q06 --first-prefill # a fresh engine's first W1 step
+    python benchmarks/profile_step.py --model /tmp/q06 --first-run     # first vs second W1 run, per step
 
 w1 / w5: brings the requests to steady decode, times N steps without a profiler (wall per
 step), then prints the torch profiler's kernel table (GPU busy per step; the difference to the
@@ -12,6 +13,8 @@ wall is time the GPU waits on the host) and cProfile's top host functions.
 --graphs: replays each captured decode graph with every row at a context of --context tokens,
 timed with CUDA events: the GPU cost of a step outside the host's reach.
 --timeline: one W1 run, every step's wall time binned by how many sequences it ran.
+--first-run: two W1 runs in a fresh engine, every step's wall time (run 0 vs run 1) and the
+garbage collector's time per run (no full collection happens in either, 2026-11-29).
 --first-prefill: the first W1 step of a fresh engine (after bench.py's short warm-up) under the
 profiler, sorted by host time: a new process's first W1 run is ~0.3 s slower there than later
 runs with no Triton compile involved (docs/benchmarks.md); this shows where that time goes.
@@ -149,6 +152,61 @@ def timeline(llm) -> None:
             print(f"  decode batch {lo:3d}-{hi:3d}: {count:4d} steps, {secs:.2f} s, {secs / count * 1e3:.2f} ms/step")
 
 
+def first_run(llm) -> None:
+    """Two W1 runs in a fresh engine, stepped as bench.py steps them (async, unsynchronised):
+    per-step wall times side by side, and the time Python's garbage collector took in each run
+    (by generation), to see what makes a new process's first run slower."""
+    import gc
+
+    from nanovllm import SamplingParams
+
+    from bench import w1_requests
+
+    engine = llm.engine
+    gc_time: dict[int, list[float]] = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            entry = gc_time[info["generation"]]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - started.pop()
+
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # bench.py's warm-up
+    original = engine.step
+    runs: list[list[tuple[int, int, float]]] = []
+    gc.callbacks.append(on_gc)
+    for run in range(2):
+        steps: list[tuple[int, int, float]] = []
+        for entry in gc_time.values():
+            entry[:] = [0, 0.0]
+
+        def step():
+            outs = original()
+            st = engine.last_step
+            steps.append((st.num_prefill_tokens, st.num_decode_tokens, st.seconds))
+            return outs
+
+        engine.step = step
+        prompts, params = w1_requests()
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        total = time.perf_counter() - t
+        engine.step = original
+        runs.append(steps)
+        prefill = sum(x[2] for x in steps if x[0])
+        gcs = ", ".join(f"gen{g} {n} x, {secs * 1e3:.1f} ms" for g, (n, secs) in gc_time.items())
+        print(f"run {run}: {total:.3f} s, {len(steps)} steps, steps with prefill {prefill:.3f} s; gc: {gcs}")
+    gc.callbacks.remove(on_gc)
+    print("steps: prefill tokens, decodes, run 0 ms, run 1 ms (first 12, and any 2 ms apart)")
+    for i, (a, b) in enumerate(zip(runs[0], runs[1])):
+        if i < 12 or abs(a[2] - b[2]) > 0.002:
+            print(f"  step {i:4d}: {a[0]:6d} {a[1]:4d} {a[2] * 1e3:8.1f} {b[2] * 1e3:8.1f}")
+
+
 def first_prefill(llm) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -183,12 +241,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--timeline", action="store_true")
     ap.add_argument("--first-prefill", action="store_true")
+    ap.add_argument("--first-run", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args()
     from nanovllm import LLM
 
     llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager)
-    if args.first_prefill:  # first, while the engine is fresh
+    if args.first_run:  # first, while the engine is fresh
+        first_run(llm)
+    elif args.first_prefill:
         first_prefill(llm)
     if args.graphs:
         graph_replay(llm.engine.executor.runner, args.context)
