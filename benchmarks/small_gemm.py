@@ -7,8 +7,11 @@ picks again) or with x padded to 8 rows. Each case captures 28 calls in a CUDA g
 its own weight copy (one per layer, so weights come from HBM, not L2), and replays it.
 
     python benchmarks/small_gemm.py
+    python benchmarks/small_gemm.py --rows 64 128 256     # W1's decode batches: F.linear, TFLOP/s
 """
 from __future__ import annotations
+
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +58,31 @@ def padded8(x, w):
 VARIANTS = {"F.linear": F.linear, "(W @ x.T).T": transposed, "pad to 8": padded8}
 
 
+def batch_rows(weights: dict, rows: list[int]) -> None:
+    """F.linear at larger M: time, weight-read rate and matrix-unit rate per projection."""
+    print(torch.cuda.get_device_name(), "F.linear, us per call (GB/s of weight read, TFLOP/s)")
+    for m in rows:
+        total = 0.0
+        for name, ws in weights.items():
+            n, k = ws[0].shape
+            x = torch.randn(m, k, device=ws[0].device, dtype=torch.bfloat16)
+            us = graph_time_us(lambda i: F.linear(x, ws[i]))
+            total += us
+            print(f"{name:8s} M={m:4d} {us:7.2f} us ({n * k * 2 / (us * 1e3):5.0f} GB/s, {2 * m * n * k / (us * 1e6):5.0f} TFLOP/s)")
+        print(f"four projections at M={m}: {total:.1f} us per layer, x{LAYERS} = {total * LAYERS / 1e3:.2f} ms")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="*", help="time F.linear at these M instead of the 1-16 variant table")
+    args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
                for name, (n, k) in SHAPES.items()}
+    if args.rows:
+        batch_rows(weights, args.rows)
+        return
     print(torch.cuda.get_device_name(), "us per call (GB/s of weight read)")
     print(f"{'proj':8s} {'M':>3s} " + " ".join(f"{v:>20s}" for v in VARIANTS))
     for m in ROWS:

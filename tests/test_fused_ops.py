@@ -201,6 +201,51 @@ def test_qk_norm_rope_shapes(num_heads, num_kv_heads, head_dim, layout, pos_dtyp
     assert ulps(k, ref_k, head_scale(ref_k)) <= MAX_ULPS[torch.float32]
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                                (torch.bfloat16, torch.bfloat16)], ids=["fp32", "fp32-to-fp16", "bf16"])
+@torch.inference_mode()
+def test_qk_norm_rope_stores_kv_like_store_kv(dtype, cache_dtype):
+    """With kv_write the same launch leaves q/k as without it and writes the caches exactly as
+    rotary followed by the reference store would; slot -1 (padding) writes nothing."""
+    from nanovllm.attention.backend import KVCacheWrite
+    from nanovllm.attention.torch_backend import store_kv as reference_store
+
+    num_tokens, num_heads, num_kv_heads, head_dim, max_pos, block_size = 6, 4, 2, 32, 64, 4
+    rotary = RotaryEmbedding(head_dim, max_pos, theta=10000.0).to(DEVICE)
+    q_norm, k_norm = make_norm(head_dim, dtype, seed=31), make_norm(head_dim, dtype, seed=32)
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = rand(num_tokens, sum(sizes), dtype=dtype, seed=33, scale=2.0)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=torch.Generator().manual_seed(34)).to(DEVICE)
+    slots = torch.tensor([5, -1, 0, 13, 7, -1], device=DEVICE)
+    shape = (5, block_size, num_kv_heads, head_dim)
+    k_cache = rand(*shape, dtype=cache_dtype, seed=35)
+    v_cache = rand(*shape, dtype=cache_dtype, seed=36)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+
+    ref_q, ref_k, ref_v = qkv.clone().split(sizes, dim=-1)
+    fused.qk_norm_rope(ref_q, ref_k, positions, rotary.cos_sin_cache, q_norm.weight, k_norm.weight, EPS)
+    real = slots >= 0
+    as_heads = (-1, num_kv_heads, head_dim)
+    reference_store(ref_k.reshape(as_heads)[real], ref_v.reshape(as_heads)[real], ref_k_cache, ref_v_cache, slots[real])
+
+    q, k, v = qkv.split(sizes, dim=-1)
+    fused.qk_norm_rope(q, k, positions, rotary.cos_sin_cache, q_norm.weight, k_norm.weight, EPS,
+                       KVCacheWrite(v, k_cache, v_cache, slots))
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k) and torch.equal(v, ref_v)
+    assert torch.equal(k_cache, ref_k_cache)
+    assert torch.equal(v_cache, ref_v_cache)
+
+    with pytest.raises(ValueError, match="caches"):
+        fused.qk_norm_rope(q, k, positions, rotary.cos_sin_cache, None, None, EPS,
+                           KVCacheWrite(v, k_cache[:, :, :1], v_cache[:, :, :1], slots))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        fused.qk_norm_rope(q, k, positions, rotary.cos_sin_cache, None, None, EPS,
+                           KVCacheWrite(v, k_cache, v_cache, slots[:2]))
+    with pytest.raises(ValueError, match="v "):
+        fused.qk_norm_rope(q, k, positions, rotary.cos_sin_cache, None, None, EPS,
+                           KVCacheWrite(v[:3], k_cache, v_cache, slots))
+
+
 def test_bad_inputs_raise():
     x, w = torch.zeros(2, 8, device=DEVICE), torch.ones(8, device=DEVICE)
     with pytest.raises(ValueError, match="dtype"):

@@ -2,7 +2,9 @@
 
 A backend does two things for one layer in one forward: store the step's new K/V into the
 paged cache (by `slot_mapping`), then attend each query token over its sequence's cached
-context (read through `block_tables`). Prefill chunks and decodes share one step.
+context (read through `block_tables`). Prefill chunks and decodes share one step. The `Attention`
+layer also applies the model's q/k norms and rotary first; where those run as the fused Triton
+kernel, that launch stores K/V too and the backend is told so (`kv_stored`).
 
 Layout (all backends):
 - KV cache per layer: `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim].
@@ -14,10 +16,13 @@ Layout (all backends):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
+
+from nanovllm.layers.norm import RMSNorm
+from nanovllm.layers.rotary import RotaryEmbedding, apply_qk_norm_rope
 
 
 @dataclass
@@ -38,6 +43,16 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
+class KVCacheWrite(NamedTuple):
+    """A step's V rows and where they (and the rotated K rows) go: handed to the fused q/k
+    norm + rotary kernel so that it stores K/V in the same launch (layers/fused.py)."""
+
+    v: torch.Tensor  # [num_tokens, num_kv_heads * head_dim] or [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_tokens]; -1 = padding, nothing stored
+
+
 class AttentionBackend(Protocol):
     """Stores k/v into the cache and returns attention output, [T, H, D] in and out."""
 
@@ -52,6 +67,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,  # True: k/v are already in the cache (stored by the fused rotary kernel)
     ) -> torch.Tensor: ...
 
 
@@ -69,13 +85,35 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        positions: torch.Tensor | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """Attention over the paged cache. With `rotary_emb` (and `positions`), q and k first get
+        the optional per-head norms and rotary; where that runs as the fused kernel, the same
+        launch stores K/V in the cache and the backend skips its own store."""
         if self.backend is None:
             raise RuntimeError("Attention layer has no backend bound; call bind_kv_cache() first")
+        kv_stored = False
+        if rotary_emb is not None:
+            if positions is None:
+                raise ValueError("Attention: rotary_emb needs positions")
+            kv_write = None
+            if rotary_emb.is_fused_for(positions):
+                kv_write = KVCacheWrite(v, self.k_cache, self.v_cache, meta.slot_mapping)
+            q, k = apply_qk_norm_rope(rotary_emb, positions, q, k, q_norm, k_norm, kv_write)
+            kv_stored = kv_write is not None
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 

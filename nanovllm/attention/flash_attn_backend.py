@@ -21,10 +21,11 @@ from nanovllm.attention.kernels.store_kv import store_kv
 class FlashAttnBackend:
     name = "flash-attn"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
         if k_cache.shape[1] % 256:
             raise ValueError("attention_backend='flash-attn' needs kvcache_block_size to be a multiple of 256")
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

@@ -32,8 +32,9 @@ def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tenso
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads

@@ -1,6 +1,7 @@
 """Attention backend built on our own Triton kernels (no flash-attn needed).
 
-A step is: store the new K/V rows (one `store_kv` launch), then attend.
+A step is: store the new K/V rows (one `store_kv` launch, unless the fused q/k norm + rotary
+kernel already stored them: `kv_stored`), then attend.
 - Decode-only steps (what CUDA graphs capture) take either the single-pass kernel, one program per
   (sequence, kv head), or the split-KV kernels when that grid would leave SMs idle. The choice and
   the number of splits depend only on num_seqs and static shapes, so one captured graph serves
@@ -61,8 +62,10 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         self.attend(q, k_cache, v_cache, meta, scale, out)
         return out

@@ -1,5 +1,6 @@
 """Fused Triton kernels for the decoder's small ops: RMSNorm (with the residual add), per-head q/k
-RMSNorm plus rotary, and SiLU-and-mul.
+RMSNorm plus rotary (which can also store the step's K/V rows into the paged cache, saving the
+attention backend's store launch per layer), and SiLU-and-mul.
 
 Why: in eager PyTorch each of these is a chain of elementwise kernels (an RMSNorm is ~7, rotary
 ~10). At decode sizes every kernel costs its ~2-3 µs launch, not its bytes, so a 28-layer model
@@ -24,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.attention.backend import KVCacheWrite
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -149,15 +152,21 @@ def _norm_rope_heads(
     cos,
     sin,
     eps,
+    dst_ptr,
+    dst_stride_h,
+    dst_slot,
     NUM_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """In place on one token's [NUM_HEADS, 2 * HALF] rows at `ptr`: optional RMSNorm per head,
     then neox rotary (first half pairs with second half). cos, sin: [BLOCK_HALF] fp32 values
-    already rounded to the activation dtype, as the reference rounds them."""
+    already rounded to the activation dtype, as the reference rounds them. With STORE, the result
+    is also written (cast to the destination's dtype) to the rows at `dst_ptr` unless `dst_slot`
+    is negative (a padding token)."""
     dtype = ptr.dtype.element_ty
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -175,10 +184,15 @@ def _norm_rope_heads(
     c = cos[None, :]
     s = sin[None, :]
     # x1 * cos - x2 * sin and x2 * cos + x1 * sin, each product rounded as in the reference.
-    o1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
-    o2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-    tl.store(ptr1, o1.to(dtype), mask=mask)
-    tl.store(ptr1 + HALF, o2.to(dtype), mask=mask)
+    o1 = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(ptr1, o1, mask=mask)
+    tl.store(ptr1 + HALF, o2, mask=mask)
+    if STORE:
+        dst_mask = mask & ((offs_h * 0 + dst_slot) >= 0)[:, None]
+        dst1 = dst_ptr + offs_h[:, None] * dst_stride_h + offs_d[None, :]
+        tl.store(dst1, o1.to(dst_ptr.dtype.element_ty), mask=dst_mask)
+        tl.store(dst1 + HALF, o2.to(dst_ptr.dtype.element_ty), mask=dst_mask)
 
 
 @triton.jit
@@ -189,11 +203,20 @@ def _qk_norm_rope_kernel(
     cache_ptr,
     qw_ptr,
     kw_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_cache,
+    stride_kvb,
+    stride_kvs,
+    stride_kvh,
     eps,
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
@@ -202,6 +225,8 @@ def _qk_norm_rope_kernel(
     BLOCK_KH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     dtype = q_ptr.dtype.element_ty
@@ -211,11 +236,31 @@ def _qk_norm_rope_kernel(
     cos = tl.load(row, mask=offs_d < HALF, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(row + HALF, mask=offs_d < HALF, other=0.0).to(dtype).to(tl.float32)
     _norm_rope_heads(
-        q_ptr + token * stride_qt, stride_qh, qw_ptr, cos, sin, eps, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF, HAS_NORM
+        q_ptr + token * stride_qt, stride_qh, qw_ptr, cos, sin, eps, q_ptr, 0, -1,
+        NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF, HAS_NORM, False,
     )
-    _norm_rope_heads(
-        k_ptr + token * stride_kt, stride_kh, kw_ptr, cos, sin, eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF, HAS_NORM
-    )
+    if STORE:
+        # Paged-cache slot of this token (-1: padding, write nothing): the K row gets the rotated
+        # k, the V row a copy of v, as attention/kernels/store_kv.py would write them.
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        safe = tl.maximum(slot, 0)
+        kv_row = (safe // KV_BLOCK_SIZE) * stride_kvb + (safe % KV_BLOCK_SIZE) * stride_kvs
+        _norm_rope_heads(
+            k_ptr + token * stride_kt, stride_kh, kw_ptr, cos, sin, eps, k_cache_ptr + kv_row, stride_kvh, slot,
+            NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF, HAS_NORM, True,
+        )
+        offs_h = tl.arange(0, BLOCK_KH)
+        mask = (offs_h[:, None] < NUM_K_HEADS) & (offs_d[None, :] < HALF) & ((offs_h * 0 + slot) >= 0)[:, None]
+        v_src = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+        v_dst = v_cache_ptr + kv_row + offs_h[:, None] * stride_kvh + offs_d[None, :]
+        for half in tl.static_range(2):
+            v = tl.load(v_src + half * HALF, mask=mask, other=0.0)
+            tl.store(v_dst + half * HALF, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        _norm_rope_heads(
+            k_ptr + token * stride_kt, stride_kh, kw_ptr, cos, sin, eps, k_ptr, 0, -1,
+            NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF, HAS_NORM, False,
+        )
 
 
 def _heads(name: str, t: torch.Tensor, head_dim: int) -> tuple[int, int, int]:
@@ -237,10 +282,15 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None,  # [D]; None (with k_weight None) for models without q/k norm
     k_weight: torch.Tensor | None,
     eps: float,
+    kv_write: KVCacheWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm (when weights are given) then neox rotary on q and k, in place, in one
     launch; returns (q, k). Positions must lie in [0, max_position): they are not checked on the
-    host, which would need a sync."""
+    host, which would need a sync.
+
+    kv_write: also store the step's K (after rotary) and V rows into the paged caches in the same
+    launch, exactly as `attention.kernels.store_kv.store_kv` would (slot -1 writes nothing), so
+    the attention backend can skip its own store launch."""
     _check_dtype("qk_norm_rope", q)
     if k.dtype != q.dtype:
         raise ValueError(f"qk_norm_rope: q is {q.dtype} but k is {k.dtype}")
@@ -265,11 +315,15 @@ def qk_norm_rope(
                     f"qk_norm_rope: {name} {tuple(w.shape)} {w.dtype} must be [{head_dim}] in the activation "
                     f"dtype {q.dtype} (the result is written back in place)"
                 )
+    if kv_write is not None:
+        v, stride_vt, stride_vh, k_cache, v_cache, slots = _check_kv_write(kv_write, num_k, head_dim, num_tokens)
     if num_tokens == 0:
         return q, k
     half = head_dim // 2
     block_qh, block_kh = triton.next_power_of_2(num_q), triton.next_power_of_2(num_k)
     block_half = triton.next_power_of_2(half)
+    if kv_write is None:  # placeholders: the STORE=False variant never reads them
+        v, stride_vt, stride_vh, k_cache, v_cache, slots = k, 0, 0, k, k, positions
     _qk_norm_rope_kernel[(num_tokens,)](
         q,
         k,
@@ -277,11 +331,20 @@ def qk_norm_rope(
         cos_sin_cache,
         q_weight.contiguous() if has_norm else q,
         k_weight.contiguous() if has_norm else k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
         stride_qt,
         stride_qh,
         stride_kt,
         stride_kh,
+        stride_vt,
+        stride_vh,
         cos_sin_cache.stride(0),
+        k_cache.stride(0) if kv_write is not None else 0,
+        k_cache.stride(1) if kv_write is not None else 0,
+        k_cache.stride(2) if kv_write is not None else 0,
         eps,
         NUM_Q_HEADS=num_q,
         NUM_K_HEADS=num_k,
@@ -290,10 +353,31 @@ def qk_norm_rope(
         BLOCK_KH=block_kh,
         BLOCK_HALF=block_half,
         HAS_NORM=has_norm,
+        STORE=kv_write is not None,
+        KV_BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1,
         num_warps=_row_warps(2 * block_qh * block_half),
         enable_fp_fusion=False,
     )
     return q, k
+
+
+def _check_kv_write(kv_write: KVCacheWrite, num_k: int, head_dim: int, num_tokens: int):
+    """(v, its token and head strides, k_cache, v_cache, slots) of a valid cache write."""
+    v, k_cache, v_cache, slots = kv_write
+    num_v, stride_vt, stride_vh = _heads("v", v, head_dim)
+    if num_v != num_k or v.shape[0] != num_tokens:
+        raise ValueError(f"qk_norm_rope: v {tuple(v.shape)} does not match k's {num_tokens} tokens x {num_k} heads")
+    want = (num_k, head_dim)
+    if k_cache.dim() != 4 or k_cache.shape[2:] != want or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"qk_norm_rope: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} are not "
+            f"[blocks, block_size, {num_k}, {head_dim}]"
+        )
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("qk_norm_rope: the K and V caches must share one layout with a contiguous head_dim axis")
+    if slots.dim() != 1 or slots.shape[0] < num_tokens:
+        raise ValueError(f"qk_norm_rope: slot_mapping has {tuple(slots.shape)} entries for {num_tokens} tokens")
+    return v, stride_vt, stride_vh, k_cache, v_cache, slots
 
 
 # ---- SiLU and mul ----------------------------------------------------------------------------

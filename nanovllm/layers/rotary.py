@@ -20,12 +20,15 @@ kernels. The torch code here stays the reference, for CPU and for fused ops turn
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from nanovllm.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from nanovllm.attention.backend import KVCacheWrite
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -101,6 +104,10 @@ class RotaryEmbedding(nn.Module):
         # Device types whose tensors take the Triton kernel; tests add "cpu" to run it interpreted.
         self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
 
+    def is_fused_for(self, positions: torch.Tensor) -> bool:
+        """Whether apply_qk_norm_rope takes the fused Triton kernel for tensors on this device."""
+        return positions.device.type in self.fused_devices
+
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.unflatten(-1, (-1, self.head_dim)) if x.dim() == 2 else x  # [T, H, D], also for T = 0
@@ -126,23 +133,28 @@ def apply_qk_norm_rope(
     k: torch.Tensor,  # [T, Hk * D] or [T, Hk, D]
     q_norm: RMSNorm | None = None,
     k_norm: RMSNorm | None = None,
+    kv_write: KVCacheWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k (Qwen3; skipped when the norms are None), then rotary.
 
-    Where fused ops run (`rotary_emb.fused_devices`), q and k are rewritten in place by one Triton
-    launch and returned as they were given; otherwise the torch reference returns new tensors
-    ([T, H, D] after a norm). Either way, use the returned pair.
+    Where fused ops run (`rotary_emb.is_fused_for(positions)`), q and k are rewritten in place by
+    one Triton launch and returned as they were given; otherwise the torch reference returns new
+    tensors ([T, H, D] after a norm). Either way, use the returned pair. kv_write (fused path
+    only) makes the same launch store the rotated K and the V rows into the paged cache.
     """
     if (q_norm is None) != (k_norm is None):
         raise ValueError("apply_qk_norm_rope: pass both q_norm and k_norm, or neither")
-    if positions.device.type in rotary_emb.fused_devices:
+    if rotary_emb.is_fused_for(positions):
         from nanovllm.layers.fused import qk_norm_rope  # triton is optional; imported only where it runs
 
+        cache = rotary_emb.cos_sin_cache
         if q_norm is None:
-            return qk_norm_rope(q, k, positions, rotary_emb.cos_sin_cache, None, None, 0.0)
+            return qk_norm_rope(q, k, positions, cache, None, None, 0.0, kv_write)
         if q_norm.eps != k_norm.eps:
             raise ValueError(f"apply_qk_norm_rope: q_norm eps {q_norm.eps} != k_norm eps {k_norm.eps}")
-        return qk_norm_rope(q, k, positions, rotary_emb.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
+        return qk_norm_rope(q, k, positions, cache, q_norm.weight, k_norm.weight, q_norm.eps, kv_write)
+    if kv_write is not None:
+        raise ValueError("apply_qk_norm_rope: kv_write needs the fused kernel (fused ops on this device)")
     if q_norm is not None:
         as_heads = (-1, rotary_emb.head_dim)  # [T, H * D] -> [T, H, D]; [T, H, D] is left as is
         q = q_norm(q.unflatten(-1, as_heads) if q.dim() == 2 else q)

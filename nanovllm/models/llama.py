@@ -31,7 +31,7 @@ from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fusion import fused_ops_from_env
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
 from nanovllm.layers.norm import RMSNorm
-from nanovllm.layers.rotary import RotaryEmbedding, apply_qk_norm_rope, build_rotary
+from nanovllm.layers.rotary import RotaryEmbedding, build_rotary
 
 # HF module name -> (our packed module name, shard id).
 PACKED_MODULES = {
@@ -81,8 +81,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = apply_qk_norm_rope(self.rotary_emb, positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v, meta))
+        out = self.attn(q, k, v, meta, positions, self.rotary_emb, self.q_norm, self.k_norm)  # norms + rotary inside
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
