@@ -59,17 +59,24 @@ VARIANTS = {"F.linear": F.linear, "(W @ x.T).T": transposed, "pad to 8": padded8
 
 
 def batch_rows(weights: dict, rows: list[int]) -> None:
-    """F.linear at larger M: time, weight-read rate and matrix-unit rate per projection."""
-    print(torch.cuda.get_device_name(), "F.linear, us per call (GB/s of weight read, TFLOP/s)")
+    """F.linear at larger M, as torch calls cuBLAS by default and with cuBLASLt preferred (other
+    heuristics, other kernels): time, weight-read rate and matrix-unit rate per projection."""
+    print(torch.cuda.get_device_name(), "us per call (GB/s of weight read, TFLOP/s)")
+    libraries = ("cublas", "cublaslt")
     for m in rows:
-        total = 0.0
+        totals = dict.fromkeys(libraries, 0.0)
         for name, ws in weights.items():
             n, k = ws[0].shape
             x = torch.randn(m, k, device=ws[0].device, dtype=torch.bfloat16)
-            us = graph_time_us(lambda i: F.linear(x, ws[i]))
-            total += us
-            print(f"{name:8s} M={m:4d} {us:7.2f} us ({n * k * 2 / (us * 1e3):5.0f} GB/s, {2 * m * n * k / (us * 1e6):5.0f} TFLOP/s)")
-        print(f"four projections at M={m}: {total:.1f} us per layer, x{LAYERS} = {total * LAYERS / 1e3:.2f} ms")
+            cells = []
+            for lib in libraries:
+                torch.backends.cuda.preferred_blas_library(lib)
+                us = graph_time_us(lambda i: F.linear(x, ws[i]))
+                totals[lib] += us
+                cells.append(f"{lib} {us:6.2f} ({n * k * 2 / (us * 1e3):5.0f} GB/s, {2 * m * n * k / (us * 1e6):4.0f} TF)")
+            torch.backends.cuda.preferred_blas_library("cublas")
+            print(f"{name:8s} M={m:4d}  " + "   ".join(cells))
+        print(f"four projections at M={m}, us per layer: " + ", ".join(f"{lib} {t:.1f}" for lib, t in totals.items()))
 
 
 def main() -> None:
