@@ -180,7 +180,7 @@ def test_prefill_only_and_forward_entry_point():
 
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,block_size,splits",
-    [(4, 2, 8, 4), (8, 2, 16, 2), (2, 2, 8, 8), (4, 1, 16, 16)],
+    [(4, 2, 8, 4), (8, 2, 16, 2), (2, 2, 8, 8), (4, 1, 16, 16), (2, 1, 8, 32)],
 )
 def test_split_kv_matches_single_pass_and_torch(num_heads, num_kv_heads, block_size, splits):
     # Contexts from 1 token (most splits empty) to several tiles per split, unaligned ends.

@@ -43,6 +43,7 @@ Why the work is cut this way:
   ~132 SMs idle. The split kernel adds a third grid axis: split s of a sequence handles an equal
   share of its KV tiles (computed on the device from seq_lens) and writes unnormalised partial
   (max, sum, acc) to fp32 scratch; a small reduction kernel rescales and combines the splits. The
+  split count is a runtime argument (one compiled variant serves every count up to 16). The
   number of splits is chosen from static shapes only (num_seqs, num_kv_heads, SM count, see
   `choose_num_splits`), never from context lengths, so a CUDA graph captured for one batch size
   is valid for every context length.
@@ -116,6 +117,9 @@ def decode_tile_config(group: int, head_dim: int, dtype: torch.dtype) -> TileCon
 # Decode programs (sequence x KV head x split) wanted per SM before a step is left unsplit:
 # about 3 programs fit on an SM at once, and a few waves smooth out uneven context lengths.
 _PROGRAMS_PER_SM = 3
+# The split count is a runtime argument of the split kernels (each count compiled as its own
+# variant cost a first start ~0.6 s per count); the reduction reads this many lanes, masked.
+_SPLIT_BLOCK = 16
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
@@ -311,7 +315,7 @@ def _paged_attention_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@_jit_stable(ints=("stride_bt",), pointers=_STEP_POINTERS)
+@_jit_stable(ints=("stride_bt", "num_splits"), pointers=_STEP_POINTERS)
 def _paged_attention_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -332,13 +336,13 @@ def _paged_attention_split_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    num_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid: (decode seqs, kv heads, splits). Writes unnormalised partials for one split."""
@@ -358,7 +362,7 @@ def _paged_attention_split_kernel(
     q_pos = tl.where(row_valid, seq_len - 1, -1)
 
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(num_tiles, num_splits)
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, num_tiles)
     num_full = seq_len // BLOCK_N
@@ -382,13 +386,13 @@ def _paged_attention_split_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION,
         )
 
-    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+    part = (seq.to(tl.int64) * num_heads + head) * num_splits + split  # [BLOCK_M]
     tl.store(part_m_ptr + part, m_i, mask=row_valid)
     tl.store(part_l_ptr + part, l_i, mask=row_valid)
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
 
 
-@triton.jit
+@_jit_stable(ints=("num_splits",), pointers=())
 def _split_reduce_kernel(
     part_m_ptr,
     part_l_ptr,
@@ -397,21 +401,25 @@ def _split_reduce_kernel(
     query_start_loc_ptr,
     stride_ot,
     stride_oh,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Grid: (decode seqs, query heads). Combines the splits' partials into the output row."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_s = tl.arange(0, BLOCK_S)
+    split_ok = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
-    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_m_ptr + part)
-    l = tl.load(part_l_ptr + part)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    part = (seq.to(tl.int64) * num_heads + head) * num_splits + offs_s
+    # Lanes past num_splits read as empty splits (m = _NEG_BIG, l = 0, acc = 0).
+    m = tl.load(part_m_ptr + part, mask=split_ok, other=_NEG_BIG)
+    l = tl.load(part_l_ptr + part, mask=split_ok, other=0.0)
+    acc_mask = split_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=acc_mask, other=0.0)
     weight = tl.exp2(m - tl.max(m, 0))  # empty splits have m = _NEG_BIG, so weight 0 (or all 1 and l = 0)
     denom = tl.sum(weight * l, 0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(denom > 0.0, denom, 1.0)
@@ -536,22 +544,22 @@ def paged_attention_split_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        num_splits,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     _split_reduce_kernel[(num_seqs, num_heads)](
         part_m, part_l, part_acc, out, query_start_loc,
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
-        num_warps=4 if head_dim * num_splits >= 2048 else 1,
+        BLOCK_S=max(_SPLIT_BLOCK, num_splits),  # one compiled variant for every count up to 16
+        num_warps=4,
     )
