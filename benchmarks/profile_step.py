@@ -13,8 +13,8 @@ wall is time the GPU waits on the host) and cProfile's top host functions.
 --graphs: replays each captured decode graph with every row at a context of --context tokens,
 timed with CUDA events: the GPU cost of a step outside the host's reach.
 --timeline: one W1 run, every step's wall time binned by how many sequences it ran.
---first-run: two W1 runs in a fresh engine, every step's wall time (run 0 vs run 1) and the
-garbage collector's time per run (no full collection happens in either, 2026-11-29).
+--first-run: three W1 runs in a fresh engine, every step's host wall time and GPU time (CUDA
+events around its launch) and the garbage collector's time per run.
 --first-prefill: the first W1 step of a fresh engine (after bench.py's short warm-up) under the
 profiler, sorted by host time: a new process's first W1 run is ~0.3 s slower there than later
 runs with no Triton compile involved (docs/benchmarks.md); this shows where that time goes.
@@ -152,17 +152,21 @@ def timeline(llm) -> None:
             print(f"  decode batch {lo:3d}-{hi:3d}: {count:4d} steps, {secs:.2f} s, {secs / count * 1e3:.2f} ms/step")
 
 
-def first_run(llm) -> None:
-    """Two W1 runs in a fresh engine, stepped as bench.py steps them (async, unsynchronised):
-    per-step wall times side by side, and the time Python's garbage collector took in each run
-    (by generation), to see what makes a new process's first run slower."""
+def first_run(llm, runs: int = 3) -> None:
+    """W1 runs in a fresh engine, stepped as bench.py steps them (async, unsynchronised): per
+    step the host's wall time and the GPU time between two CUDA events around its launch (GPU
+    work, plus any wait for the host's launches), and the garbage collector's time per run: is
+    a slow prefill phase (0.3-0.7 s, varying from run to run) the host's or the GPU's?"""
     import gc
+
+    import torch
 
     from nanovllm import SamplingParams
 
     from bench import w1_requests
 
     engine = llm.engine
+    executor = engine.executor
     gc_time: dict[int, list[float]] = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
     started: list[float] = []
 
@@ -175,36 +179,50 @@ def first_run(llm) -> None:
             entry[1] += time.perf_counter() - started.pop()
 
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # bench.py's warm-up
-    original = engine.step
-    runs: list[list[tuple[int, int, float]]] = []
+    original_step, original_launch = engine.step, executor.execute_async
+    tables: list[list[tuple[int, int, float, torch.cuda.Event, torch.cuda.Event]]] = []
     gc.callbacks.append(on_gc)
-    for run in range(2):
-        steps: list[tuple[int, int, float]] = []
+    for run in range(runs):
+        steps: list = []
+        events: list = []
         for entry in gc_time.values():
             entry[:] = [0, 0.0]
 
+        def launch(sched):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = original_launch(sched)
+            end.record()
+            events.append((start, end))
+            return out
+
         def step():
-            outs = original()
+            n = len(events)
+            outs = original_step()
             st = engine.last_step
-            steps.append((st.num_prefill_tokens, st.num_decode_tokens, st.seconds))
+            ev = events[n] if len(events) > n else (None, None)
+            steps.append((st.num_prefill_tokens, st.num_decode_tokens, st.seconds, *ev))
             return outs
 
-        engine.step = step
+        engine.step, executor.execute_async = step, launch
         prompts, params = w1_requests()
         llm.reset_prefix_cache()
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         total = time.perf_counter() - t
-        engine.step = original
-        runs.append(steps)
-        prefill = sum(x[2] for x in steps if x[0])
+        engine.step, executor.execute_async = original_step, original_launch
+        torch.cuda.synchronize()
+        tables.append(steps)
+        gpu = lambda x: x[3].elapsed_time(x[4]) / 1e3 if x[3] is not None else 0.0  # noqa: E731
+        pre = [x for x in steps if x[0]]
         gcs = ", ".join(f"gen{g} {n} x, {secs * 1e3:.1f} ms" for g, (n, secs) in gc_time.items())
-        print(f"run {run}: {total:.3f} s, {len(steps)} steps, steps with prefill {prefill:.3f} s; gc: {gcs}")
+        print(f"run {run}: {total:.3f} s, {len(steps)} steps; prefill steps: wall {sum(x[2] for x in pre):.3f} s, "
+              f"GPU {sum(gpu(x) for x in pre):.3f} s; decode GPU {sum(gpu(x) for x in steps if not x[0]):.3f} s; gc: {gcs}")
     gc.callbacks.remove(on_gc)
-    print("steps: prefill tokens, decodes, run 0 ms, run 1 ms (first 12, and any 2 ms apart)")
-    for i, (a, b) in enumerate(zip(runs[0], runs[1])):
-        if i < 12 or abs(a[2] - b[2]) > 0.002:
-            print(f"  step {i:4d}: {a[0]:6d} {a[1]:4d} {a[2] * 1e3:8.1f} {b[2] * 1e3:8.1f}")
+    print("first 12 steps: prefill tokens, decodes, then wall / GPU ms of each run")
+    for i in range(12):
+        cells = "  ".join(f"{t[i][2] * 1e3:6.1f} /{t[i][3].elapsed_time(t[i][4]) if t[i][3] else 0:6.1f}" for t in tables)
+        print(f"  step {i:3d}: {tables[0][i][0]:6d} {tables[0][i][1]:4d}   {cells}")
 
 
 def first_prefill(llm) -> None:
