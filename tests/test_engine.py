@@ -323,3 +323,15 @@ def test_packed_step_arrays_start_on_16_byte_boundaries(qwen3_tiny):
     int32 = [np.arange(n, dtype=np.int32).reshape(shape) for n, shape in [(3, (3,)), (2, (2,)), (6, (2, 3))]]
     for a, v in zip(int32, runner._to_device_packed(int32, np.int32)):
         assert v.data_ptr() % 16 == 0 and v.dtype == torch.int32 and v.tolist() == a.tolist()
+
+
+def test_engine_freezes_startup_objects_out_of_gc(qwen3_tiny):
+    """Start-up objects are moved to the collector's permanent generation (full collections then
+    skip them)."""
+    import gc
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    llm = engine(qwen3_tiny)
+    assert gc.get_freeze_count() > 0
+    assert "gc_freeze" in llm.engine.startup_seconds
