@@ -244,6 +244,8 @@ def test_qk_norm_rope_stores_kv_like_store_kv(dtype, cache_dtype):
     with pytest.raises(ValueError, match="v "):
         fused.qk_norm_rope(q, k, positions, rotary.cos_sin_cache, None, None, EPS,
                            KVCacheWrite(v[:3], k_cache, v_cache, slots))
+    with pytest.raises(ValueError, match="fused kernel"):  # the torch path never stores
+        apply_qk_norm_rope(rotary, positions, q, k, None, None, KVCacheWrite(v, k_cache, v_cache, slots))
 
 
 def test_bad_inputs_raise():

@@ -13,6 +13,8 @@ inside the layers; this file only wires them together.
 
 Fused ops: on CUDA the small ops (RMSNorm with the residual add, q/k norm plus rotary, SiLU-and-mul)
 run as single Triton launches (layers/fused.py); a decode step is otherwise ~1,500 tiny kernels.
+The attention layer applies q/k norm plus rotary itself (the model hands it the modules), so the
+fused launch can also store the step's K/V in the paged cache.
 `NANOVLLM_FUSED_OPS=0` keeps the torch reference path for debugging. It is read once, when the
 model is built, and stored on the modules (`fused_devices`), never consulted per step.
 """

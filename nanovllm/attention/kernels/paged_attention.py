@@ -479,8 +479,6 @@ def paged_attention(
     head_dim, num_kv_heads, block_size = q.shape[2], k_cache.shape[2], k_cache.shape[1]
     block_q = config.block_m // group
     if decode_only:
-        num_tokens = num_seqs
-    if decode_only:
         grid = (num_kv_heads, num_seqs)  # a sequence's heads side by side: see the module docstring
     else:
         grid = ((num_tokens + num_seqs * (block_q - 1)) // block_q, num_kv_heads)
