@@ -324,6 +324,9 @@ def qk_norm_rope(
     block_half = triton.next_power_of_2(half)
     if kv_write is None:  # placeholders: the STORE=False variant never reads them
         v, stride_vt, stride_vh, k_cache, v_cache, slots = k, 0, 0, k, k, positions
+        cache_strides, kv_block_size = (0, 0, 0), 1
+    else:
+        cache_strides, kv_block_size = k_cache.stride()[:3], k_cache.shape[1]
     _qk_norm_rope_kernel[(num_tokens,)](
         q,
         k,
@@ -342,9 +345,7 @@ def qk_norm_rope(
         stride_vt,
         stride_vh,
         cos_sin_cache.stride(0),
-        k_cache.stride(0) if kv_write is not None else 0,
-        k_cache.stride(1) if kv_write is not None else 0,
-        k_cache.stride(2) if kv_write is not None else 0,
+        *cache_strides,
         eps,
         NUM_Q_HEADS=num_q,
         NUM_K_HEADS=num_k,
@@ -354,7 +355,7 @@ def qk_norm_rope(
         BLOCK_HALF=block_half,
         HAS_NORM=has_norm,
         STORE=kv_write is not None,
-        KV_BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1,
+        KV_BLOCK_SIZE=kv_block_size,
         num_warps=_row_warps(2 * block_qh * block_half),
         enable_fp_fusion=False,
     )
