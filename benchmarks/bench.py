@@ -28,6 +28,30 @@ def w1_requests():
     return prompts, params
 
 
+class CompileLog:
+    """Names of the Triton kernels compiled while it is installed (Triton's jit_cache_hook runs
+    before each compile). A kernel compiled inside a timed run is start-up work the run paid for."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        try:
+            import triton
+
+            self.runtime = triton.knobs.runtime
+        except (ImportError, AttributeError):
+            self.runtime = None  # an older Triton: nothing is recorded
+        else:
+            self.runtime.jit_cache_hook = self._hook
+
+    def _hook(self, *, fn, **_) -> bool:
+        self.names.append(fn.name)
+        return False  # compile as usual
+
+    def take(self) -> list[str]:
+        names, self.names = self.names, []
+        return names
+
+
 def timed_generate(llm, prompts, params):
     """Run generate, splitting wall time into steps with prefill tokens and decode-only steps."""
     engine = llm.engine
@@ -54,7 +78,7 @@ def timed_generate(llm, prompts, params):
     return outs, seconds, split
 
 
-def run_w1(llm, runs: int) -> dict:
+def run_w1(llm, runs: int, compiles: CompileLog) -> dict:
     from nanovllm import SamplingParams
 
     prompts, params = w1_requests()
@@ -62,10 +86,12 @@ def run_w1(llm, runs: int) -> dict:
     results = []
     for i in range(runs):
         llm.reset_prefix_cache()  # every run starts cold, as a fresh engine would
+        compiles.take()
         outs, seconds, split = timed_generate(llm, prompts, params)
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         r = dict(run=i, output_tokens=out_tokens, prompt_tokens=sum(map(len, prompts)), seconds=seconds,
-                 tok_per_s=out_tokens / seconds, preemptions=llm.engine.scheduler.num_preemptions, **split)
+                 tok_per_s=out_tokens / seconds, preemptions=llm.engine.scheduler.num_preemptions, **split,
+                 kernels_compiled=compiles.take())
         print(json.dumps(r), flush=True)
         results.append(r)
     med = statistics.median(r["tok_per_s"] for r in results)
@@ -121,15 +147,16 @@ def main() -> None:
 
     import_s = time.perf_counter() - t_import
     t0 = time.perf_counter()
+    compiles = CompileLog()
     llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=4096, attention_backend=args.attention_backend)
     init_s = time.perf_counter() - t0
     runner = llm.engine.executor.runner
-    startup = dict(import_s=import_s, llm_init_s=init_s, kv_blocks=runner.num_kvcache_blocks,
+    startup = dict(import_s=import_s, llm_init_s=init_s, kernels_compiled=sorted(set(compiles.take())), kv_blocks=runner.num_kvcache_blocks,
                    kv_gib=runner.num_kvcache_blocks * runner.bytes_per_block() / 2**30, **runner.startup_seconds)
     print("startup", json.dumps(startup), flush=True)
     report = {"startup": startup, "device": _device_name(), "make_model_s": t_import - t_start}
     if args.workload in ("w1", "all"):
-        report["w1"] = run_w1(llm, args.runs)
+        report["w1"] = run_w1(llm, args.runs, compiles)
     if args.workload in ("w5", "all"):
         report["w5"] = run_w5(llm, args.runs)
     if args.json:

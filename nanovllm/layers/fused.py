@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.precompile import launch
+
 from nanovllm.attention.backend import KVCacheWrite
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -103,7 +105,8 @@ def _rms_norm(
         res2 = _rows(op, residual, hidden)
     if x2.shape[0]:
         block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(x2.shape[0],)](
+        launch(
+            _rms_norm_kernel, (x2.shape[0],),
             x2,
             res2 if res2 is not None else x2,
             weight.contiguous(),
@@ -327,7 +330,8 @@ def qk_norm_rope(
         cache_strides, kv_block_size = (0, 0, 0), 1
     else:
         cache_strides, kv_block_size = k_cache.stride()[:3], k_cache.shape[1]
-    _qk_norm_rope_kernel[(num_tokens,)](
+    launch(
+        _qk_norm_rope_kernel, (num_tokens,),
         q,
         k,
         positions.contiguous(),
@@ -406,7 +410,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
     if x2.shape[0] and inter:
         block = min(1024, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+        launch(
+            _silu_and_mul_kernel, (x2.shape[0], triton.cdiv(inter, block)),
             x2, out, x2.stride(0), out.stride(0), inter,
             BLOCK=block, num_warps=_row_warps(block), enable_fp_fusion=False,
         )

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.precompile import launch
+
 BLOCK_V = 2048
 # 8-warp programs wanted per SM (8 x 8 = 64 warps, a Hopper SM's maximum).
 _PROGRAMS_PER_SM = 8
@@ -136,9 +138,10 @@ def gumbel_argmax(
     chunk = triton.cdiv(triton.cdiv(vocab, num_splits), BLOCK_V) * BLOCK_V  # whole tiles per chunk
     best_val = torch.empty((rows, num_splits), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, num_splits), dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(rows, num_splits)](
+    launch(
+        _gumbel_argmax_kernel, (rows, num_splits),
         logits, temperature, seed, best_val, best_idx, logits.stride(0), vocab, chunk, num_splits,
         BLOCK=BLOCK_V, num_warps=8,
     )
-    _best_split_kernel[(rows,)](best_val, best_idx, out, num_splits, MAX=MAX_SPLITS, num_warps=1)
+    launch(_best_split_kernel, (rows,), best_val, best_idx, out, num_splits, MAX=MAX_SPLITS, num_warps=1)
     return out

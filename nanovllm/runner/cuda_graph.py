@@ -68,6 +68,13 @@ class CudaGraphRunner:
         )
 
     @torch.inference_mode()
+    def forward_all_sizes(self) -> None:
+        """One eager forward per graph size. Start-up runs it as a dry pass that compiles every
+        kernel variant the capture will launch (nanovllm/precompile.py)."""
+        for bs in self.sizes:
+            self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+
+    @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
         pool = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,6 +24,7 @@ from nanovllm.engine.sequence import PLACEHOLDER_TOKEN
 from nanovllm.layers.sampler import Sampler, SamplingTensors, make_generator
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
+from nanovllm.precompile import precompiling
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
@@ -143,15 +145,6 @@ class ModelRunner:
         # decode inputs are PLACEHOLDER_TOKEN on the host and are gathered from here.
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[int, int] = {}
-        t1 = time.perf_counter()
-        self.num_kvcache_blocks = self._decide_num_blocks()
-        if agree_num_blocks is not None:
-            # Tensor parallelism: block ids must mean the same on every rank, so the executor
-            # passes a hook that makes every rank use the smallest pool (an all_reduce MIN).
-            self.num_kvcache_blocks = agree_num_blocks(self.num_kvcache_blocks)
-        t2 = time.perf_counter()
-        self._allocate_kv_cache(self.num_kvcache_blocks)
-        t3 = time.perf_counter()
         self.graph_runner = None
         # The torch backend reads host-side lengths, so only the Triton / flash-attn backends are captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
@@ -161,11 +154,34 @@ class ModelRunner:
                 self.model, self.device, min(config.max_num_seqs, 512),
                 -(-config.max_model_len // self.block_size), config.max_model_len,
             )
+        t1 = time.perf_counter()
+        # On CUDA the profiling run, a mixed step and a decode forward per graph size are dry
+        # passes that only queue Triton compiles on a thread pool (nanovllm/precompile.py);
+        # leaving the block waits for them. The profiling run measures allocations, which a dry
+        # pass makes too.
+        with self._precompiling() as dry:
+            self.num_kvcache_blocks = self._decide_num_blocks()
+            t_profiled = time.perf_counter()
+            if dry:
+                self._dry_decode_passes()
+            t_dry_passes = time.perf_counter()
+        t_compiled = time.perf_counter()
+        if agree_num_blocks is not None:
+            # Tensor parallelism: block ids must mean the same on every rank, so the executor
+            # passes a hook that makes every rank use the smallest pool (an all_reduce MIN).
+            self.num_kvcache_blocks = agree_num_blocks(self.num_kvcache_blocks)
+        t2 = time.perf_counter()
+        self._allocate_kv_cache(self.num_kvcache_blocks)
+        t3 = time.perf_counter()
+        if self.graph_runner is not None:
             self.graph_runner.capture()
-        # Start-up breakdown in seconds, reported by benchmarks/bench.py.
+        # Start-up breakdown in seconds, reported by benchmarks/bench.py and benchmarks/startup.py.
         self.startup_seconds = {
             "load_weights": self.load_seconds,
-            "profile": t2 - t1,
+            "profile": t_profiled - t1,
+            "dry_passes": t_dry_passes - t_profiled,
+            "compile_wait": t_compiled - t_dry_passes,
+            "agree_blocks": t2 - t_compiled,
             "kv_alloc": t3 - t2,
             "graph_capture": time.perf_counter() - t3,
         }
@@ -174,6 +190,13 @@ class ModelRunner:
             type(self.model).__name__, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
             self.backend.name, self.num_kvcache_blocks, self.block_size,
         )
+
+    def _precompiling(self) -> AbstractContextManager[bool]:
+        """`precompiling()` on CUDA (yields whether passes inside are dry); a no-op elsewhere:
+        the CPU runs Triton kernels only in the interpreter, which compiles nothing."""
+        if self.device.type != "cuda":
+            return nullcontext(False)
+        return precompiling()
 
     # ---- KV cache ------------------------------------------------------------------------
     def _kv_shape(self) -> tuple[int, int, int]:
@@ -204,18 +227,8 @@ class ModelRunner:
         pool gets total * utilization - peak (memory held by other processes is not counted)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len)
         self._allocate_kv_cache(1)
-        seq_len = min(num_tokens, self.config.max_model_len)
-        num_seqs = max(1, num_tokens // seq_len)
-        with torch.inference_mode():
-            ids = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=self.device)
-            pos = torch.arange(seq_len, device=self.device).repeat(num_seqs)
-            meta = self._dummy_prefill_meta(num_seqs, seq_len)
-            hidden = self.model(ids, pos, meta)
-            logits = self.model.compute_logits(hidden[: self.config.max_num_seqs])
-            if self.rank == 0:
-                self._exercise_sampler(logits)
+        self._run_largest_step()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
@@ -228,6 +241,20 @@ class ModelRunner:
         if blocks < 1:
             raise RuntimeError("no GPU memory left for the KV cache; raise gpu_memory_utilization or lower max_num_batched_tokens")
         return blocks
+
+    @torch.inference_mode()
+    def _run_largest_step(self) -> None:
+        """A prefill step of max_num_batched_tokens dummy tokens (nothing stored), its logits for
+        max_num_seqs rows and every sampler path: the most memory a step can take."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len)
+        seq_len = min(num_tokens, self.config.max_model_len)
+        num_seqs = max(1, num_tokens // seq_len)
+        ids = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=self.device)
+        pos = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        hidden = self.model(ids, pos, self._dummy_meta([seq_len] * num_seqs))
+        logits = self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        if self.rank == 0:
+            self._exercise_sampler(logits)
 
     def _exercise_sampler(self, logits: torch.Tensor) -> None:
         """Run each sampler path once on the profiling logits, so that its memory counts in the
@@ -243,16 +270,33 @@ class ModelRunner:
         plain = [SamplingParams(temperature=1.0)] * rows  # the fused path, when the batch is large enough
         self.sampler(logits, SamplingTensors.from_params(plain, None, vocab, self.device))
 
-    def _dummy_prefill_meta(self, num_seqs: int, seq_len: int) -> AttentionMetadata:
+    def _dummy_meta(self, query_lens: list[int], num_decodes: int = 0) -> AttentionMetadata:
+        """Metadata of a step of fresh sequences with these query lengths (the first num_decodes
+        of length 1), attending within themselves; nothing is stored (slot -1)."""
         dev = self.device
+        max_len = max(query_lens)
+        starts = np.concatenate([[0], np.cumsum(query_lens)])
         return AttentionMetadata(
-            slot_mapping=torch.full((num_seqs * seq_len,), -1, dtype=torch.long, device=dev),
-            query_start_loc=torch.arange(0, (num_seqs + 1) * seq_len, seq_len, dtype=torch.int32, device=dev),
-            seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros((num_seqs, -(-seq_len // self.block_size)), dtype=torch.int32, device=dev),
-            num_decodes=0, max_query_len=seq_len, max_seq_len=seq_len,
-            query_lens_cpu=[seq_len] * num_seqs, seq_lens_cpu=[seq_len] * num_seqs,
+            slot_mapping=torch.full((int(starts[-1]),), -1, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((len(query_lens), -(-max_len // self.block_size)), dtype=torch.int32, device=dev),
+            num_decodes=num_decodes, max_query_len=max_len, max_seq_len=max_len,
+            query_lens_cpu=list(query_lens), seq_lens_cpu=list(query_lens),
         )
+
+    @torch.inference_mode()
+    def _dry_decode_passes(self) -> None:
+        """The dry passes after the profiling run's (which covers prefills): a mixed step of two
+        decodes and a prefill chunk (it launches the single-pass decode kernel even where every
+        graph size takes the split-KV one), then one decode forward per graph size."""
+        self._allocate_kv_cache(1)  # the passes store nothing and attend to block 0 at most
+        query_lens = [1, 1, 16]
+        ids = torch.zeros(sum(query_lens), dtype=torch.long, device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in query_lens])
+        self.model(ids, pos, self._dummy_meta(query_lens, num_decodes=2))
+        if self.graph_runner is not None:
+            self.graph_runner.forward_all_sizes()
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         layers, kv_heads, head_dim = self._kv_shape()

@@ -61,7 +61,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Running-max start value: finite, so exp2(m_old - m_new) is 1, not NaN, for fully masked rows.
+from nanovllm.precompile import launch
+
+
 def _jit_stable(*, ints: tuple[str, ...], pointers: tuple[str, ...]):
     """triton.jit that does not specialize on these per-step values.
 
@@ -79,6 +81,7 @@ def _jit_stable(*, ints: tuple[str, ...], pointers: tuple[str, ...]):
 _STEP_POINTERS = ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")
 
 
+# Running-max start value: finite, so exp2(m_old - m_new) is 1, not NaN, for fully masked rows.
 _NEG_BIG = tl.constexpr(-1.0e30)
 _LOG2E = 1.4426950408889634
 
@@ -482,7 +485,8 @@ def paged_attention(
         grid = (num_kv_heads, num_seqs)  # a sequence's heads side by side: see the module docstring
     else:
         grid = ((num_tokens + num_seqs * (block_q - 1)) // block_q, num_kv_heads)
-    _paged_attention_kernel[grid](
+    launch(
+        _paged_attention_kernel, grid,
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
         seq_offset, num_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -534,7 +538,8 @@ def paged_attention_split_kv(
     part_m = torch.empty(num_seqs * num_heads * num_splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(num_seqs * num_heads * num_splits * head_dim, dtype=torch.float32, device=q.device)
-    _paged_attention_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    launch(
+        _paged_attention_split_kernel, (num_seqs, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         part_m, part_l, part_acc,
         scale * _LOG2E,
@@ -553,7 +558,8 @@ def paged_attention_split_kv(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    _split_reduce_kernel[(num_seqs, num_heads)](
+    launch(
+        _split_reduce_kernel, (num_seqs, num_heads),
         part_m, part_l, part_acc, out, query_start_loc,
         out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim,

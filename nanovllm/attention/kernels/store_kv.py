@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.precompile import launch
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -85,7 +87,8 @@ def store_kv(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("store_kv: the caches' head_dim axis must be contiguous")
     block_size = k_cache.shape[1]
-    _store_kv_kernel[(num_tokens,)](
+    launch(
+        _store_kv_kernel, (num_tokens,),
         k,
         v,
         k_cache,

@@ -1,0 +1,80 @@
+"""Compile the Triton kernels a model will launch in parallel, before they first run.
+
+Why: on a machine whose Triton cache is empty, the first start compiled each kernel variant when
+it was first launched, one after another, in the profiling run and the graph capture: ~8 s of a
+23.6 s cold start on the H200 (docs/benchmarks.md). Triton's compiler releases the GIL, so
+compiles run side by side in threads.
+
+How: every launch site calls `launch(kernel, grid, ...)` instead of `kernel[grid](...)`. Inside
+`precompiling()`, `launch` hands the call to Triton's `warmup` (compile, don't run) under Triton's
+AsyncCompileMode, which queues the compile on a thread pool and returns at once. The runner does a
+dry pass of the very forwards its start-up runs (same shapes, dtypes and strides, so the same
+compiled variants) inside `precompiling()`; leaving it waits for every compile. The dry pass's
+results are garbage (no Triton kernel ran) and are dropped; the real passes that follow find
+every kernel compiled. Where Triton has no AsyncCompileMode, `precompiling` yields False and the
+caller skips its dry pass: kernels then compile when first launched, as before.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+# The launches a dry pass on this thread has already handed to Triton (None outside a dry
+# pass). A ContextVar, like Triton's own async compile mode.
+_dry_pass: ContextVar[set | None] = ContextVar("nanovllm_dry_pass", default=None)
+
+
+def _launch_key(kernel: Any, args: tuple, kwargs: dict) -> tuple:
+    """What can make Triton pick another compiled variant: tensors' dtypes and 16-byte
+    alignment, other arguments' values. Finer than Triton's own key (it over-separates, never
+    merges), so deduplicating on it only saves repeats such as a model's 28 identical layers."""
+
+    def describe(a: Any) -> tuple:
+        if hasattr(a, "data_ptr"):
+            return ("tensor", a.dtype, a.data_ptr() % 16)
+        return (type(a).__name__, a)
+
+    return (id(kernel), tuple(map(describe, args)), tuple((k, describe(v)) for k, v in sorted(kwargs.items())))
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """`kernel[grid](*args, **kwargs)`, or only its compilation inside `precompiling()`."""
+    seen = _dry_pass.get()
+    if seen is None:
+        kernel[grid](*args, **kwargs)
+        return
+    key = _launch_key(kernel, args, kwargs)
+    if key not in seen:
+        # Triton hashes the kernel's source for every warmup in async mode, even for a variant
+        # already queued: ~0.3 ms a call, ~2 s over the graph sizes' dry forwards without this.
+        seen.add(key)
+        kernel.warmup(*args, grid=grid, **kwargs)
+
+
+def default_workers() -> int:
+    return max(1, min(32, os.cpu_count() or 1))
+
+
+@contextmanager
+def precompiling(max_workers: int | None = None) -> Iterator[bool]:
+    """Within the block, Triton launches made through `launch` only queue their compilation;
+    the block's end waits for all of them. Yields False (and does nothing) when this Triton
+    cannot compile asynchronously."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        yield False
+        return
+    # ignore_errors: a variant that fails to compile is dropped here and compiled again, raising
+    # with its full context, at its first real launch (where it failed before this module existed).
+    with ThreadPoolExecutor(max_workers or default_workers(), thread_name_prefix="triton-compile") as pool:
+        with AsyncCompileMode(pool, ignore_errors=True):
+            token = _dry_pass.set(set())
+            try:
+                yield True
+            finally:
+                _dry_pass.reset(token)
