@@ -87,15 +87,27 @@ def run_w1(llm, runs: int, compiles: CompileLog) -> dict:
     for i in range(runs):
         llm.reset_prefix_cache()  # every run starts cold, as a fresh engine would
         compiles.take()
+        mem_before = _allocator_counts()
         outs, seconds, split = timed_generate(llm, prompts, params)
+        mem = {k: v - mem_before[k] for k, v in _allocator_counts().items()}
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         r = dict(run=i, output_tokens=out_tokens, prompt_tokens=sum(map(len, prompts)), seconds=seconds,
                  tok_per_s=out_tokens / seconds, preemptions=llm.engine.scheduler.num_preemptions, **split,
-                 kernels_compiled=compiles.take())
+                 kernels_compiled=compiles.take(), **mem)
         print(json.dumps(r), flush=True)
         results.append(r)
     med = statistics.median(r["tok_per_s"] for r in results)
     return {"runs": results, "median_tok_per_s": med, "floor_fraction": med / 33000}
+
+
+def _allocator_counts() -> dict[str, int]:
+    """cudaMalloc calls and allocations retried after freeing the cache, so far (0 on the CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"cuda_mallocs": 0, "alloc_retries": 0}
+    stats = torch.cuda.memory_stats()
+    return {"cuda_mallocs": stats.get("num_device_alloc", 0), "alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def run_w5(llm, runs: int) -> dict:
