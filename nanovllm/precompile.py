@@ -9,16 +9,17 @@ How: every launch site calls `launch(kernel, grid, ...)` instead of `kernel[grid
 `precompiling()`, `launch` hands the call to Triton's `warmup` (compile, don't run) under Triton's
 AsyncCompileMode, which queues the compile on a thread pool and returns at once. The runner does a
 dry pass of the very forwards its start-up runs (same shapes, dtypes and strides, so the same
-compiled variants) inside `precompiling()`; leaving it waits for every compile. The dry pass's
-results are garbage (no Triton kernel ran) and are dropped; the real passes that follow find
-every kernel compiled. Where Triton has no AsyncCompileMode, `precompiling` yields False and the
+compiled variants) inside `precompiling()`; leaving it waits for every compile (each compile
+thread also builds its kernel's host-side launcher, which older Tritons compile from C). The dry
+pass's results are garbage (no Triton kernel ran) and are dropped; the real passes that follow
+find every kernel compiled. Where Triton has no AsyncCompileMode, `precompiling` yields False and the
 caller skips its dry pass: kernels then compile when first launched, as before.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -52,7 +53,34 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         # Triton hashes the kernel's source for every warmup in async mode, even for a variant
         # already queued: ~0.3 ms a call, ~2 s over the graph sizes' dry forwards without this.
         seen.add(key)
-        kernel.warmup(*args, grid=grid, **kwargs)
+        _when_compiled(kernel.warmup(*args, grid=grid, **kwargs), _build_launcher)
+
+
+def _when_compiled(compiled: Any, then: Callable[[Any], None]) -> None:
+    """Run `then(kernel)` on the compile thread once a queued compile (Triton's FutureKernel)
+    has produced the kernel. Anything else (a kernel this process compiled before) is skipped."""
+    future = getattr(compiled, "future", None)
+    if future is None:
+        return
+
+    def done(f: Future) -> None:
+        if f.exception() is None:
+            then(f.result())
+
+    future.add_done_callback(done)
+
+
+def _build_launcher(kernel: Any) -> None:
+    """Build the kernel's host-side launcher now, on the compile thread. Triton builds it at the
+    kernel's first real launch, and Triton versions before the generic launcher compile a C stub
+    for it there (cached on disk), one after another, in the graph capture of a first start.
+    Only a cache warm-up: any failure is left for that first launch to report."""
+    try:
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001 - the real launch builds it again and raises properly
+        pass
 
 
 def default_workers() -> int:

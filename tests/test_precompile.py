@@ -79,6 +79,23 @@ def test_a_dry_pass_hands_each_distinct_launch_to_triton_once():
     assert len(kernel.calls) == 6
 
 
+def test_the_launcher_is_built_once_the_queued_compile_is_done():
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from nanovllm.precompile import _when_compiled
+
+    built = []
+    ok, failed = SimpleNamespace(future=Future()), SimpleNamespace(future=Future())
+    _when_compiled(ok, built.append)
+    _when_compiled(failed, built.append)
+    _when_compiled(object(), built.append)  # already compiled in this process: nothing queued
+    assert built == []
+    ok.future.set_result("compiled kernel")
+    failed.future.set_exception(RuntimeError("compile failed"))
+    assert built == ["compiled kernel"]
+
+
 def test_precompiling_ends_on_an_exception():
     pytest.importorskip("triton.runtime._async_compile", reason="this Triton has no async compile mode")
     kernel = RecordingKernel()
