@@ -231,3 +231,43 @@ def test_two_engines_at_once_and_clean_interpreter_exit(qwen3_tiny, qwen3_refere
         while any(os.path.exists(f"/proc/{pid}") for pid in data["pids"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(os.path.exists(f"/proc/{pid}") for pid in data["pids"])
+
+
+class GraphReleaseRecorder(ModelRunner):
+    """Worker runner that notes, in the file named by $NANOVLLM_TEST_RELEASE_LOG, whether the
+    process group still existed when it was asked to release its CUDA graphs."""
+
+    def release_graphs(self):
+        with open(os.environ["NANOVLLM_TEST_RELEASE_LOG"], "a") as f:
+            f.write(f"rank {self.rank} released, group alive={dist.is_initialized()}\n")
+        super().release_graphs()
+
+
+def test_graphs_are_released_before_the_group_is_destroyed(qwen3_tiny, qwen3_reference, monkeypatch, tmp_path):
+    """A CUDA graph that captured NCCL collectives pins the communicator: destroying the group
+    first waits forever (PyTorch issue 115388). Every rank must drop its graphs first."""
+    prompts, expected = qwen3_reference
+    log = tmp_path / "release.log"
+    monkeypatch.setenv("NANOVLLM_TEST_RELEASE_LOG", str(log))
+    events: list[str] = []
+    real_release, real_destroy = ModelRunner.release_graphs, dist.destroy_process_group
+
+    def release(self):
+        events.append(f"release rank {self.rank}")
+        real_release(self)
+
+    def destroy(*args, **kwargs):
+        events.append("destroy")
+        real_destroy(*args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "release_graphs", release)
+    monkeypatch.setattr("nanovllm.executor.multiproc.dist.destroy_process_group", destroy)
+    monkeypatch.setattr(llm_engine, "make_executor",
+                        lambda config, source: MultiprocExecutor(config, source, worker_runner_cls=GraphReleaseRecorder))
+    llm = LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2)
+    pids = llm.engine.executor.worker_pids
+    assert tokens(llm, prompts[:2]) == expected[:2]
+    llm.shutdown()
+    assert events == ["release rank 0", "destroy"]
+    assert log.read_text() == "rank 1 released, group alive=True\n"
+    assert_cleaned_up(pids)

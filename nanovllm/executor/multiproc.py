@@ -69,7 +69,7 @@ import traceback
 import weakref
 from datetime import timedelta
 from multiprocessing import connection, get_context
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -176,6 +176,7 @@ def _worker_main(
         # Exit without destroying the group: peers may be stuck in a collective with us, and
         # closing our sockets by exiting is what releases them.
         raise SystemExit(1) from None
+    runner.release_graphs()  # before the group: graphs that captured collectives pin it
     dist.destroy_process_group()
 
 
@@ -196,6 +197,9 @@ class _Workers:
         self.group: Any = None  # the default group we created, destroyed by close()
         self.broken = False  # set after a failure: close() then terminates instead of stopping
         self.closed = False
+        # Run by close() just before it destroys the group: rank 0's runner drops its CUDA graphs,
+        # whose captured collectives would otherwise make the destruction wait forever.
+        self.before_destroy: list[Callable[[], None]] = []
         self._watcher: threading.Thread | None = None
         self._wake: connection.Connection | None = None
 
@@ -374,6 +378,11 @@ class _Workers:
         for proc in self.procs:
             proc.close()
         if self.group is not None and dist.is_initialized() and dist.group.WORLD is self.group:
+            for release in self.before_destroy:
+                try:
+                    release()
+                except Exception:  # noqa: BLE001 - closing goes on; the group must still be destroyed
+                    logger.exception("tensor parallel: releasing %s before destroying the group failed", release)
             dist.destroy_process_group()
         self.group = None
         self.store = None
@@ -432,6 +441,7 @@ class MultiprocExecutor:
             device = _collective_device(backend)
             agree = None if world == 1 else (lambda n: _min_across_ranks(n, device))
             self.runner = ModelRunner(config, source, rank=0, agree_num_blocks=agree)
+            self._workers.before_destroy.append(self.runner.release_graphs)
             # Workers finish building (CUDA graphs...) about when rank 0 does; a small step
             # timeout must not cut that short.
             ready = self._workers.collect("ready", None, max(timeout_s, DEFAULT_TIMEOUT_S))

@@ -92,6 +92,15 @@ class CudaGraphRunner:
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs (batch 1..%d) in %.1fs", len(self.sizes), self.max_batch, self.capture_seconds)
 
+    def release(self) -> None:
+        """Free the captured graphs. A graph that captured NCCL collectives holds a reference on
+        the communicator, and destroying the process group waits for it forever (PyTorch issue
+        115388), so tensor parallelism releases the graphs before it destroys the group."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and 0 < num_seqs <= self.max_batch
 

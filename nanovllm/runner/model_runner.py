@@ -199,6 +199,13 @@ class ModelRunner:
             self.backend.name, self.num_kvcache_blocks, self.block_size,
         )
 
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs (later decodes run eagerly). Called before a process group that
+        the graphs' collectives use is destroyed: see CudaGraphRunner.release."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
+
     def _precompiling(self) -> AbstractContextManager[bool]:
         """`precompiling()` on CUDA (yields whether passes inside are dry); a no-op elsewhere:
         the CPU runs Triton kernels only in the interpreter, which compiles nothing."""
