@@ -48,6 +48,15 @@ def child(argv: list[str], timeout: float = 240) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def compare(ref: list[list[int]], other: list[list[int]]) -> dict:
+    """How far two runs' greedy tokens agree, prompt by prompt."""
+    pairs = list(zip(ref, other))
+    agreeing = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in pairs]
+    return dict(identical_prompts=f"{sum(a == b for a, b in pairs)}/{len(pairs)}",
+                first_token_equal=f"{sum(a[0] == b[0] for a, b in pairs)}/{len(pairs)}",
+                mean_agreeing_prefix=sum(agreeing) / len(pairs))
+
+
 def parity_child(model: str, tp: int, dtype: str, eager: bool) -> dict:
     from nanovllm import LLM, SamplingParams
 
@@ -149,15 +158,12 @@ def main() -> None:
         print(f"parity run tp={tp} {dtype} eager={eager}: start {r.get('start_s', float('nan')):.1f} s"
               + (f" ERROR {r['error']}" if "error" in r else ""), flush=True)
     for dtype, eager in [("float32", "0"), ("float32", "1"), ("bfloat16", "0")]:
-        ref, tp2 = runs[(1, dtype, "0")], runs[(2, dtype, eager)]
-        if "tokens" not in ref or "tokens" not in tp2:
+        ref, tp2 = runs[(1, dtype, "0")].get("tokens"), runs[(2, dtype, eager)].get("tokens")
+        if ref is None or tp2 is None:
             continue
-        same = sum(a == b for a, b in zip(ref["tokens"], tp2["tokens"]))
-        first = sum(a[0] == b[0] for a, b in zip(ref["tokens"], tp2["tokens"]))
-        agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ref["tokens"], tp2["tokens"])]
-        report["parity"][f"{dtype} graphs={'off' if eager == '1' else 'on'}"] = dict(
-            identical_prompts=f"{same}/16", first_token_equal=f"{first}/16", mean_agreeing_prefix=sum(agree) / 16)
-        print("parity", dtype, "graphs", "off" if eager == "1" else "on", report["parity"][f"{dtype} graphs={'off' if eager == '1' else 'on'}"], flush=True)
+        label = f"{dtype} graphs={'off' if eager == '1' else 'on'}"
+        report["parity"][label] = compare(ref, tp2)
+        print("parity", label, report["parity"][label], flush=True)
 
     if not args.skip_w1:
         for tp in (1, 2):

@@ -26,9 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.precompile import launch
-
 from nanovllm.attention.backend import KVCacheWrite
+from nanovllm.precompile import launch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
