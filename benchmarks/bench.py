@@ -37,11 +37,9 @@ class CompileLog:
         try:
             import triton
 
-            self.runtime = triton.knobs.runtime
+            triton.knobs.runtime.jit_cache_hook = self._hook
         except (ImportError, AttributeError):
-            self.runtime = None  # an older Triton: nothing is recorded
-        else:
-            self.runtime.jit_cache_hook = self._hook
+            pass  # no Triton, or one without knobs: nothing is recorded
 
     def _hook(self, *, fn, **_) -> bool:
         self.names.append(fn.name)
@@ -165,7 +163,8 @@ def main() -> None:
               tensor_parallel_size=args.tensor_parallel_size)
     init_s = time.perf_counter() - t0
     runner = llm.engine.executor.runner
-    startup = dict(import_s=import_s, llm_init_s=init_s, kernels_compiled=sorted(set(compiles.take())), kv_blocks=runner.num_kvcache_blocks,
+    startup = dict(import_s=import_s, llm_init_s=init_s, kernels_compiled=sorted(set(compiles.take())),
+                   kv_blocks=runner.num_kvcache_blocks,
                    kv_gib=runner.num_kvcache_blocks * runner.bytes_per_block() / 2**30, **runner.startup_seconds)
     print("startup", json.dumps(startup), flush=True)
     report = {"startup": startup, "device": _device_name(), "make_model_s": t_import - t_start}
