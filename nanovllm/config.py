@@ -29,6 +29,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # CUDA graphs on, one rank: a decode step of one sequence runs as one persistent Triton
+    # kernel (runner/persistent_decode.py) instead of the per-op graph.
+    persistent_decode: bool = True
     seed: int = 0
     # Schedule step N+1 while step N runs on the device (outputs trail by one step). None = on
     # where there is a device to overlap with (CUDA); on the CPU the host *is* the device.

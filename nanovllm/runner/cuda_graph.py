@@ -7,7 +7,9 @@ size: padded rows have slot -1 (nothing stored) and length 0 (nothing attended),
 outputs are dropped. The attention backend reads lengths from device tensors only, so one
 capture serves every context length up to max_model_len.
 
-The smallest graph has 8 rows: cuBLAS picks a slow kernel for some projections below 8 rows
+A lone sequence takes the persistent decode kernel where the runner built one
+(`single`, runner/persistent_decode.py): its graph (size 1) captures that kernel instead of the
+per-op forward. Otherwise the smallest graph has 8 rows: cuBLAS picks a slow kernel for some projections below 8 rows
 (Qwen3-0.6B's o_proj took 12.6 us at 1 row and 5.9 us at 8 on the H200,
 `benchmarks/small_gemm.py`), and the other kernels cost the same for 1 or 8 rows, so a lone
 sequence runs faster padded to 8.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -38,9 +41,13 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: nn.Module, device: torch.device, max_batch: int, max_blocks_per_seq: int, max_model_len: int) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device, max_batch: int, max_blocks_per_seq: int, max_model_len: int,
+        single: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] | None = None,
+    ) -> None:
         self.model = model
-        self.sizes = capture_sizes(max_batch)
+        self.single = single
+        self.sizes = ([1] if single is not None else []) + capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -72,7 +79,11 @@ class CudaGraphRunner:
         """One eager forward per graph size. Start-up runs it as a dry pass that compiles every
         kernel variant the capture will launch (nanovllm/precompile.py)."""
         for bs in self.sizes:
-            self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+            self._forward(bs, self._meta(bs))
+
+    def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
+        forward = self.single if bs == 1 and self.single is not None else self.model
+        return forward(self.input_ids[:bs], self.positions[:bs], meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -80,11 +91,11 @@ class CudaGraphRunner:
         pool = None
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
             meta = self._meta(bs)
-            self.model(self.input_ids[:bs], self.positions[:bs], meta)  # warm-up (autotune, lazy init)
+            self._forward(bs, meta)  # warm-up (autotune, lazy init)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+                self.outputs[bs] = self._forward(bs, meta)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph

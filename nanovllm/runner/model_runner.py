@@ -146,13 +146,15 @@ class ModelRunner:
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[int, int] = {}
         self.graph_runner = None
+        self.persistent_decoder = None
         # The torch backend reads host-side lengths, so only the Triton / flash-attn backends are captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from nanovllm.runner.cuda_graph import CudaGraphRunner
 
+            self.persistent_decoder = self._build_persistent_decoder()
             self.graph_runner = CudaGraphRunner(
                 self.model, self.device, min(config.max_num_seqs, 512),
-                -(-config.max_model_len // self.block_size), config.max_model_len,
+                -(-config.max_model_len // self.block_size), config.max_model_len, self.persistent_decoder,
             )
         t1 = time.perf_counter()
         # On CUDA the profiling run, a mixed step and a decode forward per graph size are dry
@@ -198,6 +200,20 @@ class ModelRunner:
             type(self.model).__name__, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
             self.backend.name, self.num_kvcache_blocks, self.block_size,
         )
+
+    def _build_persistent_decoder(self):
+        """The one-sequence decode kernel (runner/persistent_decode.py), or None where it is
+        turned off or the model is not one it supports (logged)."""
+        if not self.config.persistent_decode or not getattr(getattr(self.model, "model", None), "fused_ops", False):
+            return None
+        from nanovllm.runner.persistent_decode import PersistentDecoder, unsupported_reason
+
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            logger.info("persistent decode off: %s", reason)
+            return None
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return PersistentDecoder(self.model, num_programs=sms)
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (later decodes run eagerly). Called before a process group that
@@ -319,6 +335,8 @@ class ModelRunner:
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
         bind_kv_cache(self.model, self.k_caches, self.v_caches, self.backend)
+        if self.persistent_decoder is not None:
+            self.persistent_decoder.bind(self.k_caches, self.v_caches)
 
     # ---- one step ------------------------------------------------------------------------
     def _to_device(self, a: np.ndarray) -> torch.Tensor:

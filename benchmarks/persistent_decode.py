@@ -1,0 +1,126 @@
+"""Where the persistent one-sequence decode kernel's time goes (H200; docs/benchmarks.md, W5).
+
+    python benchmarks/persistent_decode.py --model /tmp/q06 [--context 640]
+
+Prints: the persistent launch (one replay of the batch-1 CUDA graph) and the per-op graph of 8
+rows at the same context; each stage's cost when it runs as its own launch (stepwise mode, 28
+launches per stage, so each includes a launch); the grid barrier alone (a kernel that only
+crosses barriers, one program per SM); the compiled kernel's registers and spills.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.runner.persistent_decode import _grid_barrier
+
+
+def timed(fn, reps: int = 20) -> float:
+    """Mean microseconds per call of fn (CUDA events, after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps * 1e3
+
+
+@triton.jit
+def _empty(x):
+    pass
+
+
+@triton.jit
+def _atomic_poll_barrier(sync_ptr, target):
+    """The first version's barrier, for comparison: it polls with atomics."""
+    tl.debug_barrier()
+    tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _barriers_only(sync_ptr, n, ATOMIC_POLL: tl.constexpr):
+    num_programs = tl.num_programs(0)
+    arrivals = num_programs * 0
+    for _ in range(0, n):
+        arrivals += num_programs
+        if ATOMIC_POLL:
+            _atomic_poll_barrier(sync_ptr, arrivals)
+        else:
+            _grid_barrier(sync_ptr, arrivals)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--context", type=int, default=640)
+    args = ap.parse_args()
+    from nanovllm import LLM
+    from nanovllm.runner import persistent_decode as pd
+
+    llm = LLM(args.model, max_model_len=4096)
+    runner = llm.engine.executor.runner
+    g, dec = runner.graph_runner, runner.persistent_decoder
+    ctx = args.context
+    blocks = -(-ctx // runner.block_size)
+    for bs in (1, 8):
+        g.seq_lens[:bs] = ctx
+        g.positions[:bs] = ctx - 1
+        g.slot_mapping[:bs] = -1
+        g.block_tables[:bs, :blocks] = torch.arange(blocks, dtype=torch.int32, device="cuda")
+    print(f"context {ctx}: persistent graph (batch 1) {timed(g.graphs[1].replay):8.1f} us; "
+          f"per-op graph (batch 8) {timed(g.graphs[8].replay):8.1f} us")
+
+    meta = g._meta(1)
+    ids, pos = g.input_ids[:1], g.positions[:1]
+    sms = dec.num_programs
+    seen: set[int] = set()
+
+    def registers() -> str:
+        """Registers and spills of the variants compiled since the last call."""
+        out = []
+        for caches in pd._decode_kernel.device_caches.values():
+            for k in caches[0].values():
+                if id(k) not in seen:
+                    seen.add(id(k))
+                    out.append(f"regs {k.n_regs} spills {k.n_spills}")
+        return "; ".join(out)
+
+    def persistent(**kwargs) -> float:
+        d = pd.PersistentDecoder(dec.model, num_programs=sms, **kwargs)
+        d.bind(runner.k_caches, runner.v_caches)
+        return timed(lambda: d(ids, pos, meta))
+
+    base = persistent(stage_mask=0)
+    print(f"persistent, barriers only (no stage runs): {base:8.1f} us  [{registers()}]")
+    names = ["A norm+qkv", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
+    for stage, name in enumerate(names):
+        us = persistent(stage_mask=1 << stage)
+        print(f"stage {name:22s}: {(us - base) / dec.num_layers:7.2f} us per layer  [{registers()}]")
+    for tile, warps, early in ((8192, 8, True), (16384, 8, True), (16384, 8, False), (32768, 8, True), (65536, 16, True)):
+        us = persistent(tile_elements=tile, num_warps=warps, early_prefetch=early)
+        print(f"persistent, all stages, tile {tile:5d} elements, {warps} warps, early prefetch {early}: "
+              f"{us:8.1f} us  [{registers()}]")
+    for split_tokens, block_t in ((32, 32), (64, 64), (128, 64)):
+        us = persistent(stage_mask=2, split_tokens=split_tokens, block_t=block_t)
+        print(f"attention alone, splits of >= {split_tokens} positions, tiles of {block_t}: "
+              f"{(us - base) / dec.num_layers:7.2f} us per layer  [{registers()}]")
+    buf = torch.zeros(1, dtype=torch.int32, device="cuda")
+    print(f"empty launch, {sms} programs: {timed(lambda: _empty[(sms,)](buf)):6.2f} us")
+    n = 1000
+    for atomic_poll in (False, True):
+        us = timed(lambda: (buf.zero_(), _barriers_only[(sms,)](buf, n, ATOMIC_POLL=atomic_poll))) / n
+        print(f"grid barrier, {sms} programs, {'atomic' if atomic_poll else 'load'} polling: {us:6.3f} us each")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,656 @@
+"""A lone sequence's decode step as one persistent Triton kernel.
+
+Why: one sequence decoding (a chat user, W5 in docs/benchmarks.md) reads every weight once per
+token, ~1.2 GB for Qwen3-0.6B: 0.25-0.3 ms on an H200. The per-op decode graph takes ~1.3 ms,
+because each of its ~250 kernels (four projections, attention, the fused small ops, x 28 layers)
+costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of layers is one launch:
+one program per SM loops over the layers, splits each stage's work between the programs, and
+waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
+output. A barrier costs ~1 us, far less than a kernel boundary.
+
+Stages of a layer (each program takes a slice of rows, or of (KV head, context split) pairs):
+  A  RMSNorm of the residual stream (recomputed by every program: hidden_size values), then the
+     packed q/k/v projection rows.
+  B  q/k norm + rotary, attention over the paged KV cache in context splits, the step's K/V
+     stored into the cache; the last split to finish for a KV head (an atomic count) combines
+     the splits into the attention output.
+  C  o projection rows plus the residual add.
+  D  RMSNorm again, gate and up rows, SiLU-and-mul.
+  E  down projection rows plus the residual add.
+A barrier follows each stage. Before the first layer the embedding row becomes the residual
+stream; after the last, the final RMSNorm writes the hidden state. The LM head and the sampler
+run after the kernel, as for every other step.
+
+Numerics follow the per-op path (layers/fused.py): every value the reference rounds to the
+activation dtype (projection outputs, the residual sums, normalised values, rotary products,
+SiLU) is rounded here too; projections accumulate in fp32 in another order than cuBLAS, and the
+attention combines splits like the split-KV decode kernel, so results agree to rounding.
+
+Reference path and tests: the same stage code also runs as one launch per stage ("stepwise"),
+where kernel boundaries are the barriers. That is what runs on the CPU under TRITON_INTERPRET=1
+(whose programs run one after another, so a spinning barrier could never be passed) and is
+compared with the model's own forward there; on CUDA the persistent launch is compared with the
+stepwise one and with the per-op CUDA graph (tests/test_persistent_decode.py).
+
+Scope: Llama-family decoders (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norm) without o/MLP
+biases, one rank, a power-of-two head_dim, every weight and the KV cache in one dtype. The
+runner uses it for decode steps of exactly one sequence when CUDA graphs are on
+(`LLM(persistent_decode=False)` turns it off); anything else takes the per-op path.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.attention.backend import AttentionMetadata
+from nanovllm.precompile import launch
+
+# Rows of the per-layer offset table: where each layer's tensors start, in elements from the
+# embedding weight (every tensor has the model's dtype, so one base pointer reaches them all).
+_FIELDS = ("qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "ln1", "ln2", "gate_up_w", "down_w", "k_cache", "v_cache")
+_NUM_FIELDS = len(_FIELDS)
+F_QKV_W, F_QKV_B, F_Q_NORM, F_K_NORM, F_O_W, F_LN1, F_LN2, F_GU_W, F_DOWN_W, F_K_CACHE, F_V_CACHE = (
+    tl.constexpr(i) for i in range(_NUM_FIELDS)
+)
+NUM_FIELDS = tl.constexpr(_NUM_FIELDS)
+
+# Attention: KV positions per loop iteration, and the fewest positions worth a context split.
+BLOCK_T = 32
+SPLIT_TOKENS = 64
+_NEG_BIG = tl.constexpr(-1.0e30)
+_LOG2E = 1.4426950408889634
+# Elements of one weight tile a program holds in registers (rows x K chunk).
+_TILE_ELEMENTS = 16384
+
+
+@triton.jit
+def _at(base_ptr, layer_ptr, FIELD: tl.constexpr):
+    """Pointer to a layer's tensor. Its offset is a multiple of 16 elements (bind() checks), and
+    saying so lets Triton vectorize the loads: without it every bf16 weight was read 2 bytes at a
+    time, with a 64-bit address per element in registers."""
+    return base_ptr + tl.multiple_of(tl.load(layer_ptr + FIELD), 16)
+
+
+@triton.jit
+def _grid_barrier(sync_ptr, target):
+    """Wait until `target` arrivals have been counted at sync_ptr (the counter only grows within
+    a launch: barrier n of a launch waits for n * num_programs). The CTA barrier first makes
+    every thread's stores precede the release; the acquire makes the other programs' stores
+    visible after it."""
+    tl.debug_barrier()
+    seen = tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu") + 1
+    # Poll with plain (volatile) loads: atomics from every SM on one address queue behind each
+    # other at the L2; one acquiring atomic once the count is reached orders what follows.
+    while seen < target:
+        seen = tl.load(sync_ptr, volatile=True)
+    tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _rstd(resid_ptr, eps, H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of the residual stream."""
+    sq = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in tl.static_range(0, H, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(resid_ptr + offs, mask=offs < H, other=0.0, cache_modifier=".cg").to(tl.float32)
+        sq += x * x
+    return tl.rsqrt(tl.sum(sq, axis=0) * (1.0 / H) + eps)
+
+
+@triton.jit
+def _normed(resid_ptr, w_ptr, offs, mask, rstd, dtype: tl.constexpr):
+    """One chunk of RMSNorm(residual) * weight, rounded as the fused RMSNorm kernel rounds it."""
+    x = tl.load(resid_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_per_item, H: tl.constexpr, BLOCK_R: tl.constexpr):
+    token = tl.load(tok_ptr).to(tl.int64)
+    for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
+        offs = item * rows_per_item + tl.arange(0, BLOCK_R)
+        mask = (offs < (item + 1) * rows_per_item) & (offs < H)
+        tl.store(resid_ptr + offs, tl.load(base_ptr + token * H + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _rows(item, rows_per_item, N, BLOCK_R: tl.constexpr):
+    """Row indices [BLOCK_R] of work item `item` (rows_per_item rows of N) and their mask."""
+    rows = item * rows_per_item + tl.arange(0, BLOCK_R)
+    return rows, (rows < (item + 1) * rows_per_item) & (rows < N)
+
+
+@triton.jit
+def _weight_tile(w_ptr, rows, rmask, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[rows, k0:k0 + BLOCK_K] of a row-major [*, K] weight (masked rows and columns read nothing)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=rmask[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _first_tile(w_ptr, pid, rows_per_item, N, valid, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first K chunk of this program's first item: what a stage reads first, so the
+    persistent kernel loads it ahead, before the barrier the stage waits at (weights do not
+    depend on the other programs' results). valid=False reads nothing."""
+    rows, rmask = _rows(pid, rows_per_item, N, BLOCK_R)
+    return _weight_tile(w_ptr, rows, rmask & valid, 0, K, BLOCK_K)
+
+
+@triton.jit
+def _stage_qkv(
+    first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item,
+    H: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile."""
+    dtype = qkv_ptr.dtype.element_ty
+    w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
+    ln_ptr = base_ptr + tl.load(layer_ptr + F_LN1)
+    rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
+    for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
+        rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
+        acc = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
+            if k0 == 0:
+                if item == pid:
+                    w = first
+                else:
+                    w = _weight_tile(w_ptr, rows, rmask, 0, H, BLOCK_K)
+            else:
+                w = _weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(_at(base_ptr, layer_ptr, F_QKV_B) + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(qkv_ptr + rows, acc.to(dtype), mask=rmask)
+
+
+@triton.jit
+def _norm_rope(x1, x2, w_ptr, cos, sin, eps, offs_d, HALF: tl.constexpr, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
+    """Per-head RMSNorm (optional) then neox rotary of rows [R, HALF] + [R, HALF], fp32 in and
+    out, every intermediate rounded as layers/fused.py's _norm_rope_heads rounds it."""
+    if HAS_NORM:
+        scale = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) * (1.0 / (2 * HALF)) + eps)[:, None]
+        w1 = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+        x1 = ((x1 * scale).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * scale).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    o1 = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    o2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return o1, o2
+
+
+@triton.jit
+def _stage_attention(
+    base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
+    pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+    qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs,
+    NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+    SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    dtype = qkv_ptr.dtype.element_ty
+    HALF: tl.constexpr = D // 2
+    GROUP: tl.constexpr = NQ // NK
+    k_cache_ptr = _at(base_ptr, layer_ptr, F_K_CACHE)
+    v_cache_ptr = _at(base_ptr, layer_ptr, F_V_CACHE)
+    q_norm_ptr = _at(base_ptr, layer_ptr, F_Q_NORM)
+    k_norm_ptr = _at(base_ptr, layer_ptr, F_K_NORM)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    ctx = tl.load(seq_len_ptr)  # cached positions plus this step's token
+    num_splits = tl.maximum(tl.minimum(tl.cdiv(ctx, SPLIT_MIN), MAX_SPLITS), 1)
+    per_split = tl.cdiv(ctx, num_splits)
+    offs_d = tl.arange(0, HALF)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_t = tl.arange(0, BLOCK_T)
+    gmask = offs_g < GROUP
+    cos = tl.load(cos_sin_ptr + pos * D + offs_d).to(dtype).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * D + HALF + offs_d).to(dtype).to(tl.float32)
+    for item in range(pid, NK * num_splits, num_programs):
+        kvh = item // num_splits
+        split = item % num_splits
+        heads = kvh * GROUP + offs_g
+        q_rows = qkv_ptr + heads[:, None] * D + offs_d[None, :]
+        q1 = tl.load(q_rows, mask=gmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        q2 = tl.load(q_rows + HALF, mask=gmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        q1, q2 = _norm_rope(q1, q2, q_norm_ptr, cos, sin, qk_eps, offs_d, HALF, HAS_NORM, dtype)
+        m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
+        acc2 = tl.zeros([BLOCK_G, HALF], tl.float32)
+        head_off = kvh * D
+        start = split * per_split
+        end = tl.minimum(start + per_split, ctx - 1)  # positions already in the cache
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + offs_t
+            tmask = t < end
+            block = tl.load(block_table_ptr + t // KV_BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+            row = (block * stride_cb + (t % KV_BLOCK_SIZE) * stride_cs + head_off)[:, None] + offs_d[None, :]
+            k1 = tl.load(k_cache_ptr + row, mask=tmask[:, None], other=0.0).to(tl.float32)
+            k2 = tl.load(k_cache_ptr + row + HALF, mask=tmask[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(q1[:, None, :] * k1[None, :, :], axis=2) + tl.sum(q2[:, None, :] * k2[None, :, :], axis=2)
+            s = tl.where(tmask[None, :], s * qk_scale, _NEG_BIG)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v1 = tl.load(v_cache_ptr + row, mask=tmask[:, None], other=0.0).to(tl.float32)
+            v2 = tl.load(v_cache_ptr + row + HALF, mask=tmask[:, None], other=0.0).to(tl.float32)
+            acc1 = acc1 * alpha[:, None] + tl.sum(p[:, :, None] * v1[None, :, :], axis=1)
+            acc2 = acc2 * alpha[:, None] + tl.sum(p[:, :, None] * v2[None, :, :], axis=1)
+            m_i = m_new
+        if split == num_splits - 1:
+            # This step's token: its K/V come from the projection, not the cache, and are stored.
+            k_row = qkv_ptr + (NQ + kvh) * D + offs_d[None, :]
+            k1 = tl.load(k_row, cache_modifier=".cg").to(tl.float32)
+            k2 = tl.load(k_row + HALF, cache_modifier=".cg").to(tl.float32)
+            k1, k2 = _norm_rope(k1, k2, k_norm_ptr, cos, sin, qk_eps, offs_d, HALF, HAS_NORM, dtype)
+            v_row = qkv_ptr + (NQ + NK + kvh) * D + offs_d[None, :]
+            v1 = tl.load(v_row, cache_modifier=".cg").to(tl.float32)
+            v2 = tl.load(v_row + HALF, cache_modifier=".cg").to(tl.float32)
+            s = (tl.sum(q1 * k1, axis=1) + tl.sum(q2 * k2, axis=1)) * qk_scale
+            m_new = tl.maximum(m_i, s)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new)
+            l_i = l_i * alpha + p
+            acc1 = acc1 * alpha[:, None] + p[:, None] * v1
+            acc2 = acc2 * alpha[:, None] + p[:, None] * v2
+            m_i = m_new
+            safe = tl.maximum(slot, 0)
+            dst = (safe // KV_BLOCK_SIZE) * stride_cb + (safe % KV_BLOCK_SIZE) * stride_cs + head_off + offs_d[None, :]
+            smask = (offs_d[None, :] * 0 + slot) >= 0
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=smask)
+            tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=smask)
+            tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=smask)
+            tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=smask)
+        part = (heads * MAX_SPLITS + split)[:, None] * D + offs_d[None, :]
+        tl.store(part_acc_ptr + part, acc1, mask=gmask[:, None])
+        tl.store(part_acc_ptr + part + HALF, acc2, mask=gmask[:, None])
+        tl.store(part_ml_ptr + (heads * MAX_SPLITS + split) * 2, m_i, mask=gmask)
+        tl.store(part_ml_ptr + (heads * MAX_SPLITS + split) * 2 + 1, l_i, mask=gmask)
+        tl.debug_barrier()
+        # The last split of this KV head to finish combines all of them.
+        arrived = tl.atomic_add(count_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            tl.atomic_xchg(count_ptr + kvh, 0, sem="relaxed", scope="gpu")
+            # Every split at once ([MAX_SPLITS, BLOCK_G] and [MAX_SPLITS, BLOCK_G, HALF]): one
+            # round trip to the L2 instead of one per split.
+            offs_s = tl.arange(0, MAX_SPLITS)
+            smask = (offs_s < num_splits)[:, None] & gmask[None, :]
+            idx = heads[None, :] * MAX_SPLITS + offs_s[:, None]
+            m_s = tl.load(part_ml_ptr + idx * 2, mask=smask, other=_NEG_BIG, cache_modifier=".cg")
+            l_s = tl.load(part_ml_ptr + idx * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
+            src = idx[:, :, None] * D + offs_d[None, None, :]
+            a1 = tl.load(part_acc_ptr + src, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")
+            a2 = tl.load(part_acc_ptr + src + HALF, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")
+            weight = tl.exp2(m_s - tl.max(m_s, axis=0)[None, :])  # empty splits: m = _NEG_BIG, weight 0
+            total = tl.sum(weight * l_s, axis=0)
+            out1 = tl.sum(weight[:, :, None] * a1, axis=0)
+            out2 = tl.sum(weight[:, :, None] * a2, axis=0)
+            inv = 1.0 / tl.where(gmask, total, 1.0)
+            dst = attn_ptr + heads[:, None] * D + offs_d[None, :]
+            tl.store(dst, (out1 * inv[:, None]).to(dtype), mask=gmask[:, None])
+            tl.store(dst + HALF, (out2 * inv[:, None]).to(dtype), mask=gmask[:, None])
+
+
+@triton.jit
+def _stage_rows_residual(
+    first, w_ptr, x_ptr, resid_ptr, pid, num_programs, rows_per_item,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """residual[rows] = round(round(W[rows] @ x) + residual[rows]): the o and down projections."""
+    dtype = resid_ptr.dtype.element_ty
+    for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
+        rows, rmask = _rows(item, rows_per_item, H, BLOCK_R)
+        acc = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if k0 == 0:
+                if item == pid:
+                    w = first
+                else:
+                    w = _weight_tile(w_ptr, rows, rmask, 0, K, BLOCK_K)
+            else:
+                w = _weight_tile(w_ptr, rows, rmask, k0, K, BLOCK_K)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        r = tl.load(resid_ptr + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(resid_ptr + rows, (acc.to(dtype).to(tl.float32) + r).to(dtype), mask=rmask)
+
+
+@triton.jit
+def _stage_gate_up(
+    first_gate, first_up, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_per_item,
+    H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)."""
+    dtype = act_ptr.dtype.element_ty
+    w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
+    ln_ptr = base_ptr + tl.load(layer_ptr + F_LN2)
+    rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
+    for item in range(pid, tl.cdiv(INTER, rows_per_item), num_programs):
+        rows, rmask = _rows(item, rows_per_item, INTER, BLOCK_R)
+        gate = tl.zeros([BLOCK_R], tl.float32)
+        up = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)[None, :]
+            if k0 == 0:
+                if item == pid:
+                    wg = first_gate
+                    wu = first_up
+                else:
+                    wg = _weight_tile(w_ptr, rows, rmask, 0, H, BLOCK_K)
+                    wu = _weight_tile(w_ptr + INTER * H, rows, rmask, 0, H, BLOCK_K)
+            else:
+                wg = _weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K)
+                wu = _weight_tile(w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K)
+            gate += tl.sum(wg.to(tl.float32) * x, axis=1)
+            up += tl.sum(wu.to(tl.float32) * x, axis=1)
+        g = gate.to(dtype).to(tl.float32)
+        silu = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dtype).to(tl.float32)
+        tl.store(act_ptr + rows, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=rmask)
+
+
+@triton.jit
+def _stage_final_norm(resid_ptr, w_ptr, out_ptr, eps, pid, num_programs, rows_per_item, H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
+    for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
+        offs = item * rows_per_item + tl.arange(0, BLOCK_R)
+        mask = (offs < (item + 1) * rows_per_item) & (offs < H)
+        tl.store(out_ptr + offs, _normed(resid_ptr, w_ptr, offs, mask, rstd, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _prefetch(
+    STAGE: tl.constexpr, layer_ptr, valid, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
+    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr,
+):
+    """The first weight tile(s) of stage STAGE (0 qkv, 2 o, 3 gate and up, 4 down) of a layer."""
+    if STAGE == 0:
+        t = _first_tile(_at(base_ptr, layer_ptr, F_QKV_W), pid, rows_qkv, (NQ + 2 * NK) * D, valid, H, BR_QKV, BK_QKV)
+        return t, t
+    elif STAGE == 2:
+        t = _first_tile(_at(base_ptr, layer_ptr, F_O_W), pid, rows_h, H, valid, NQ * D, BR_H, BK_O)
+        return t, t
+    elif STAGE == 3:
+        w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
+        gate = _first_tile(w_ptr, pid, rows_inter, INTER, valid, H, BR_INTER, BK_INTER)
+        up = _first_tile(w_ptr + INTER * H, pid, rows_inter, INTER, valid, H, BR_INTER, BK_INTER)
+        return gate, up
+    else:
+        t = _first_tile(_at(base_ptr, layer_ptr, F_DOWN_W), pid, rows_h, H, valid, INTER, BR_H, BK_DOWN)
+        return t, t
+
+
+@triton.jit
+def _layer_stage(
+    STAGE: tl.constexpr, first, first2, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
+    part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+    eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
+    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
+    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
+    `first2`, the up tile of stage 3) from _prefetch (unused by stage 1, attention)."""
+    if STAGE == 0:
+        _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv,
+                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV)
+    elif STAGE == 1:
+        _stage_attention(base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
+                         pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+                         qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs,
+                         NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, BLOCK_T)
+    elif STAGE == 2:
+        _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, pid, num_programs,
+                             rows_h, H, NQ * D, BR_H, BK_O)
+    elif STAGE == 3:
+        _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_inter,
+                       H, INTER, BR_INTER, BK_INTER)
+    else:
+        _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_DOWN_W), act_ptr, resid_ptr, pid, num_programs,
+                             rows_h, H, INTER, BR_H, BK_DOWN)
+
+
+_STAGES_PER_LAYER = 5
+
+
+@triton.jit(do_not_specialize=("layer",))
+def _decode_kernel(
+    base_ptr, table_ptr, final_norm_ptr, tok_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr,
+    part_acc_ptr, part_ml_ptr, sync_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+    eps, qk_eps, qk_scale, stride_cb, stride_cs, num_layers, layer, rows_qkv, rows_h, rows_inter,
+    PERSISTENT: tl.constexpr, STAGE: tl.constexpr,
+    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
+    BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
+    STAGE_MASK: tl.constexpr = 31, EARLY_PREFETCH: tl.constexpr = True,
+):
+    """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
+    program resident at once: launch at most one program per SM). Each stage's first weight
+    tile is loaded before the barrier it waits at: with EARLY_PREFETCH, before the previous
+    stage's work (more overlap, more registers live), else right after it. Otherwise: only
+    stage STAGE (-1 embedding, 0-4 a layer's stages A-E of `layer`, 5 the final norm), its tile
+    loaded at its start. STAGE_MASK (benchmarks only) skips stages of the persistent kernel."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
+    if PERSISTENT:
+        _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
+        t1, t2 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+                      H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
+        arrivals = num_programs
+        _grid_barrier(sync_ptr, arrivals)
+        for layer_i in range(0, num_layers):
+            layer_ptr = table_ptr + layer_i * NUM_FIELDS
+            for stage in tl.static_range(0, 5):
+                # The tile of the next stage with weights (attention, stage 1, has none): of this
+                # layer, or stage 0 of the next layer (nothing after the last).
+                next_ptr = layer_ptr + NUM_FIELDS if stage == 4 else layer_ptr
+                next_valid = layer_i + 1 < num_layers if stage == 4 else True
+                if stage != 0 and EARLY_PREFETCH and stage != 1:
+                    n1, n2 = _prefetch((stage + 1 + (stage == 0)) % 5, next_ptr, next_valid, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+                      H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
+                if (STAGE_MASK >> stage) & 1:
+                    _layer_stage(
+                        stage, t1, t2, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
+                        part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+                        eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
+                        H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, HAS_BIAS,
+                        BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T,
+                    )
+                if stage == 0 or (stage != 1 and not EARLY_PREFETCH):
+                    n1, n2 = _prefetch((stage + 1 + (stage == 0)) % 5, next_ptr, next_valid, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+                      H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
+                if stage != 1:  # the tile loaded for stage 2 waits through attention
+                    t1, t2 = n1, n2
+                arrivals += num_programs
+                _grid_barrier(sync_ptr, arrivals)
+        _stage_final_norm(resid_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H)
+    elif STAGE == -1:
+        _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
+    elif STAGE == 5:
+        _stage_final_norm(resid_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H)
+    else:
+        layer_ptr = table_ptr + layer * NUM_FIELDS
+        t1, t2 = _prefetch(STAGE if STAGE != 1 else 0, layer_ptr, STAGE != 1, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+                      H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
+        _layer_stage(
+            STAGE, t1, t2, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
+            part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+            eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
+            H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, HAS_BIAS,
+            BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T,
+        )
+
+
+def _tile_shape(rows: int, k: int, elements: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_K) for a program's slice of `rows` rows over a K of `k`, about `elements`
+    weights per chunk."""
+    block_r = triton.next_power_of_2(rows)
+    return block_r, max(16, min(triton.next_power_of_2(k), elements // block_r))
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why `model` cannot take the persistent decode kernel (None: it can)."""
+    from nanovllm.distributed import tp_size
+    from nanovllm.models.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a Llama-family decoder"
+    if tp_size() != 1:
+        return "tensor parallelism"
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+        return "o/MLP projection biases"
+    if attn.head_dim & (attn.head_dim - 1) or attn.head_dim < 16:
+        return f"head_dim {attn.head_dim} is not a power of two >= 16"
+    if attn.num_heads % attn.num_kv_heads:
+        return "query heads are not a multiple of KV heads"
+    dtypes = {p.dtype for p in model.parameters()}
+    if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.float16, torch.bfloat16}:
+        return f"parameter dtypes {sorted(map(str, dtypes))} (needs one of float32/float16/bfloat16)"
+    if attn.q_norm is not None and attn.q_norm.eps != attn.k_norm.eps:
+        return "q_norm and k_norm have different eps"
+    return None
+
+
+class PersistentDecoder:
+    """`decoder(input_ids [1], positions [1], meta) -> hidden [1, H]` for one decoding sequence:
+    the model's forward (final norm included) in one launch, or one launch per stage with
+    `persistent=False`. Call `bind` with the KV caches after every (re)allocation. Inputs are
+    read from the device tensors given (graph-capturable: no host sync, fixed launch shapes)."""
+
+    def __init__(
+        self, model: Any, num_programs: int, persistent: bool = True,
+        max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
+        tile_elements: int = _TILE_ELEMENTS, stage_mask: int = 31, early_prefetch: bool = True,
+    ) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"persistent decode does not support this model: {reason}")
+        if max_splits < 1 or max_splits & (max_splits - 1):
+            raise ValueError(f"max_splits must be a power of two, got {max_splits}")
+        inner = model.model
+        layer = inner.layers[0]
+        attn = layer.self_attn
+        self.model = model
+        self.persistent = persistent
+        self.num_programs = num_programs
+        self.num_warps = num_warps
+        self.max_splits = max_splits
+        self.dtype = inner.embed_tokens.weight.dtype
+        device = inner.embed_tokens.weight.device
+        self.hidden = inner.embed_tokens.weight.shape[1]
+        self.num_q, self.num_k, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.inter = layer.mlp.down_proj.weight.shape[1]
+        self.num_layers = len(inner.layers)
+        self.eps = float(layer.input_layernorm.eps)
+        self.has_norm = attn.q_norm is not None
+        self.qk_eps = float(attn.q_norm.eps) if self.has_norm else 0.0
+        self.has_bias = attn.qkv_proj.bias is not None
+        self.scale = attn.attn.scale
+        self.cos_sin = attn.rotary_emb.cos_sin_cache
+        n_qkv = (self.num_q + 2 * self.num_k) * self.head_dim
+        empty = lambda n, dtype=self.dtype: torch.zeros(n, dtype=dtype, device=device)  # noqa: E731
+        self.resid, self.qkv = empty(self.hidden), empty(n_qkv)
+        self.attn_out, self.act = empty(self.num_q * self.head_dim), empty(self.inter)
+        self.out = empty((1, self.hidden))
+        self.part_acc = empty(self.num_q * max_splits * self.head_dim, torch.float32)
+        self.part_ml = empty(self.num_q * max_splits * 2, torch.float32)
+        self.sync = empty(1 + self.num_k, torch.int32)
+        self.rows_qkv = -(-n_qkv // num_programs)
+        self.rows_h = -(-self.hidden // num_programs)
+        self.rows_inter = -(-self.inter // num_programs)
+        br_qkv, bk_qkv = _tile_shape(self.rows_qkv, self.hidden, tile_elements)
+        br_h, bk_o = _tile_shape(self.rows_h, self.num_q * self.head_dim, tile_elements)
+        _, bk_down = _tile_shape(self.rows_h, self.inter, tile_elements)
+        _, bk_inter = _tile_shape(2 * self.rows_inter, self.hidden, tile_elements)  # a gate and an up tile
+        self.constexprs = dict(
+            H=self.hidden, NQ=self.num_q, NK=self.num_k, D=self.head_dim, INTER=self.inter,
+            SPLIT_MIN=split_tokens, MAX_SPLITS=max_splits, BLOCK_T=block_t,
+            BLOCK_G=max(2, triton.next_power_of_2(self.num_q // self.num_k)),
+            HAS_NORM=self.has_norm, HAS_BIAS=self.has_bias,
+            BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
+            BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
+            STAGE_MASK=stage_mask, EARLY_PREFETCH=early_prefetch,
+        )
+        self.table: torch.Tensor | None = None
+
+    def _base(self) -> torch.Tensor:
+        return self.model.model.embed_tokens.weight
+
+    def bind(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        """Point the kernel at these per-layer caches ([blocks, block_size, kv_heads, head_dim])."""
+        base = self._base()
+        item = base.element_size()
+
+        def offset(t: torch.Tensor | None) -> int:
+            if t is None:
+                return 0
+            if t.dtype != base.dtype or not t.is_contiguous():
+                raise ValueError(f"persistent decode needs contiguous {base.dtype} tensors, got {t.dtype}")
+            diff = t.data_ptr() - base.data_ptr()
+            if diff % (16 * item):  # the kernel tells Triton so (_at), to vectorize loads
+                raise ValueError("persistent decode: a tensor does not start 16 elements from the embedding's alignment")
+            return diff // item
+
+        if len(k_caches) != self.num_layers or k_caches[0].shape[2:] != (self.num_k, self.head_dim):
+            raise ValueError("persistent decode: the KV caches do not match the model")
+        rows = []
+        for layer, kc, vc in zip(self.model.model.layers, k_caches, v_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            if kc.stride() != k_caches[0].stride() or vc.stride() != kc.stride():
+                raise ValueError("persistent decode: every layer's K and V cache must share one layout")
+            fields = {
+                "qkv_w": attn.qkv_proj.weight, "qkv_b": attn.qkv_proj.bias,
+                "q_norm": attn.q_norm.weight if attn.q_norm is not None else None,
+                "k_norm": attn.k_norm.weight if attn.k_norm is not None else None,
+                "o_w": attn.o_proj.weight, "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+                "gate_up_w": mlp.gate_up_proj.weight, "down_w": mlp.down_proj.weight, "k_cache": kc, "v_cache": vc,
+            }
+            rows.append([offset(fields[name]) for name in _FIELDS])
+        self.table = torch.tensor(rows, dtype=torch.int64, device=base.device)
+        self.kv_block_size = k_caches[0].shape[1]
+        self.stride_cb, self.stride_cs = k_caches[0].stride(0), k_caches[0].stride(1)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.table is None:
+            raise RuntimeError("PersistentDecoder: call bind() with the KV caches first")
+        if input_ids.shape[0] != 1 or meta.num_decodes != 1:
+            raise ValueError("persistent decode runs exactly one decoding sequence")
+        self.sync.zero_()
+        args = (
+            self._base(), self.table, self.model.model.norm.weight, input_ids, self.resid, self.qkv, self.attn_out,
+            self.act, self.out, self.part_acc, self.part_ml, self.sync, positions, meta.slot_mapping, meta.seq_lens,
+            meta.block_tables, self.cos_sin,
+            self.eps, self.qk_eps, self.scale * _LOG2E, self.stride_cb, self.stride_cs, self.num_layers,
+        )
+        counts = (self.rows_qkv, self.rows_h, self.rows_inter)
+        common = dict(self.constexprs, KV_BLOCK_SIZE=self.kv_block_size, num_warps=self.num_warps, enable_fp_fusion=False)
+        grid = (self.num_programs,)
+        if self.persistent:
+            launch(_decode_kernel, grid, *args, 0, *counts, PERSISTENT=True, STAGE=0, **common)
+        else:
+            launch(_decode_kernel, grid, *args, 0, *counts, PERSISTENT=False, STAGE=-1, **common)
+            for layer in range(self.num_layers):
+                for stage in range(_STAGES_PER_LAYER):
+                    launch(_decode_kernel, grid, *args, layer, *counts, PERSISTENT=False, STAGE=stage, **common)
+            launch(_decode_kernel, grid, *args, 0, *counts, PERSISTENT=False, STAGE=5, **common)
+        return self.out

@@ -1,0 +1,168 @@
+"""The persistent one-sequence decode kernel (runner/persistent_decode.py) against the model's
+own forward.
+
+On CPU the kernel runs one launch per stage under TRITON_INTERPRET=1 (conftest.py; the
+interpreter runs programs one after another, so the persistent launch's spinning barrier is
+GPU-only), at tiny fp32 shapes, with few programs and small context splits so that programs
+take several items and sequences several splits. The reference is the model's torch path (fused
+ops off, torch attention backend) on the same weights and the same cache contents: logits and
+the K/V row stored for the step must agree. On CUDA the persistent launch is compared with the
+stepwise one (the same arithmetic, so bit-identical) and with the per-op path at Qwen3-0.6B's
+shapes in bf16.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not importable; the persistent kernel cannot run")
+
+from nanovllm.attention.backend import AttentionMetadata, bind_kv_cache  # noqa: E402
+from nanovllm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from nanovllm.loaders.safetensors import iter_safetensors  # noqa: E402
+from nanovllm.models.registry import get_model_class  # noqa: E402
+from nanovllm.runner.persistent_decode import PersistentDecoder, unsupported_reason  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24
+
+
+def build(path, dtype=torch.float32):
+    """The model as the runner builds it, on the torch path (fused ops off), random norm weights,
+    KV caches bound to the torch attention backend."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(DEVICE):
+            model = get_model_class(config)(config)
+    finally:
+        torch.set_default_dtype(default)
+    gen = torch.Generator().manual_seed(1)
+    weights = {
+        name: (1.0 + 0.2 * torch.randn(t.shape, generator=gen)) if name.endswith("norm.weight") else t
+        for name, t in iter_safetensors(path)
+    }
+    model.load_weights(weights.items())
+    for m in model.modules():
+        if hasattr(m, "fused_devices"):
+            m.fused_devices = ()
+    attn = model.model.layers[0].self_attn
+    n = config.num_hidden_layers
+    shape = (NUM_BLOCKS, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
+    k_caches = [torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in range(n)]
+    v_caches = [torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in range(n)]
+    bind_kv_cache(model, k_caches, v_caches, TorchAttentionBackend())
+    return model, config, k_caches, v_caches
+
+
+def meta_for(block_table: torch.Tensor, start: int, num_tokens: int, num_decodes: int) -> AttentionMetadata:
+    positions = torch.arange(start, start + num_tokens)
+    slots = block_table[positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+    return AttentionMetadata(
+        slot_mapping=slots.to(DEVICE),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([start + num_tokens], dtype=torch.int32, device=DEVICE),
+        block_tables=block_table[None].to(DEVICE),
+        num_decodes=num_decodes,
+        max_query_len=num_tokens,
+        max_seq_len=start + num_tokens,
+        query_lens_cpu=[num_tokens],
+        seq_lens_cpu=[start + num_tokens],
+    )
+
+
+def decode_both(path, context: int, dtype=torch.float32, **decoder_kwargs):
+    """Prefill `context - 1` tokens, then decode one token twice from the same cache contents:
+    through the model's forward and through the persistent decoder. Returns (reference logits,
+    decoder logits, reference caches, decoder caches)."""
+    model, config, k_caches, v_caches = build(path, dtype)
+    gen = torch.Generator().manual_seed(0)
+    # Blocks out of order, so a wrong block-table lookup reads the wrong rows.
+    block_table = torch.randperm(NUM_BLOCKS, generator=gen)[: -(-context // BLOCK_SIZE)].to(torch.int32)
+    prompt = torch.randint(config.vocab_size, (context - 1,), generator=gen)
+    token = torch.randint(config.vocab_size, (1,), generator=gen).to(DEVICE)
+    with torch.inference_mode():
+        if context > 1:
+            model(prompt.to(DEVICE), torch.arange(context - 1, device=DEVICE), meta_for(block_table, 0, context - 1, 0))
+        saved = [c.clone() for c in k_caches + v_caches]
+        position = torch.tensor([context - 1], device=DEVICE)
+        meta = meta_for(block_table, context - 1, 1, 1)
+        expected = model.compute_logits(model(token, position, meta)).float()
+        expected_caches = [c.clone() for c in k_caches + v_caches]
+        for c, s in zip(k_caches + v_caches, saved):
+            c.copy_(s)
+        decoder = PersistentDecoder(model, **decoder_kwargs)
+        decoder.bind(k_caches, v_caches)
+        got = model.compute_logits(decoder(token, position, meta)).float()
+    return expected, got, expected_caches, k_caches + v_caches, decoder
+
+
+CASES = {
+    "qwen3-qk-norm": ("qwen3", {}),
+    "qwen2-qkv-bias": ("qwen2", dict(head_dim=16)),
+    "llama-group-4": ("llama", dict(num_heads=4, num_kv_heads=1, head_dim=16)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("context", [1, 13], ids=["first-token", "context-13"])
+def test_stepwise_matches_model(checkpoint_factory, case, context):
+    arch, shape = CASES[case]
+    path = checkpoint_factory(arch, **shape)
+    # 3 programs and 3-token splits: programs take several row slices, the context several splits,
+    # and each split several 2-position tiles.
+    expected, got, expected_caches, caches, _ = decode_both(
+        path, context, num_programs=3, persistent=False, max_splits=4, split_tokens=3, block_t=2
+    )
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    for c, e in zip(caches, expected_caches):
+        torch.testing.assert_close(c, e, atol=1e-6, rtol=1e-6)  # the step's K (rotated) and V row
+
+
+def test_more_splits_than_allowed_and_one_program(checkpoint_factory):
+    """A context longer than max_splits * split_tokens (each split takes more), one program doing
+    every item, and the split counters reused across layers."""
+    path = checkpoint_factory("qwen3")
+    expected, got, _, _, decoder = decode_both(
+        path, 21, num_programs=1, persistent=False, max_splits=2, split_tokens=2, block_t=4
+    )
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    assert decoder.sync[1:].tolist() == [0] * decoder.num_k  # the last split of each head reset its count
+
+
+def test_unsupported_models(checkpoint_factory):
+    path = checkpoint_factory("llama", num_heads=4, num_kv_heads=1, head_dim=16, attention_bias=True)
+    model, *_ = build(path)
+    assert unsupported_reason(model) == "o/MLP projection biases"
+    with pytest.raises(ValueError, match="o/MLP projection biases"):
+        PersistentDecoder(model, num_programs=2)
+    ok, *_ = build(checkpoint_factory("qwen3"))
+    assert unsupported_reason(ok) is None
+    decoder = PersistentDecoder(ok, num_programs=2)
+    with pytest.raises(RuntimeError, match="bind"):
+        decoder(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), None)
+
+
+# ---- CUDA ------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the persistent launch needs a CUDA device (its grid barrier spins)")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_persistent_matches_stepwise_and_model(checkpoint_factory, case):
+    arch, shape = CASES[case]
+    path = checkpoint_factory(arch, **shape)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    expected, persistent, _, caches, _ = decode_both(path, 13, num_programs=sms, split_tokens=3, block_t=2)
+    _, stepwise, _, step_caches, _ = decode_both(path, 13, num_programs=sms, persistent=False, split_tokens=3, block_t=2)
+    assert torch.equal(persistent, stepwise)
+    for a, b in zip(caches, step_caches):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(persistent, expected, atol=2e-5, rtol=2e-5)
