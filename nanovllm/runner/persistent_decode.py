@@ -188,8 +188,52 @@ def _norm_rope(x1, x2, w_ptr, cos, sin, eps, offs_d, HALF: tl.constexpr, HAS_NOR
 
 
 @triton.jit
+def _splits(ctx, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """(number of context splits, positions per split) for a context of ctx positions."""
+    num_splits = tl.maximum(tl.minimum(tl.cdiv(ctx, SPLIT_MIN), MAX_SPLITS), 1)
+    return num_splits, tl.cdiv(ctx, num_splits)
+
+
+@triton.jit
+def _kv_tile(
+    k_cache_ptr, v_cache_ptr, block_table_ptr, head_off, t0, end, stride_cb, stride_cs,
+    KV_BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Cached K and V rows of positions [t0, min(t0 + BLOCK_T, end)) of one KV head, as halves
+    [BLOCK_T, HALF] in the cache dtype (positions past `end` read nothing)."""
+    offs_d = tl.arange(0, HALF)
+    t = t0 + tl.arange(0, BLOCK_T)
+    tmask = (t < end)[:, None]
+    block = tl.load(block_table_ptr + t // KV_BLOCK_SIZE, mask=t < end, other=0).to(tl.int64)
+    row = (block * stride_cb + (t % KV_BLOCK_SIZE) * stride_cs + head_off)[:, None] + offs_d[None, :]
+    k1 = tl.load(k_cache_ptr + row, mask=tmask, other=0.0)
+    k2 = tl.load(k_cache_ptr + row + HALF, mask=tmask, other=0.0)
+    v1 = tl.load(v_cache_ptr + row, mask=tmask, other=0.0)
+    v2 = tl.load(v_cache_ptr + row + HALF, mask=tmask, other=0.0)
+    return k1, k2, v1, v2
+
+
+@triton.jit
+def _first_kv_tile(
+    base_ptr, layer_ptr, seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
+    NK: tl.constexpr, D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """The first cached K/V tile of this program's first attention item. The cache holds it
+    before the step's q/k/v exist, so the persistent kernel loads it ahead, like weight tiles."""
+    ctx = tl.load(seq_len_ptr)
+    num_splits, per_split = _splits(ctx, SPLIT_MIN, MAX_SPLITS)
+    start = (pid % num_splits) * per_split
+    end = tl.where(pid < NK * num_splits, tl.minimum(start + per_split, ctx - 1), start)
+    return _kv_tile(
+        _at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE), block_table_ptr,
+        (pid // num_splits) * D, start, end, stride_cb, stride_cs, KV_BLOCK_SIZE, D // 2, BLOCK_T,
+    )
+
+
+@triton.jit
 def _stage_attention(
-    base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
+    first_k1, first_k2, first_v1, first_v2, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
     pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
     qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs,
     NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
@@ -205,8 +249,7 @@ def _stage_attention(
     pos = tl.load(pos_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
     ctx = tl.load(seq_len_ptr)  # cached positions plus this step's token
-    num_splits = tl.maximum(tl.minimum(tl.cdiv(ctx, SPLIT_MIN), MAX_SPLITS), 1)
-    per_split = tl.cdiv(ctx, num_splits)
+    num_splits, per_split = _splits(ctx, SPLIT_MIN, MAX_SPLITS)
     offs_d = tl.arange(0, HALF)
     offs_g = tl.arange(0, BLOCK_G)
     offs_t = tl.arange(0, BLOCK_T)
@@ -229,22 +272,26 @@ def _stage_attention(
         start = split * per_split
         end = tl.minimum(start + per_split, ctx - 1)  # positions already in the cache
         for t0 in range(start, end, BLOCK_T):
-            t = t0 + offs_t
-            tmask = t < end
-            block = tl.load(block_table_ptr + t // KV_BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-            row = (block * stride_cb + (t % KV_BLOCK_SIZE) * stride_cs + head_off)[:, None] + offs_d[None, :]
-            k1 = tl.load(k_cache_ptr + row, mask=tmask[:, None], other=0.0).to(tl.float32)
-            k2 = tl.load(k_cache_ptr + row + HALF, mask=tmask[:, None], other=0.0).to(tl.float32)
+            tmask = t0 + offs_t < end
+            if item == pid:
+                if t0 == start:
+                    k1, k2, v1, v2 = first_k1, first_k2, first_v1, first_v2
+                else:
+                    k1, k2, v1, v2 = _kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, head_off, t0, end,
+                                              stride_cb, stride_cs, KV_BLOCK_SIZE, HALF, BLOCK_T)
+            else:
+                k1, k2, v1, v2 = _kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, head_off, t0, end,
+                                          stride_cb, stride_cs, KV_BLOCK_SIZE, HALF, BLOCK_T)
+            k1 = k1.to(tl.float32)
+            k2 = k2.to(tl.float32)
             s = tl.sum(q1[:, None, :] * k1[None, :, :], axis=2) + tl.sum(q2[:, None, :] * k2[None, :, :], axis=2)
             s = tl.where(tmask[None, :], s * qk_scale, _NEG_BIG)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v1 = tl.load(v_cache_ptr + row, mask=tmask[:, None], other=0.0).to(tl.float32)
-            v2 = tl.load(v_cache_ptr + row + HALF, mask=tmask[:, None], other=0.0).to(tl.float32)
-            acc1 = acc1 * alpha[:, None] + tl.sum(p[:, :, None] * v1[None, :, :], axis=1)
-            acc2 = acc2 * alpha[:, None] + tl.sum(p[:, :, None] * v2[None, :, :], axis=1)
+            acc1 = acc1 * alpha[:, None] + tl.sum(p[:, :, None] * v1.to(tl.float32)[None, :, :], axis=1)
+            acc2 = acc2 * alpha[:, None] + tl.sum(p[:, :, None] * v2.to(tl.float32)[None, :, :], axis=1)
             m_i = m_new
         if split == num_splits - 1:
             # This step's token: its K/V come from the projection, not the cache, and are stored.
@@ -395,7 +442,7 @@ def _prefetch(
 
 @triton.jit
 def _layer_stage(
-    STAGE: tl.constexpr, first, first2, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
+    STAGE: tl.constexpr, first, first2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
     part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
     eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
@@ -405,12 +452,13 @@ def _layer_stage(
     BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
-    `first2`, the up tile of stage 3) from _prefetch (unused by stage 1, attention)."""
+    `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
+    its first cached K/V tile as kv1-kv4 (from _first_kv_tile)."""
     if STAGE == 0:
         _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv,
                    H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV)
     elif STAGE == 1:
-        _stage_attention(base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
+        _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
                          pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
                          qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs,
                          NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, BLOCK_T)
@@ -452,6 +500,10 @@ def _decode_kernel(
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
     if PERSISTENT:
         _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
+        kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)  # placeholders: set before each use
+        kv2 = kv1
+        kv3 = kv1
+        kv4 = kv1
         t1, t2 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         arrivals = num_programs
@@ -468,7 +520,7 @@ def _decode_kernel(
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
                 if (STAGE_MASK >> stage) & 1:
                     _layer_stage(
-                        stage, t1, t2, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
+                        stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
                         part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
                         eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
                         H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, HAS_BIAS,
@@ -477,6 +529,11 @@ def _decode_kernel(
                 if stage == 0 or (stage != 1 and not EARLY_PREFETCH):
                     n1, n2 = _prefetch((stage + 1 + (stage == 0)) % 5, next_ptr, next_valid, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
+                if stage == 0:
+                    kv1, kv2, kv3, kv4 = _first_kv_tile(
+                        base_ptr, layer_ptr, seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
+                        NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_T,
+                    )
                 if stage != 1:  # the tile loaded for stage 2 waits through attention
                     t1, t2 = n1, n2
                 arrivals += num_programs
@@ -490,8 +547,12 @@ def _decode_kernel(
         layer_ptr = table_ptr + layer * NUM_FIELDS
         t1, t2 = _prefetch(STAGE if STAGE != 1 else 0, layer_ptr, STAGE != 1, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
+        kv1, kv2, kv3, kv4 = _first_kv_tile(
+            base_ptr, layer_ptr, seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
+            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_T,
+        )
         _layer_stage(
-            STAGE, t1, t2, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
+            STAGE, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
             part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
             H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, HAS_BIAS,
