@@ -1,11 +1,14 @@
 """Where the persistent one-sequence decode kernel's time goes (H200; docs/benchmarks.md, W5).
 
-    python benchmarks/persistent_decode.py --model /tmp/q06 [--context 640]
+    python benchmarks/persistent_decode.py --model /tmp/q06 [--contexts 64 640 4000] [--breakdown]
 
-Prints: the persistent launch (one replay of the batch-1 CUDA graph) and the per-op graph of 8
-rows at the same context; each stage's cost when it runs as its own launch (stepwise mode, 28
-launches per stage, so each includes a launch); the grid barrier alone (a kernel that only
-crosses barriers, one program per SM); the compiled kernel's registers and spills.
+Per context: one replay of the batch-1 CUDA graph (the persistent kernel) against one replay of
+the per-op graph of 8 rows with only the first row live (what a lone sequence runs without the
+persistent kernel: it is padded to 8 rows of length 0).
+With --breakdown, at the first context: the persistent kernel with no stage on (its barriers
+alone), then with one stage on at a time (each stage's cost per layer), a few tile shapes, a few
+attention split shapes, an empty launch, the grid barrier alone (a kernel that only crosses
+barriers, one program per SM), and each compiled variant's registers and spills.
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ def _barriers_only(sync_ptr, n, ATOMIC_POLL: tl.constexpr):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--context", type=int, default=640)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[640])
+    ap.add_argument("--breakdown", action="store_true", help="also time each stage, the barrier and tile shapes (at the first context)")
     args = ap.parse_args()
     from nanovllm import LLM
     from nanovllm.runner import persistent_decode as pd
@@ -70,15 +74,17 @@ def main() -> None:
     llm = LLM(args.model, max_model_len=4096)
     runner = llm.engine.executor.runner
     g, dec = runner.graph_runner, runner.persistent_decoder
-    ctx = args.context
-    blocks = -(-ctx // runner.block_size)
-    for bs in (1, 8):
-        g.seq_lens[:bs] = ctx
-        g.positions[:bs] = ctx - 1
-        g.slot_mapping[:bs] = -1
-        g.block_tables[:bs, :blocks] = torch.arange(blocks, dtype=torch.int32, device="cuda")
-    print(f"context {ctx}: persistent graph (batch 1) {timed(g.graphs[1].replay):8.1f} us; "
-          f"per-op graph (batch 8) {timed(g.graphs[8].replay):8.1f} us")
+    for ctx in reversed(args.contexts):  # the first context stays set for the breakdown
+        blocks = -(-ctx // runner.block_size)
+        g.seq_lens.zero_()  # rows 1-7 of the 8-row graph are padding (length 0)
+        g.slot_mapping.fill_(-1)  # nothing stored
+        g.seq_lens[0] = ctx
+        g.positions[0] = ctx - 1
+        g.block_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32, device="cuda")
+        print(f"context {ctx:5d}: persistent graph (batch 1) {timed(g.graphs[1].replay):8.1f} us; "
+              f"per-op graph (8 rows, one live) {timed(g.graphs[8].replay):8.1f} us")
+    if not args.breakdown:
+        return
 
     meta = g._meta(1)
     ids, pos = g.input_ids[:1], g.positions[:1]

@@ -88,22 +88,26 @@ def test_engine_on_another_thread_replays_graphs(checkpoint_factory):
 
 
 def test_small_batches_pad_to_the_smallest_graph(checkpoint_factory):
-    """Batches of 1-7 decodes replay the 8-row graph with padded rows (slot -1, length 0); the
-    tokens must equal eager mode's as the batch shrinks 3 -> 2 -> 1."""
+    """Batches of 1-7 decodes replay the 8-row graph with padded rows (slot -1, length 0), or,
+    with the persistent decode kernel on, a lone sequence replays its graph of that kernel
+    (runner/persistent_decode.py); the tokens must equal eager mode's as the batch shrinks
+    3 -> 2 -> 1."""
     path = checkpoint_factory("qwen3")
     outs = {}
-    for eager in (True, False):
+    for mode in ("eager", "graphs", "graphs+persistent"):
         llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3,
-                  enforce_eager=eager)
+                  enforce_eager=mode == "eager", persistent_decode=mode == "graphs+persistent")
         runner = llm.engine.executor.runner
-        assert (runner.graph_runner is None) == eager
+        assert (runner.graph_runner is None) == (mode == "eager")
+        assert (runner.persistent_decoder is not None) == (mode == "graphs+persistent")
         ps = prompts(llm.engine.vocab_size, [5, 40, 9], seed=3)
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 20, 30)]
-        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
-        if not eager:
-            assert runner.graph_runner.sizes[0] == 8
-    assert [len(t) for t in outs[True]] == [10, 20, 30]
-    assert outs[False] == outs[True]
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+        if mode != "eager":
+            assert runner.graph_runner.sizes[0] == (1 if mode == "graphs+persistent" else 8)
+    assert [len(t) for t in outs["eager"]] == [10, 20, 30]
+    assert outs["graphs"] == outs["eager"]
+    assert outs["graphs+persistent"] == outs["eager"]
 
 
 def test_start_up_leaves_the_largest_step_memory_cached(checkpoint_factory):

@@ -63,7 +63,7 @@ SPLIT_TOKENS = 64
 _NEG_BIG = tl.constexpr(-1.0e30)
 _LOG2E = 1.4426950408889634
 # Elements of one weight tile a program holds in registers (rows x K chunk).
-_TILE_ELEMENTS = 16384
+_TILE_ELEMENTS = 8192
 
 
 @triton.jit
@@ -601,7 +601,7 @@ class PersistentDecoder:
     def __init__(
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
-        tile_elements: int = _TILE_ELEMENTS, stage_mask: int = 31, early_prefetch: bool = True,
+        tile_elements: int = _TILE_ELEMENTS, stage_mask: int = 31, early_prefetch: bool = False,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
