@@ -110,6 +110,33 @@ def test_small_batches_pad_to_the_smallest_graph(checkpoint_factory):
     assert outs["graphs+persistent"] == outs["eager"]
 
 
+def test_long_lone_decodes_leave_the_persistent_kernel(checkpoint_factory):
+    """Past single_max_context a lone sequence replays the per-op graph; the tokens of a
+    sequence that crosses it must equal eager mode's."""
+    path = checkpoint_factory("qwen3")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eager = LLM(str(path), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3, enforce_eager=True)
+    ps = prompts(eager.engine.vocab_size, [30], seed=4)
+    expected = eager.generate(ps, params, use_tqdm=False)[0].outputs[0].token_ids
+    del eager
+    llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3)
+    graphs = llm.engine.executor.runner.graph_runner
+    graphs.single_max_context = 40  # the sequence crosses it at its 11th token
+    counted = {bs: CountedGraph(graphs.graphs[bs]) for bs in (1, 8)}
+    graphs.graphs.update(counted)
+    assert llm.generate(ps, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert counted[1].replays > 0 and counted[8].replays > 0
+
+
+class CountedGraph:
+    def __init__(self, graph) -> None:
+        self.graph, self.replays = graph, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.graph.replay()
+
+
 def test_start_up_leaves_the_largest_step_memory_cached(checkpoint_factory):
     """Graph capture empties the caching allocator; start-up then runs the largest step again so
     that the first full prefill step does not cudaMalloc (W1's first run paid 0.1-0.6 s for it)."""

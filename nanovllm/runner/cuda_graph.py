@@ -9,7 +9,9 @@ capture serves every context length up to max_model_len.
 
 A lone sequence takes the persistent decode kernel where the runner built one
 (`single`, runner/persistent_decode.py): its graph (size 1) captures that kernel instead of the
-per-op forward. Otherwise the smallest graph has 8 rows: cuBLAS picks a slow kernel for some projections below 8 rows
+per-op forward, up to a context of SINGLE_MAX_CONTEXT tokens. Past it the per-op graph is
+faster (its attention pipelines long contexts better: H200, Qwen3-0.6B, per token 1.30 vs 1.32
+ms at 2,048 tokens, 1.72 vs 1.55 ms at 4,000; benchmarks/persistent_decode.py). Otherwise the smallest graph has 8 rows: cuBLAS picks a slow kernel for some projections below 8 rows
 (Qwen3-0.6B's o_proj took 12.6 us at 1 row and 5.9 us at 8 on the H200,
 `benchmarks/small_gemm.py`), and the other kernels cost the same for 1 or 8 rows, so a lone
 sequence runs faster padded to 8.
@@ -30,6 +32,7 @@ logger = logging.getLogger("nanovllm")
 
 
 MIN_GRAPH_BATCH = 8
+SINGLE_MAX_CONTEXT = 2048
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -47,6 +50,7 @@ class CudaGraphRunner:
     ) -> None:
         self.model = model
         self.single = single
+        self.single_max_context = SINGLE_MAX_CONTEXT
         self.sizes = ([1] if single is not None else []) + capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
@@ -115,9 +119,16 @@ class CudaGraphRunner:
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and 0 < num_seqs <= self.max_batch
 
+    def graph_size(self, num_seqs: int, max_context: int) -> int:
+        """The captured batch size a step of num_seqs decodes replays."""
+        if num_seqs == 1 and self.single is not None and max_context <= self.single_max_context:
+            return 1
+        per_op = self.sizes[1:] if self.single is not None else self.sizes
+        return per_op[bisect.bisect_left(per_op, num_seqs)]
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        bs = self.graph_size(n, meta.max_seq_len)
         width = meta.block_tables.shape[1]
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
