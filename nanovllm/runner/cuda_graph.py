@@ -85,6 +85,12 @@ class CudaGraphRunner:
         for bs in self.sizes:
             self._forward(bs, self._meta(bs))
 
+    @torch.inference_mode()
+    def forward_single(self) -> None:
+        """One eager forward of the persistent decode kernel (a dry pass at start-up)."""
+        if self.single is not None:
+            self._forward(1, self._meta(1))
+
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         forward = self.single if bs == 1 and self.single is not None else self.model
         return forward(self.input_ids[:bs], self.positions[:bs], meta)
