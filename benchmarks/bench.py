@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--no-persistent-decode", action="store_true", help="lone decodes take the per-op graph")
+    ap.add_argument("--persistent-decode", action="store_true", help="lone decodes take the persistent kernel")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args()
 
@@ -161,7 +161,7 @@ def main() -> None:
     t0 = time.perf_counter()
     compiles = CompileLog()
     llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=4096, attention_backend=args.attention_backend,
-              tensor_parallel_size=args.tensor_parallel_size, persistent_decode=not args.no_persistent_decode)
+              tensor_parallel_size=args.tensor_parallel_size, persistent_decode=args.persistent_decode)
     init_s = time.perf_counter() - t0
     runner = llm.engine.executor.runner
     startup = dict(import_s=import_s, llm_init_s=init_s, kernels_compiled=sorted(set(compiles.take())),

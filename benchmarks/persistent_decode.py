@@ -71,7 +71,7 @@ def main() -> None:
     from nanovllm import LLM
     from nanovllm.runner import persistent_decode as pd
 
-    llm = LLM(args.model, max_model_len=4096)
+    llm = LLM(args.model, max_model_len=4096, persistent_decode=True)
     runner = llm.engine.executor.runner
     g, dec = runner.graph_runner, runner.persistent_decoder
     for ctx in reversed(args.contexts):  # the first context stays set for the breakdown

@@ -261,11 +261,11 @@ def main() -> None:
     ap.add_argument("--first-prefill", action="store_true")
     ap.add_argument("--first-run", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--no-persistent-decode", action="store_true")
+    ap.add_argument("--persistent-decode", action="store_true")
     args = ap.parse_args()
     from nanovllm import LLM
 
-    llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager, persistent_decode=not args.no_persistent_decode)
+    llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager, persistent_decode=args.persistent_decode)
     if args.first_run:  # first, while the engine is fresh
         first_run(llm)
     elif args.first_prefill:

@@ -119,7 +119,8 @@ def test_long_lone_decodes_leave_the_persistent_kernel(checkpoint_factory):
     ps = prompts(eager.engine.vocab_size, [30], seed=4)
     expected = eager.generate(ps, params, use_tqdm=False)[0].outputs[0].token_ids
     del eager
-    llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3)
+    llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3,
+              persistent_decode=True)
     graphs = llm.engine.executor.runner.graph_runner
     graphs.single_max_context = 40  # the sequence crosses it at its 11th token
     counted = {bs: CountedGraph(graphs.graphs[bs]) for bs in (1, 8)}
