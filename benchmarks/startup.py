@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--persistent-decode", action="store_true")
     args = ap.parse_args()
     t0 = process_start()
     t = time.time()
@@ -39,7 +40,8 @@ def main() -> None:
     from nanovllm import LLM, SamplingParams
 
     t_import = time.time()
-    llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager, device=args.device)
+    llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager, device=args.device,
+              persistent_decode=args.persistent_decode)
     t_llm = time.time()
     llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=1), use_tqdm=False)
     t_first = time.time()
