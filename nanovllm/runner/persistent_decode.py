@@ -6,7 +6,10 @@ because each of its ~250 kernels (four projections, attention, the fused small o
 costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of layers is one launch:
 one program per SM loops over the layers, splits each stage's work between the programs, and
 waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
-output. A barrier costs ~1 us, far less than a kernel boundary.
+output. A barrier costs 0.85 us on an H200, less than a kernel boundary. Measured result
+(docs/benchmarks.md, W5): 1.05-1.07 ms per token at short contexts against the per-op graph's
+1.12-1.19 ms, slower than it past ~2,300 context tokens; far from the weight-read floor still,
+because each stage reads weights at ~1.6 TB/s and the attention stage is slow.
 
 Stages of a layer (each program takes a slice of rows, or of (KV head, context split) pairs):
   A  RMSNorm of the residual stream (recomputed by every program: hidden_size values), then the
@@ -33,9 +36,10 @@ compared with the model's own forward there; on CUDA the persistent launch is co
 stepwise one and with the per-op CUDA graph (tests/test_persistent_decode.py).
 
 Scope: Llama-family decoders (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norm) without o/MLP
-biases, one rank, a power-of-two head_dim, every weight and the KV cache in one dtype. The
-runner uses it for decode steps of exactly one sequence when CUDA graphs are on
-(`LLM(persistent_decode=False)` turns it off); anything else takes the per-op path.
+biases, one rank, a power-of-two head_dim, every weight and the KV cache in one dtype. Opt-in,
+`LLM(persistent_decode=True)` (its compile adds ~4 s to a start with an empty Triton cache): the
+runner then uses it, through a CUDA graph of its own, for decode steps of exactly one sequence
+whose context is at most cuda_graph.SINGLE_MAX_CONTEXT; anything else takes the per-op path.
 """
 from __future__ import annotations
 
@@ -142,6 +146,20 @@ def _first_tile(w_ptr, pid, rows_per_item, N, valid, K: tl.constexpr, BLOCK_R: t
 
 
 @triton.jit
+def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K chunk k0 of an item's weight rows: `first` (loaded ahead, see _first_tile) for the
+    program's first item's first chunk, else a load."""
+    if k0 == 0:
+        if is_first_item:
+            w = first
+        else:
+            w = _weight_tile(w_ptr, rows, rmask, 0, K, BLOCK_K)
+    else:
+        w = _weight_tile(w_ptr, rows, rmask, k0, K, BLOCK_K)
+    return w
+
+
+@triton.jit
 def _stage_qkv(
     first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item,
     H: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -149,6 +167,8 @@ def _stage_qkv(
     """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile."""
     dtype = qkv_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
+    # The norm weights keep a plain load, as measured: through _at the whole kernel spilled 8 bytes
+    # in a local sm_90 compile, and that version was never timed.
     ln_ptr = base_ptr + tl.load(layer_ptr + F_LN1)
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
@@ -157,13 +177,7 @@ def _stage_qkv(
         for k0 in tl.static_range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
-            if k0 == 0:
-                if item == pid:
-                    w = first
-                else:
-                    w = _weight_tile(w_ptr, rows, rmask, 0, H, BLOCK_K)
-            else:
-                w = _weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K)
+            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(_at(base_ptr, layer_ptr, F_QKV_B) + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -361,13 +375,7 @@ def _stage_rows_residual(
         for k0 in tl.static_range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-            if k0 == 0:
-                if item == pid:
-                    w = first
-                else:
-                    w = _weight_tile(w_ptr, rows, rmask, 0, K, BLOCK_K)
-            else:
-                w = _weight_tile(w_ptr, rows, rmask, k0, K, BLOCK_K)
+            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         r = tl.load(resid_ptr + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(resid_ptr + rows, (acc.to(dtype).to(tl.float32) + r).to(dtype), mask=rmask)
@@ -390,16 +398,8 @@ def _stage_gate_up(
         for k0 in tl.static_range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)[None, :]
-            if k0 == 0:
-                if item == pid:
-                    wg = first_gate
-                    wu = first_up
-                else:
-                    wg = _weight_tile(w_ptr, rows, rmask, 0, H, BLOCK_K)
-                    wu = _weight_tile(w_ptr + INTER * H, rows, rmask, 0, H, BLOCK_K)
-            else:
-                wg = _weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K)
-                wu = _weight_tile(w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K)
+            wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
+            wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K)
             gate += tl.sum(wg.to(tl.float32) * x, axis=1)
             up += tl.sum(wu.to(tl.float32) * x, axis=1)
         g = gate.to(dtype).to(tl.float32)
@@ -596,7 +596,14 @@ class PersistentDecoder:
     """`decoder(input_ids [1], positions [1], meta) -> hidden [1, H]` for one decoding sequence:
     the model's forward (final norm included) in one launch, or one launch per stage with
     `persistent=False`. Call `bind` with the KV caches after every (re)allocation. Inputs are
-    read from the device tensors given (graph-capturable: no host sync, fixed launch shapes)."""
+    read from the device tensors given (graph-capturable: no host sync, fixed launch shapes).
+
+    num_programs: one per SM for the persistent launch (every program must be resident). The
+    other keywords are shapes: context splits (at most max_splits, a power of two, of at least
+    split_tokens positions, walked block_t at a time), warps, weights per register tile,
+    and two benchmark switches (stage_mask, early_prefetch; see _decode_kernel). The defaults
+    are the fastest measured on the H200 (benchmarks/persistent_decode.py --breakdown); the
+    tests use small ones so that programs take several items and contexts several splits."""
 
     def __init__(
         self, model: Any, num_programs: int, persistent: bool = True,
