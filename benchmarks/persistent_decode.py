@@ -112,10 +112,9 @@ def main() -> None:
     for stage, name in enumerate(names):
         us = persistent(stage_mask=1 << stage)
         print(f"stage {name:22s}: {(us - base) / dec.num_layers:7.2f} us per layer  [{registers()}]")
-    for tile, warps, early in ((16384, 8, True), (16384, 8, False), (8192, 8, False)):
-        us = persistent(tile_elements=tile, num_warps=warps, early_prefetch=early)
-        print(f"persistent, all stages, tile {tile:5d} elements, {warps} warps, early prefetch {early}: "
-              f"{us:8.1f} us  [{registers()}]")
+    for tile, warps in ((8192, 8), (16384, 8), (32768, 8)):
+        us = persistent(tile_elements=tile, num_warps=warps)
+        print(f"persistent, all stages, tile {tile:5d} elements, {warps} warps: {us:8.1f} us  [{registers()}]")
     for split_tokens, block_t in ((32, 32), (64, 32), (64, 64)):
         us = persistent(stage_mask=2, split_tokens=split_tokens, block_t=block_t)
         print(f"attention alone, splits of >= {split_tokens} positions, tiles of {block_t}: "

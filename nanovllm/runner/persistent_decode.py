@@ -114,19 +114,18 @@ def _normed(resid_ptr, w_ptr, offs, mask, rstd, dtype: tl.constexpr):
 
 
 @triton.jit
-def _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_per_item, H: tl.constexpr, BLOCK_R: tl.constexpr):
-    token = tl.load(tok_ptr).to(tl.int64)
-    for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
-        offs = item * rows_per_item + tl.arange(0, BLOCK_R)
-        mask = (offs < (item + 1) * rows_per_item) & (offs < H)
-        tl.store(resid_ptr + offs, tl.load(base_ptr + token * H + offs, mask=mask), mask=mask)
-
-
-@triton.jit
 def _rows(item, rows_per_item, N, BLOCK_R: tl.constexpr):
     """Row indices [BLOCK_R] of work item `item` (rows_per_item rows of N) and their mask."""
     rows = item * rows_per_item + tl.arange(0, BLOCK_R)
     return rows, (rows < (item + 1) * rows_per_item) & (rows < N)
+
+
+@triton.jit
+def _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_per_item, H: tl.constexpr, BLOCK_R: tl.constexpr):
+    token = tl.load(tok_ptr).to(tl.int64)
+    for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
+        offs, mask = _rows(item, rows_per_item, H, BLOCK_R)
+        tl.store(resid_ptr + offs, tl.load(base_ptr + token * H + offs, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -287,12 +286,8 @@ def _stage_attention(
         end = tl.minimum(start + per_split, ctx - 1)  # positions already in the cache
         for t0 in range(start, end, BLOCK_T):
             tmask = t0 + offs_t < end
-            if item == pid:
-                if t0 == start:
-                    k1, k2, v1, v2 = first_k1, first_k2, first_v1, first_v2
-                else:
-                    k1, k2, v1, v2 = _kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, head_off, t0, end,
-                                              stride_cb, stride_cs, KV_BLOCK_SIZE, HALF, BLOCK_T)
+            if (item == pid) & (t0 == start):  # the tile _first_kv_tile loaded ahead
+                k1, k2, v1, v2 = first_k1, first_k2, first_v1, first_v2
             else:
                 k1, k2, v1, v2 = _kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, head_off, t0, end,
                                           stride_cb, stride_cs, KV_BLOCK_SIZE, HALF, BLOCK_T)
@@ -411,8 +406,7 @@ def _stage_gate_up(
 def _stage_final_norm(resid_ptr, w_ptr, out_ptr, eps, pid, num_programs, rows_per_item, H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
-        offs = item * rows_per_item + tl.arange(0, BLOCK_R)
-        mask = (offs < (item + 1) * rows_per_item) & (offs < H)
+        offs, mask = _rows(item, rows_per_item, H, BLOCK_R)
         tl.store(out_ptr + offs, _normed(resid_ptr, w_ptr, offs, mask, rstd, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -487,12 +481,12 @@ def _decode_kernel(
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
-    STAGE_MASK: tl.constexpr = 31, EARLY_PREFETCH: tl.constexpr = True,
+    STAGE_MASK: tl.constexpr = 31,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
-    tile is loaded before the barrier it waits at: with EARLY_PREFETCH, before the previous
-    stage's work (more overlap, more registers live), else right after it. Otherwise: only
+    tile is loaded before the barrier it waits at, after the previous stage's work (loading it
+    before that work measured the same, 1,091 vs 1,088 us per token). Otherwise: only
     stage STAGE (-1 embedding, 0-4 a layer's stages A-E of `layer`, 5 the final norm), its tile
     loaded at its start. STAGE_MASK (benchmarks only) skips stages of the persistent kernel."""
     pid = tl.program_id(0)
@@ -511,13 +505,6 @@ def _decode_kernel(
         for layer_i in range(0, num_layers):
             layer_ptr = table_ptr + layer_i * NUM_FIELDS
             for stage in tl.static_range(0, 5):
-                # The tile of the next stage with weights (attention, stage 1, has none): of this
-                # layer, or stage 0 of the next layer (nothing after the last).
-                next_ptr = layer_ptr + NUM_FIELDS if stage == 4 else layer_ptr
-                next_valid = layer_i + 1 < num_layers if stage == 4 else True
-                if stage != 0 and EARLY_PREFETCH and stage != 1:
-                    n1, n2 = _prefetch((stage + 1 + (stage == 0)) % 5, next_ptr, next_valid, base_ptr, pid, rows_qkv, rows_h, rows_inter,
-                      H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
                 if (STAGE_MASK >> stage) & 1:
                     _layer_stage(
                         stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
@@ -526,16 +513,20 @@ def _decode_kernel(
                         H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, HAS_BIAS,
                         BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T,
                     )
-                if stage == 0 or (stage != 1 and not EARLY_PREFETCH):
-                    n1, n2 = _prefetch((stage + 1 + (stage == 0)) % 5, next_ptr, next_valid, base_ptr, pid, rows_qkv, rows_h, rows_inter,
-                      H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
+                # The first tile of the next stage with weights, loaded before this barrier:
+                # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
+                # stage 4's loads stage 0 of the next layer (nothing after the last).
+                if stage != 1:
+                    t1, t2 = _prefetch(
+                        (stage + 1 + (stage == 0)) % 5, layer_ptr + NUM_FIELDS if stage == 4 else layer_ptr,
+                        layer_i + 1 < num_layers if stage == 4 else True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+                        H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
+                    )
                 if stage == 0:
                     kv1, kv2, kv3, kv4 = _first_kv_tile(
                         base_ptr, layer_ptr, seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
                         NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_T,
                     )
-                if stage != 1:  # the tile loaded for stage 2 waits through attention
-                    t1, t2 = n1, n2
                 arrivals += num_programs
                 _grid_barrier(sync_ptr, arrivals)
         _stage_final_norm(resid_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H)
@@ -601,14 +592,14 @@ class PersistentDecoder:
     num_programs: one per SM for the persistent launch (every program must be resident). The
     other keywords are shapes: context splits (at most max_splits, a power of two, of at least
     split_tokens positions, walked block_t at a time), warps, weights per register tile,
-    and two benchmark switches (stage_mask, early_prefetch; see _decode_kernel). The defaults
+    and a benchmark switch (stage_mask, see _decode_kernel). The defaults
     are the fastest measured on the H200 (benchmarks/persistent_decode.py --breakdown); the
     tests use small ones so that programs take several items and contexts several splits."""
 
     def __init__(
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
-        tile_elements: int = _TILE_ELEMENTS, stage_mask: int = 31, early_prefetch: bool = False,
+        tile_elements: int = _TILE_ELEMENTS, stage_mask: int = 31,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -657,7 +648,7 @@ class PersistentDecoder:
             HAS_NORM=self.has_norm, HAS_BIAS=self.has_bias,
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
             BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
-            STAGE_MASK=stage_mask, EARLY_PREFETCH=early_prefetch,
+            STAGE_MASK=stage_mask,
         )
         self.table: torch.Tensor | None = None
 
