@@ -106,3 +106,29 @@ def make_checkpoint(
     for f in Path(tokenizer_dir).iterdir():
         shutil.copy(f, path / f.name)
     return path
+
+
+def load_model(path, dtype: torch.dtype, device: torch.device):
+    """The model of a checkpoint as the runner builds it (parameters in `dtype`, rotary table
+    fp32), with random norm weights (1 in the checkpoint, which would hide a misplaced weight).
+    Returns (model, hf_config); KV caches are the caller's to bind."""
+    from transformers import AutoConfig
+
+    from nanovllm.loaders.safetensors import iter_safetensors
+    from nanovllm.models.registry import get_model_class
+
+    config = AutoConfig.from_pretrained(path)
+    default_dtype = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = get_model_class(config)(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    gen = torch.Generator().manual_seed(1)
+    weights = {
+        name: (1.0 + 0.2 * torch.randn(t.shape, generator=gen)) if name.endswith("norm.weight") else t
+        for name, t in iter_safetensors(path)
+    }
+    model.load_weights(weights.items())
+    return model, config

@@ -27,8 +27,8 @@ from nanovllm.layers import fused  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.norm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary import RotaryEmbedding, apply_qk_norm_rope  # noqa: E402
-from nanovllm.loaders.safetensors import iter_safetensors  # noqa: E402
 from nanovllm.models.registry import get_model_class  # noqa: E402
+from checkpoints import load_model  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -285,24 +285,9 @@ def set_fused_devices(model: torch.nn.Module, devices: tuple[str, ...]) -> int:
 
 
 def build_model(path, dtype: torch.dtype):
-    """The model as the runner builds it (parameters in `dtype`, rotary table fp32), with the
-    torch attention backend and random norm weights (1 in the checkpoint, which would hide a
-    misplaced weight)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    default_dtype = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(dtype)
-        with torch.device(DEVICE):
-            model = get_model_class(config)(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    gen = torch.Generator().manual_seed(1)
-    weights = {}
-    for name, t in iter_safetensors(path):
-        weights[name] = 1.0 + 0.2 * torch.randn(t.shape, generator=gen) if name.endswith("norm.weight") else t
-    model.load_weights(weights.items())
+    """The model as the runner builds it (checkpoints.load_model: random norm weights), with
+    the torch attention backend."""
+    model, config = load_model(path, dtype, DEVICE)
     attn = model.model.layers[0].self_attn
     shape = (16, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
     n = config.num_hidden_layers

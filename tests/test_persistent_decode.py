@@ -19,9 +19,8 @@ pytest.importorskip("triton", reason="triton is not importable; the persistent k
 
 from nanovllm.attention.backend import AttentionMetadata, bind_kv_cache  # noqa: E402
 from nanovllm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from nanovllm.loaders.safetensors import iter_safetensors  # noqa: E402
-from nanovllm.models.registry import get_model_class  # noqa: E402
 from nanovllm.runner.persistent_decode import PersistentDecoder, unsupported_reason  # noqa: E402
+from checkpoints import load_model  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -30,24 +29,9 @@ NUM_BLOCKS = 24
 
 
 def build(path, dtype=torch.float32):
-    """The model as the runner builds it, on the torch path (fused ops off), random norm weights,
-    KV caches bound to the torch attention backend."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    default = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(dtype)
-        with torch.device(DEVICE):
-            model = get_model_class(config)(config)
-    finally:
-        torch.set_default_dtype(default)
-    gen = torch.Generator().manual_seed(1)
-    weights = {
-        name: (1.0 + 0.2 * torch.randn(t.shape, generator=gen)) if name.endswith("norm.weight") else t
-        for name, t in iter_safetensors(path)
-    }
-    model.load_weights(weights.items())
+    """The model as the runner builds it (checkpoints.load_model: random norm weights), on the
+    torch path (fused ops off), KV caches bound to the torch attention backend."""
+    model, config = load_model(path, dtype, DEVICE)
     for m in model.modules():
         if hasattr(m, "fused_devices"):
             m.fused_devices = ()
