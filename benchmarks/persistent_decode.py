@@ -71,7 +71,7 @@ def main() -> None:
     from nanovllm import LLM
     from nanovllm.runner import persistent_decode as pd
 
-    llm = LLM(args.model, max_model_len=4096, persistent_decode=True)
+    llm = LLM(args.model, max_model_len=max(4096, max(args.contexts)), persistent_decode=True)
     runner = llm.engine.executor.runner
     g, dec = runner.graph_runner, runner.persistent_decoder
     for ctx in reversed(args.contexts):  # the first context stays set for the breakdown
@@ -112,13 +112,18 @@ def main() -> None:
     for stage, name in enumerate(names):
         us = persistent(stage_mask=1 << stage)
         print(f"stage {name:22s}: {(us - base) / dec.num_layers:7.2f} us per layer  [{registers()}]")
-    for tile, warps in ((8192, 8), (16384, 8), (32768, 8)):
-        us = persistent(tile_elements=tile, num_warps=warps)
-        print(f"persistent, all stages, tile {tile:5d} elements, {warps} warps: {us:8.1f} us  [{registers()}]")
-    for split_tokens, block_t in ((32, 32), (64, 32), (64, 64)):
-        us = persistent(stage_mask=2, split_tokens=split_tokens, block_t=block_t)
-        print(f"attention alone, splits of >= {split_tokens} positions, tiles of {block_t}: "
-              f"{(us - base) / dec.num_layers:7.2f} us per layer  [{registers()}]")
+    variants = [
+        dict(),
+        dict(tile_elements=16384),
+        dict(tile_elements=16384, gate_up_tile_elements=8192),
+        dict(split_tokens=32, block_t=32),
+        dict(split_tokens=32, block_t=64),
+        dict(split_tokens=64, block_t=64),
+        dict(tile_elements=16384, gate_up_tile_elements=8192, split_tokens=32, block_t=64),
+    ]
+    for kwargs in variants:
+        us = persistent(**kwargs)
+        print(f"persistent, all stages, {kwargs or 'defaults'}: {us:8.1f} us  [{registers()}]")
     buf = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"empty launch, {sms} programs: {timed(lambda: _empty[(sms,)](buf)):6.2f} us")
     n = 1000

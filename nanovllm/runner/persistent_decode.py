@@ -7,9 +7,19 @@ costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of lay
 one program per SM loops over the layers, splits each stage's work between the programs, and
 waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
 output. A barrier costs 0.85 us on an H200, less than a kernel boundary. Measured result
-(docs/benchmarks.md, W5): 1.05-1.07 ms per token at short contexts against the per-op graph's
-1.12-1.19 ms, slower than it past ~2,300 context tokens; far from the weight-read floor still,
-because each stage reads weights at ~1.6 TB/s and the attention stage is slow.
+(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.83-0.87 ms per token at contexts up to 640
+against the per-op graph's 1.13-1.20 ms, and faster than it at every context measured (2.30 vs
+2.91 ms at 16,384); still far from the weight-read floor (~0.3 ms): 141 barriers cost ~0.12 ms,
+attention ~9 us per layer, and the weight stages read at ~2.3 TB/s.
+
+Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`, then the H200):
+- Projections accumulate a [rows, K chunk] fp32 tile across K chunks and reduce it once, and load
+  the input vector broadcast to the tile's shape: a 1-D input made Triton convert its layout
+  through shared memory with a CTA barrier per chunk, and a per-chunk row sum did too, which
+  kept the next chunk's weight loads from issuing early (1.07 -> 0.87 ms per token, with the
+  next change).
+- Attention multiplies with tl.dot, the group's query heads padded to 16 rows: 3-D broadcast
+  products took 238 registers and 14.6 us per layer, tl.dot 168 and 8.9 us.
 
 Stages of a layer (each program takes a slice of rows, or of (KV head, context split) pairs):
   A  RMSNorm of the residual stream (recomputed by every program: hidden_size values), then the
@@ -36,10 +46,10 @@ compared with the model's own forward there; on CUDA the persistent launch is co
 stepwise one and with the per-op CUDA graph (tests/test_persistent_decode.py).
 
 Scope: Llama-family decoders (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norm) without o/MLP
-biases, one rank, a power-of-two head_dim, every weight and the KV cache in one dtype. Opt-in,
-`LLM(persistent_decode=True)` (its compile adds ~4 s to a start with an empty Triton cache): the
-runner then uses it, through a CUDA graph of its own, for decode steps of exactly one sequence
-whose context is at most cuda_graph.SINGLE_MAX_CONTEXT; anything else takes the per-op path.
+biases, one rank, a power-of-two head_dim of at least 32, every weight and the KV cache in one
+dtype. The runner (model_runner.py) compiles it in the background after start-up and from then
+on replays a CUDA graph of it for every decode step of exactly one sequence; anything else
+takes the per-op path.
 """
 from __future__ import annotations
 
@@ -62,7 +72,7 @@ F_QKV_W, F_QKV_B, F_Q_NORM, F_K_NORM, F_O_W, F_LN1, F_LN2, F_GU_W, F_DOWN_W, F_K
 NUM_FIELDS = tl.constexpr(_NUM_FIELDS)
 
 # Attention: KV positions per loop iteration, and the fewest positions worth a context split.
-BLOCK_T = 32
+BLOCK_T = 64
 SPLIT_TOKENS = 64
 _NEG_BIG = tl.constexpr(-1.0e30)
 _LOG2E = 1.4426950408889634
@@ -166,18 +176,17 @@ def _stage_qkv(
     """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile."""
     dtype = qkv_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
-    # The norm weights keep a plain load, as measured: through _at the whole kernel spilled 8 bytes
-    # in a local sm_90 compile, and that version was never timed.
-    ln_ptr = base_ptr + tl.load(layer_ptr + F_LN1)
+    ln_ptr = _at(base_ptr, layer_ptr, F_LN1)
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
-        acc = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in tl.static_range(0, H, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+            offs_k = rows[:, None] * 0 + (k0 + tl.arange(0, BLOCK_K))[None, :]
             x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
             w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            acc += w.to(tl.float32) * x
+        acc = tl.sum(acc, axis=1)
         if HAS_BIAS:
             acc += tl.load(_at(base_ptr, layer_ptr, F_QKV_B) + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(qkv_ptr + rows, acc.to(dtype), mask=rmask)
@@ -264,23 +273,29 @@ def _stage_attention(
     ctx = tl.load(seq_len_ptr)  # cached positions plus this step's token
     num_splits, per_split = _splits(ctx, SPLIT_MIN, MAX_SPLITS)
     offs_d = tl.arange(0, HALF)
-    offs_g = tl.arange(0, BLOCK_G)
+    BLOCK_M: tl.constexpr = 16 if BLOCK_G < 16 else BLOCK_G
+    cache_dtype: tl.constexpr = k_cache_ptr.dtype.element_ty
+    PRECISION: tl.constexpr = "ieee" if cache_dtype == tl.float32 else "tf32"
+    offs_m = tl.arange(0, BLOCK_M)
+    mmask = offs_m < GROUP
     offs_t = tl.arange(0, BLOCK_T)
-    gmask = offs_g < GROUP
     cos = tl.load(cos_sin_ptr + pos * D + offs_d).to(dtype).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * D + HALF + offs_d).to(dtype).to(tl.float32)
     for item in range(pid, NK * num_splits, num_programs):
         kvh = item // num_splits
         split = item % num_splits
-        heads = kvh * GROUP + offs_g
+        # The group's query heads as the rows of tl.dot operands, padded to the 16 rows it needs.
+        heads = kvh * GROUP + offs_m
         q_rows = qkv_ptr + heads[:, None] * D + offs_d[None, :]
-        q1 = tl.load(q_rows, mask=gmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-        q2 = tl.load(q_rows + HALF, mask=gmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        q1 = tl.load(q_rows, mask=mmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        q2 = tl.load(q_rows + HALF, mask=mmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
         q1, q2 = _norm_rope(q1, q2, q_norm_ptr, cos, sin, qk_eps, offs_d, HALF, HAS_NORM, dtype)
-        m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
-        acc2 = tl.zeros([BLOCK_G, HALF], tl.float32)
+        q1c = q1.to(cache_dtype)  # exact: _norm_rope rounds to the activation dtype
+        q2c = q2.to(cache_dtype)
+        m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, HALF], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, HALF], tl.float32)
         head_off = kvh * D
         start = split * per_split
         end = tl.minimum(start + per_split, ctx - 1)  # positions already in the cache
@@ -291,16 +306,16 @@ def _stage_attention(
             else:
                 k1, k2, v1, v2 = _kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, head_off, t0, end,
                                           stride_cb, stride_cs, KV_BLOCK_SIZE, HALF, BLOCK_T)
-            k1 = k1.to(tl.float32)
-            k2 = k2.to(tl.float32)
-            s = tl.sum(q1[:, None, :] * k1[None, :, :], axis=2) + tl.sum(q2[:, None, :] * k2[None, :, :], axis=2)
+            s = tl.dot(q1c, tl.trans(k1), input_precision=PRECISION)
+            s = tl.dot(q2c, tl.trans(k2), s, input_precision=PRECISION)
             s = tl.where(tmask[None, :], s * qk_scale, _NEG_BIG)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc1 = acc1 * alpha[:, None] + tl.sum(p[:, :, None] * v1.to(tl.float32)[None, :, :], axis=1)
-            acc2 = acc2 * alpha[:, None] + tl.sum(p[:, :, None] * v2.to(tl.float32)[None, :, :], axis=1)
+            # p in the cache dtype, as the split-KV decode kernel multiplies it.
+            acc1 = tl.dot(p.to(cache_dtype), v1, acc1 * alpha[:, None], input_precision=PRECISION)
+            acc2 = tl.dot(p.to(cache_dtype), v2, acc2 * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
         if split == num_splits - 1:
             # This step's token: its K/V come from the projection, not the cache, and are stored.
@@ -322,16 +337,15 @@ def _stage_attention(
             safe = tl.maximum(slot, 0)
             dst = (safe // KV_BLOCK_SIZE) * stride_cb + (safe % KV_BLOCK_SIZE) * stride_cs + head_off + offs_d[None, :]
             smask = (offs_d[None, :] * 0 + slot) >= 0
-            cache_dtype = k_cache_ptr.dtype.element_ty
             tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=smask)
             tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=smask)
             tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=smask)
             tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=smask)
         part = (heads * MAX_SPLITS + split)[:, None] * D + offs_d[None, :]
-        tl.store(part_acc_ptr + part, acc1, mask=gmask[:, None])
-        tl.store(part_acc_ptr + part + HALF, acc2, mask=gmask[:, None])
-        tl.store(part_ml_ptr + (heads * MAX_SPLITS + split) * 2, m_i, mask=gmask)
-        tl.store(part_ml_ptr + (heads * MAX_SPLITS + split) * 2 + 1, l_i, mask=gmask)
+        tl.store(part_acc_ptr + part, acc1, mask=mmask[:, None])
+        tl.store(part_acc_ptr + part + HALF, acc2, mask=mmask[:, None])
+        tl.store(part_ml_ptr + (heads * MAX_SPLITS + split) * 2, m_i, mask=mmask)
+        tl.store(part_ml_ptr + (heads * MAX_SPLITS + split) * 2 + 1, l_i, mask=mmask)
         tl.debug_barrier()
         # The last split of this KV head to finish combines all of them.
         arrived = tl.atomic_add(count_ptr + kvh, 1, sem="acq_rel", scope="gpu")
@@ -340,8 +354,11 @@ def _stage_attention(
             # Every split at once ([MAX_SPLITS, BLOCK_G] and [MAX_SPLITS, BLOCK_G, HALF]): one
             # round trip to the L2 instead of one per split.
             offs_s = tl.arange(0, MAX_SPLITS)
+            offs_g = tl.arange(0, BLOCK_G)
+            gmask = offs_g < GROUP
+            group_heads = kvh * GROUP + offs_g
             smask = (offs_s < num_splits)[:, None] & gmask[None, :]
-            idx = heads[None, :] * MAX_SPLITS + offs_s[:, None]
+            idx = group_heads[None, :] * MAX_SPLITS + offs_s[:, None]
             m_s = tl.load(part_ml_ptr + idx * 2, mask=smask, other=_NEG_BIG, cache_modifier=".cg")
             l_s = tl.load(part_ml_ptr + idx * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
             src = idx[:, :, None] * D + offs_d[None, None, :]
@@ -352,7 +369,7 @@ def _stage_attention(
             out1 = tl.sum(weight[:, :, None] * a1, axis=0)
             out2 = tl.sum(weight[:, :, None] * a2, axis=0)
             inv = 1.0 / tl.where(gmask, total, 1.0)
-            dst = attn_ptr + heads[:, None] * D + offs_d[None, :]
+            dst = attn_ptr + group_heads[:, None] * D + offs_d[None, :]
             tl.store(dst, (out1 * inv[:, None]).to(dtype), mask=gmask[:, None])
             tl.store(dst + HALF, (out2 * inv[:, None]).to(dtype), mask=gmask[:, None])
 
@@ -366,12 +383,13 @@ def _stage_rows_residual(
     dtype = resid_ptr.dtype.element_ty
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, H, BLOCK_R)
-        acc = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+            offs_k = rows[:, None] * 0 + (k0 + tl.arange(0, BLOCK_K))[None, :]
             x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
             w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            acc += w.to(tl.float32) * x
+        acc = tl.sum(acc, axis=1)
         r = tl.load(resid_ptr + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(resid_ptr + rows, (acc.to(dtype).to(tl.float32) + r).to(dtype), mask=rmask)
 
@@ -384,19 +402,21 @@ def _stage_gate_up(
     """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)."""
     dtype = act_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
-    ln_ptr = base_ptr + tl.load(layer_ptr + F_LN2)
+    ln_ptr = _at(base_ptr, layer_ptr, F_LN2)
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(INTER, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, INTER, BLOCK_R)
-        gate = tl.zeros([BLOCK_R], tl.float32)
-        up = tl.zeros([BLOCK_R], tl.float32)
+        gate = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in tl.static_range(0, H, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)[None, :]
+            offs_k = rows[:, None] * 0 + (k0 + tl.arange(0, BLOCK_K))[None, :]
+            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
             wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
             wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K)
-            gate += tl.sum(wg.to(tl.float32) * x, axis=1)
-            up += tl.sum(wu.to(tl.float32) * x, axis=1)
+            gate += wg.to(tl.float32) * x
+            up += wu.to(tl.float32) * x
+        gate = tl.sum(gate, axis=1)
+        up = tl.sum(up, axis=1)
         g = gate.to(dtype).to(tl.float32)
         silu = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dtype).to(tl.float32)
         tl.store(act_ptr + rows, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=rmask)
@@ -571,8 +591,9 @@ def unsupported_reason(model: Any) -> str | None:
     attn, mlp = layer.self_attn, layer.mlp
     if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
         return "o/MLP projection biases"
-    if attn.head_dim & (attn.head_dim - 1) or attn.head_dim < 16:
-        return f"head_dim {attn.head_dim} is not a power of two >= 16"
+    if attn.head_dim & (attn.head_dim - 1) or attn.head_dim < 32:
+        # Attention multiplies head halves with tl.dot, whose inner dimension is at least 16.
+        return f"head_dim {attn.head_dim} is not a power of two >= 32"
     if attn.num_heads % attn.num_kv_heads:
         return "query heads are not a multiple of KV heads"
     dtypes = {p.dtype for p in model.parameters()}
@@ -591,21 +612,23 @@ class PersistentDecoder:
 
     num_programs: one per SM for the persistent launch (every program must be resident). The
     other keywords are shapes: context splits (at most max_splits, a power of two, of at least
-    split_tokens positions, walked block_t at a time), warps, weights per register tile,
-    and a benchmark switch (stage_mask, see _decode_kernel). The defaults
+    split_tokens positions, walked block_t at a time), warps, weights per register tile
+    (gate_up_tile_elements: the gate and up tiles together, default tile_elements), and a benchmark switch (stage_mask, see _decode_kernel). The defaults
     are the fastest measured on the H200 (benchmarks/persistent_decode.py --breakdown); the
     tests use small ones so that programs take several items and contexts several splits."""
 
     def __init__(
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
-        tile_elements: int = _TILE_ELEMENTS, stage_mask: int = 31,
+        tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"persistent decode does not support this model: {reason}")
         if max_splits < 1 or max_splits & (max_splits - 1):
             raise ValueError(f"max_splits must be a power of two, got {max_splits}")
+        if block_t < 16 or block_t & (block_t - 1):
+            raise ValueError(f"block_t must be a power of two >= 16 (a tl.dot dimension), got {block_t}")
         inner = model.model
         layer = inner.layers[0]
         attn = layer.self_attn
@@ -640,7 +663,8 @@ class PersistentDecoder:
         br_qkv, bk_qkv = _tile_shape(self.rows_qkv, self.hidden, tile_elements)
         br_h, bk_o = _tile_shape(self.rows_h, self.num_q * self.head_dim, tile_elements)
         _, bk_down = _tile_shape(self.rows_h, self.inter, tile_elements)
-        _, bk_inter = _tile_shape(2 * self.rows_inter, self.hidden, tile_elements)  # a gate and an up tile
+        gate_up_elements = gate_up_tile_elements or tile_elements
+        _, bk_inter = _tile_shape(2 * self.rows_inter, self.hidden, gate_up_elements)  # a gate and an up tile
         self.constexprs = dict(
             H=self.hidden, NQ=self.num_q, NK=self.num_k, D=self.head_dim, INTER=self.inter,
             SPLIT_MIN=split_tokens, MAX_SPLITS=max_splits, BLOCK_T=block_t,
