@@ -71,8 +71,9 @@ def main() -> None:
     from nanovllm import LLM
     from nanovllm.runner import persistent_decode as pd
 
-    llm = LLM(args.model, max_model_len=max(4096, max(args.contexts)), persistent_decode=True)
+    llm = LLM(args.model, max_model_len=max(4096, max(args.contexts)))
     runner = llm.engine.executor.runner
+    runner.finish_background_compile()
     g, dec = runner.graph_runner, runner.persistent_decoder
     for ctx in reversed(args.contexts):  # the first context stays set for the breakdown
         blocks = -(-ctx // runner.block_size)

@@ -261,11 +261,12 @@ def main() -> None:
     ap.add_argument("--first-prefill", action="store_true")
     ap.add_argument("--first-run", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--persistent-decode", action="store_true")
+    ap.add_argument("--no-persistent-decode", dest="persistent_decode", action="store_false")
     args = ap.parse_args()
     from nanovllm import LLM
 
     llm = LLM(args.model, max_model_len=4096, enforce_eager=args.enforce_eager, persistent_decode=args.persistent_decode)
+    llm.engine.executor.runner.finish_background_compile()
     if args.first_run:  # first, while the engine is fresh
         first_run(llm)
     elif args.first_prefill:

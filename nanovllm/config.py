@@ -29,11 +29,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    # CUDA graphs on, one rank: a decode step of one sequence (context up to 2,048 tokens) runs
-    # as one persistent Triton kernel (runner/persistent_decode.py) instead of the per-op graph:
-    # 8% faster single-stream decode on the H200, but its compile adds ~4 s to a start with an
-    # empty Triton cache, so it is opt-in (docs/benchmarks.md, W5).
-    persistent_decode: bool = False
+    # CUDA graphs on, one rank: a decode step of exactly one sequence runs as one persistent
+    # Triton kernel (runner/persistent_decode.py) instead of the per-op graph, once its compile,
+    # started in the background after start-up, is done (docs/benchmarks.md, W5).
+    persistent_decode: bool = True
     seed: int = 0
     # Schedule step N+1 while step N runs on the device (outputs trail by one step). None = on
     # where there is a device to overlap with (CUDA); on the CPU the host *is* the device.

@@ -14,10 +14,14 @@ thread also builds its kernel's host-side launcher, which older Tritons compile 
 pass's results are garbage (no Triton kernel ran) and are dropped; the real passes that follow
 find every kernel compiled. Where Triton has no AsyncCompileMode, `precompiling` yields False
 and the caller skips its dry pass: kernels then compile when first launched, as before.
+
+`compile_in_background` runs such a dry pass on a thread of its own, for a kernel that start-up
+need not wait for (the persistent decode kernel, the longest compile: ~7 s on the H200's host).
 """
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -106,3 +110,26 @@ def precompiling(max_workers: int | None = None) -> Iterator[bool]:
                 yield True
             finally:
                 _dry_pass.reset(token)
+
+
+def compile_in_background(dry_pass: Callable[[], object]) -> Future:
+    """Run `dry_pass` inside `precompiling()` on a thread of its own and return a future that is
+    done once every compile it queued is (its result: True, or False where this Triton cannot
+    compile asynchronously and nothing was compiled). A failing dry pass sets the exception.
+
+    Not a daemon thread: the interpreter's exit waits for the compile (a few seconds at most).
+    A pytest run that ended while one was in flight aborted at exit ("terminate called without
+    an active exception", H200)."""
+    future: Future = Future()
+
+    def work() -> None:
+        try:
+            with precompiling() as dry:
+                if dry:
+                    dry_pass()
+            future.set_result(dry)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=work, name="nanovllm-background-compile", daemon=False).start()
+    return future

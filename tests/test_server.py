@@ -533,6 +533,20 @@ def test_serve_command_sigterm_is_graceful_and_exits_0(qwen3_tiny):
             proc.wait()
 
 
+def test_engine_flags_map_onto_engine_config():
+    from dataclasses import fields
+
+    from nanovllm.config import EngineConfig
+    from nanovllm.entrypoints.cli import build_parser, engine_kwargs
+
+    parser = build_parser()
+    default = engine_kwargs(parser.parse_args(["generate", "--model", "m", "hi"]))
+    assert set(default) <= {f.name for f in fields(EngineConfig)}
+    assert default["persistent_decode"] is True and default["async_scheduling"] is None
+    off = engine_kwargs(parser.parse_args(["serve", "m", "--no-persistent-decode", "--no-async-scheduling"]))
+    assert off["persistent_decode"] is False and off["async_scheduling"] is False
+
+
 def test_cli_generate_chat_bench_and_help(qwen3_tiny, live, monkeypatch, capsys):
     import io
 

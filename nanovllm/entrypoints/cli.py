@@ -40,6 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
                    help="wait for each step's tokens before scheduling the next (default: async on CUDA)")
+    g.add_argument("--no-persistent-decode", dest="persistent_decode", action="store_false",
+                   help="a lone sequence decodes through the per-op CUDA graph, not the persistent kernel")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -47,7 +49,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     names = (
         "device", "attention_backend", "tensor_parallel_size", "dtype", "max_model_len", "max_num_seqs",
         "max_num_batched_tokens", "kvcache_block_size", "num_kvcache_blocks", "gpu_memory_utilization",
-        "enable_prefix_caching", "enforce_eager", "seed", "async_scheduling",
+        "enable_prefix_caching", "enforce_eager", "seed", "async_scheduling", "persistent_decode",
     )
     return {n: getattr(args, n) for n in names}
 

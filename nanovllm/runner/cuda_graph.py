@@ -7,11 +7,11 @@ size: padded rows have slot -1 (nothing stored) and length 0 (nothing attended),
 outputs are dropped. The attention backend reads lengths from device tensors only, so one
 capture serves every context length up to max_model_len.
 
-A lone sequence takes the persistent decode kernel where the runner built one
-(`single`, runner/persistent_decode.py): its graph (size 1) captures that kernel instead of the
-per-op forward, up to a context of SINGLE_MAX_CONTEXT tokens. Past it the per-op graph is
-faster (its attention pipelines long contexts better: H200, Qwen3-0.6B, per token 1.30 vs 1.32
-ms at 2,048 tokens, 1.72 vs 1.55 ms at 4,000; benchmarks/persistent_decode.py). Otherwise the smallest graph has 8 rows: cuBLAS picks a slow kernel for some projections below 8 rows
+A lone sequence takes the persistent decode kernel once the runner has one
+(runner/persistent_decode.py, compiled in the background after start-up): `capture_single`
+adds a graph of size 1 that captures that kernel instead of the per-op forward, faster at every
+context measured (H200, Qwen3-0.6B, per token: 0.87 vs 1.20 ms at 640 tokens, 2.30 vs 2.91 ms at
+16,384; benchmarks/persistent_decode.py). Otherwise the smallest graph has 8 rows: cuBLAS picks a slow kernel for some projections below 8 rows
 (Qwen3-0.6B's o_proj took 12.6 us at 1 row and 5.9 us at 8 on the H200,
 `benchmarks/small_gemm.py`), and the other kernels cost the same for 1 or 8 rows, so a lone
 sequence runs faster padded to 8.
@@ -32,7 +32,6 @@ logger = logging.getLogger("nanovllm")
 
 
 MIN_GRAPH_BATCH = 8
-SINGLE_MAX_CONTEXT = 2048
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -46,12 +45,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(
         self, model: nn.Module, device: torch.device, max_batch: int, max_blocks_per_seq: int, max_model_len: int,
-        single: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
-        self.single = single
-        self.single_max_context = SINGLE_MAX_CONTEXT
-        self.sizes = ([1] if single is not None else []) + capture_sizes(max_batch)
+        self.sizes = capture_sizes(max_batch)  # the per-op graphs
         self.max_batch = self.sizes[-1]
         n = self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -63,6 +59,7 @@ class CudaGraphRunner:
         self.max_model_len = max_model_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None  # the graphs' shared memory pool
         self.capture_seconds = 0.0
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -85,33 +82,46 @@ class CudaGraphRunner:
         for bs in self.sizes:
             self._forward(bs, self._meta(bs))
 
-    @torch.inference_mode()
-    def forward_single(self) -> None:
-        """One eager forward of the persistent decode kernel (a dry pass at start-up)."""
-        if self.single is not None:
-            self._forward(1, self._meta(1))
-
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
-        forward = self.single if bs == 1 and self.single is not None else self.model
-        return forward(self.input_ids[:bs], self.positions[:bs], meta)
+        return self.model(self.input_ids[:bs], self.positions[:bs], meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
-        pool = None
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
             meta = self._meta(bs)
             self._forward(bs, meta)  # warm-up (autotune, lazy init)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
+            with torch.cuda.graph(graph, self.pool):
                 self.outputs[bs] = self._forward(bs, meta)
-            if pool is None:
-                pool = graph.pool()
+            if self.pool is None:
+                self.pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs (batch 1..%d) in %.1fs", len(self.sizes), self.max_batch, self.capture_seconds)
+
+    @torch.inference_mode()
+    def capture_single(self, single: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]) -> None:
+        """Capture `single` (one decoding sequence's forward, compiled already) as the graph of
+        size 1, into the pool of the others. Runs between steps, on the thread that runs them:
+        the warm-up launch reads the static buffers, so row 0 is first made to store nothing
+        (slot -1) and attend to nothing cached (length 1: its own token only)."""
+        t0 = time.perf_counter()
+        self.slot_mapping[:1] = -1
+        self.seq_lens[:1] = 1
+        meta = self._meta(1)
+        single(self.input_ids[:1], self.positions[:1], meta)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA call during this capture (a server thread copying
+        # results) must not invalidate it.
+        with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
+            self.outputs[1] = single(self.input_ids[:1], self.positions[:1], meta)
+        torch.cuda.synchronize()
+        self.graphs[1] = graph
+        logger.info("captured the persistent decode kernel's graph in %.2fs", time.perf_counter() - t0)
 
     def release(self) -> None:
         """Free the captured graphs. A graph that captured NCCL collectives holds a reference on
@@ -125,16 +135,15 @@ class CudaGraphRunner:
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and 0 < num_seqs <= self.max_batch
 
-    def graph_size(self, num_seqs: int, max_context: int) -> int:
+    def graph_size(self, num_seqs: int) -> int:
         """The captured batch size a step of num_seqs decodes replays."""
-        if num_seqs == 1 and self.single is not None and max_context <= self.single_max_context:
+        if num_seqs == 1 and 1 in self.graphs:
             return 1
-        per_op = self.sizes[1:] if self.single is not None else self.sizes
-        return per_op[bisect.bisect_left(per_op, num_seqs)]
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
-        bs = self.graph_size(n, meta.max_seq_len)
+        bs = self.graph_size(n)
         width = meta.block_tables.shape[1]
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -24,7 +25,7 @@ from nanovllm.engine.sequence import PLACEHOLDER_TOKEN
 from nanovllm.layers.sampler import Sampler, SamplingTensors, make_generator
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
-from nanovllm.precompile import precompiling
+from nanovllm.precompile import compile_in_background, precompiling
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
@@ -154,7 +155,7 @@ class ModelRunner:
             self.persistent_decoder = self._build_persistent_decoder()
             self.graph_runner = CudaGraphRunner(
                 self.model, self.device, min(config.max_num_seqs, 512),
-                -(-config.max_model_len // self.block_size), config.max_model_len, self.persistent_decoder,
+                -(-config.max_model_len // self.block_size), config.max_model_len,
             )
         t1 = time.perf_counter()
         # On CUDA the profiling run, a mixed step and a decode forward per graph size are dry
@@ -162,11 +163,6 @@ class ModelRunner:
         # leaving the block waits for them. The profiling run measures allocations, which a dry
         # pass makes too.
         with self._precompiling() as dry:
-            if dry and self.persistent_decoder is not None:
-                # The persistent decode kernel is the longest compile (~7 s on the H200's host):
-                # queue it first, so that it overlaps the profiling run and the other compiles.
-                self._allocate_kv_cache(1)
-                self.graph_runner.forward_single()
             self.num_kvcache_blocks = self._decide_num_blocks()
             t_profiled = time.perf_counter()
             if dry:
@@ -189,6 +185,22 @@ class ModelRunner:
             # Running the largest step now leaves those blocks cached.
             self._run_largest_step()
             torch.cuda.synchronize(self.device)
+        # The persistent decode kernel compiles off the start-up path (it alone took a first
+        # start from ~19 to ~24 s when start-up waited for it), on a thread that the first decode
+        # step starts (started here, its Python front end held the GIL against the first
+        # request: first token 0.06 -> 0.67 s on an empty Triton cache, H200); execute_async
+        # adopts the kernel once compiled.
+        self._persistent_dry_pass: Callable[[], None] | None = None
+        self._persistent_pending: Future | None = None
+        if self.persistent_decoder is not None:
+            g, decoder = self.graph_runner, self.persistent_decoder
+            ids, pos, meta = g.input_ids[:1], g.positions[:1], g._meta(1)
+
+            def dry_pass() -> None:
+                with torch.cuda.device(self.device), torch.inference_mode():
+                    decoder(ids, pos, meta)
+
+            self._persistent_dry_pass = dry_pass
         # Start-up breakdown in seconds, reported by benchmarks/bench.py and benchmarks/startup.py.
         self.startup_seconds = {
             "load_weights": self.load_seconds,
@@ -219,6 +231,33 @@ class ModelRunner:
             return None
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return PersistentDecoder(self.model, num_programs=sms)
+
+    def finish_background_compile(self) -> None:
+        """Start the persistent decode kernel's background compile if no step has, wait for it
+        and adopt the kernel now (tests and benchmarks; serving adopts it at the first step
+        after it is done). Call it on the thread that runs steps."""
+        self._start_background_compile()
+        if self._persistent_pending is not None:
+            self._persistent_pending.exception()  # waits
+            self._adopt_persistent_decoder()
+
+    def _start_background_compile(self) -> None:
+        if self._persistent_dry_pass is not None:
+            self._persistent_pending = compile_in_background(self._persistent_dry_pass)
+            self._persistent_dry_pass = None
+
+    def _adopt_persistent_decoder(self) -> None:
+        """Capture the compiled persistent kernel's graph: from now on a lone decode replays it.
+        Anything that stops it (a compile error, a failed capture) leaves the per-op path on."""
+        pending, self._persistent_pending = self._persistent_pending, None
+        try:
+            if not pending.result():
+                raise RuntimeError("this Triton cannot compile in the background")
+            self.graph_runner.capture_single(self.persistent_decoder)
+        except Exception as e:  # noqa: BLE001 - an optional fast path: log it and serve without it
+            logger.warning("persistent decode off: %s", e)
+            self.graph_runner.graphs.pop(1, None)
+            self.persistent_decoder = None
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (later decodes run eagerly). Called before a process group that
@@ -421,6 +460,10 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
         if out.is_empty:
             return _Done(RunnerOutput([]))
+        if self._persistent_pending is not None and self._persistent_pending.done():
+            self._adopt_persistent_decoder()
+        elif self._persistent_dry_pass is not None and out.num_decodes:
+            self._start_background_compile()  # the first decode step: every first token is out
         input_ids, positions, meta, logits_indices = self.prepare(out)
         if self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
             hidden = self.graph_runner.run(input_ids, positions, meta)
