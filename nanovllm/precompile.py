@@ -117,9 +117,9 @@ def compile_in_background(dry_pass: Callable[[], object]) -> Future:
     done once every compile it queued is (its result: True, or False where this Triton cannot
     compile asynchronously and nothing was compiled). A failing dry pass sets the exception.
 
-    Not a daemon thread: the interpreter's exit waits for the compile (a few seconds at most).
-    A pytest run that ended while one was in flight aborted at exit ("terminate called without
-    an active exception", H200)."""
+    Not a daemon thread: the interpreter's exit waits for the compile (a few seconds at most)
+    rather than tearing the process down under it (a GPU pytest run with a daemon thread printed
+    "terminate called without an active exception" at exit; docs/benchmarks.md)."""
     future: Future = Future()
 
     def work() -> None:

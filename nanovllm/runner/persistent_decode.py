@@ -7,17 +7,18 @@ costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of lay
 one program per SM loops over the layers, splits each stage's work between the programs, and
 waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
 output. A barrier costs 0.85 us on an H200, less than a kernel boundary. Measured result
-(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.83-0.87 ms per token at contexts up to 640
-against the per-op graph's 1.13-1.20 ms, and faster than it at every context measured (2.30 vs
-2.91 ms at 16,384); still far from the weight-read floor (~0.3 ms): 141 barriers cost ~0.12 ms,
-attention ~9 us per layer, and the weight stages read at ~2.3 TB/s.
+(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.81-0.83 ms per token (graph replay, LM
+head included) at contexts up to 640 against the per-op graph's 1.13-1.19 ms, and faster than it
+at every context measured (1.97 vs 2.89 ms at 16,384); still far from the weight-read floor
+(~0.3 ms): 141 barriers cost ~0.12 ms, attention ~9 us per layer, and the weight stages read at
+~2.3 TB/s.
 
 Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`, then the H200):
 - Projections accumulate a [rows, K chunk] fp32 tile across K chunks and reduce it once, and load
   the input vector broadcast to the tile's shape: a 1-D input made Triton convert its layout
   through shared memory with a CTA barrier per chunk, and a per-chunk row sum did too, which
   kept the next chunk's weight loads from issuing early (1.07 -> 0.87 ms per token, with the
-  next change).
+  next change; 64-position K/V tiles then 0.83).
 - Attention multiplies with tl.dot, the group's query heads padded to 16 rows: 3-D broadcast
   products took 238 registers and 14.6 us per layer, tl.dot 168 and 8.9 us.
 
