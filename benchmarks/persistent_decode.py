@@ -5,7 +5,8 @@
 Per context: one replay of the batch-1 CUDA graph (the persistent kernel) against one replay of
 the per-op graph of 8 rows with only the first row live (what a lone sequence runs without the
 persistent kernel: it is padded to 8 rows of length 0).
-With --breakdown, at the first context: the persistent kernel with no stage on (its barriers
+With --timeline, at the first context: stamps from inside the kernel (a PROBE build), per stage
+and inside attention. With --breakdown, at the first context: the persistent kernel with no stage on (its barriers
 alone), then with one stage on at a time (each stage's cost per layer), a few tile shapes, a few
 attention split shapes, an empty launch, the grid barrier alone (a kernel that only crosses
 barriers, one program per SM), and each compiled variant's registers and spills.
@@ -62,11 +63,64 @@ def _barriers_only(sync_ptr, n, ATOMIC_POLL: tl.constexpr):
             _grid_barrier(sync_ptr, arrivals)
 
 
+def timeline(dec, runner, ids, pos, meta) -> None:
+    """Run a PROBE build of the kernel (it stamps the global timer and the SM's cycle counter at
+    PROBE_POINTS of every layer, runner/persistent_decode.py) and print, per stage, the median over
+    layers 2..num_layers-2 of: the work of the median and of the slowest program, the first-tile
+    load issued before the barrier, and the barrier (last arrival to the median program's
+    leaving); then attention's steps. Intervals within a program come from the cycle counter,
+    converted with the ratio of cycles to global nanoseconds over the kernel."""
+    import numpy as np
+
+    from nanovllm.runner import persistent_decode as pd
+
+    d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True)
+    d.bind(runner.k_caches, runner.v_caches)
+    total_us = timed(lambda: d(ids, pos, meta))
+    stamps = d.probe.view(2, dec.num_layers, pd._PROBE_POINTS, dec.num_programs).cpu().numpy().astype(np.float64)
+    print_timeline(stamps, total_us)
+
+
+def print_timeline(stamps, total_us: float) -> None:
+    import numpy as np
+
+    ns, cyc = stamps[0], stamps[1]
+    num_layers = ns.shape[0]
+    reached = ns > 0
+    rate = np.median((cyc[-1, 13] - cyc[0, 0]) / (ns[-1, 13] - ns[0, 0]))  # cycles per ns
+    us_cyc = lambda a, b: (cyc[:, b] - cyc[:, a]) / rate / 1e3  # noqa: E731  [layers, programs]
+    layers = slice(2, num_layers - 2)
+    print(f"timeline: {total_us:.1f} us per call with stamps; SM clock {rate:.2f} GHz; per stage, median over layers:")
+    names = ["A norm+qkv", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
+    for stage, name in enumerate(names):
+        start, done, arrive = 3 * stage, 3 * stage + 1, 3 * stage + 2
+        work = us_cyc(start, done)[layers]
+        prefetch = us_cyc(done, arrive)[layers]
+        if stage < 4:
+            leave = ns[layers, 3 * (stage + 1)]
+        else:
+            leave = ns[3:num_layers - 1, 0]
+        barrier = (np.median(leave, axis=1) - ns[layers, arrive].max(axis=1)) / 1e3
+        span = (np.median(leave, axis=1) - np.median(ns[layers, start], axis=1)) / 1e3
+        print(f"  {name:20s} span {np.median(span):6.2f} us = work median {np.median(work):5.2f} / slowest "
+              f"{np.median(work.max(axis=1)):5.2f}, next tile {np.median(prefetch):5.2f}, barrier after the last "
+              f"arrival {np.median(barrier):5.2f}")
+    steps = [(3, 15, "stage start -> queries normed + rotated"), (15, 16, "-> cached positions walked"),
+             (16, 17, "-> step's token attended + stored (last split)"), (16, 18, "-> split count returned"),
+             (18, 19, "-> splits combined (last to finish)"), (3, 4, "whole attention work")]
+    for a, b, what in steps:
+        both = reached[:, a] & reached[:, b]
+        both[:2] = both[-2:] = False
+        vals = ((cyc[:, b] - cyc[:, a]) / rate / 1e3)[both]
+        print(f"  attention {what:48s}: median {np.median(vals):5.2f} us, max {vals.max():5.2f} (n={vals.size})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--contexts", type=int, nargs="+", default=[640])
     ap.add_argument("--breakdown", action="store_true", help="also time each stage, the barrier and tile shapes (at the first context)")
+    ap.add_argument("--timeline", action="store_true", help="also stamp times inside the kernel (a PROBE build, at the first context)")
     args = ap.parse_args()
     from nanovllm import LLM
     from nanovllm.runner import persistent_decode as pd
@@ -84,11 +138,13 @@ def main() -> None:
         g.block_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32, device="cuda")
         print(f"context {ctx:5d}: persistent graph (batch 1) {timed(g.graphs[1].replay):8.1f} us; "
               f"per-op graph (8 rows, one live) {timed(g.graphs[8].replay):8.1f} us")
+    meta = g._meta(1)
+    ids, pos = g.input_ids[:1], g.positions[:1]
+    if args.timeline:
+        timeline(dec, runner, ids, pos, meta)
     if not args.breakdown:
         return
 
-    meta = g._meta(1)
-    ids, pos = g.input_ids[:1], g.positions[:1]
     sms = dec.num_programs
     seen: set[int] = set()
 

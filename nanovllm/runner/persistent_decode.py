@@ -105,6 +105,25 @@ def _grid_barrier(sync_ptr, target):
     tl.debug_barrier()
 
 
+# Points of a layer the PROBE build stamps (benchmarks/persistent_decode.py --timeline): per stage
+# s, 3s its start (after the barrier), 3s+1 its work done, 3s+2 the next tile loaded (the barrier
+# follows); in attention, 15 queries rotated, 16 cached positions walked, 17 the step's token
+# attended and stored (last split), 18 the split count returned, 19 the splits combined.
+_PROBE_POINTS = 20
+PROBE_POINTS = tl.constexpr(_PROBE_POINTS)
+
+
+@triton.jit
+def _stamp(probe_row, POINT: tl.constexpr, num_programs, probe_half, PROBE: tl.constexpr):
+    """PROBE builds only: the global timer (ns) and this SM's cycle counter at this point of the
+    program, at probe_row[POINT * num_programs] and probe_half elements further."""
+    if PROBE:
+        ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        cycles = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(probe_row + POINT * num_programs, ns)
+        tl.store(probe_row + probe_half + POINT * num_programs, cycles)
+
+
 @triton.jit
 def _rstd(resid_ptr, eps, H: tl.constexpr, BLOCK_K: tl.constexpr):
     """1 / sqrt(mean(x^2) + eps) of the residual stream."""
@@ -218,49 +237,54 @@ def _splits(ctx, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(
-    k_cache_ptr, v_cache_ptr, block_table_ptr, head_off, t0, end, stride_cb, stride_cs,
-    KV_BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+def _kv_row_starts(
+    block_table_ptr, head_off, t0, end, stride_cb, stride_cs, KV_BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Cached K and V rows of positions [t0, min(t0 + BLOCK_T, end)) of one KV head, as halves
-    [BLOCK_T, HALF] in the cache dtype (positions past `end` read nothing)."""
-    offs_d = tl.arange(0, HALF)
+    """Where the cached K/V rows of positions [t0, t0 + BLOCK_T) of one KV head start, in
+    elements from a layer's cache ([BLOCK_T] int64), and which are before `end`."""
     t = t0 + tl.arange(0, BLOCK_T)
-    tmask = (t < end)[:, None]
-    block = tl.load(block_table_ptr + t // KV_BLOCK_SIZE, mask=t < end, other=0).to(tl.int64)
-    row = (block * stride_cb + (t % KV_BLOCK_SIZE) * stride_cs + head_off)[:, None] + offs_d[None, :]
-    k1 = tl.load(k_cache_ptr + row, mask=tmask, other=0.0)
-    k2 = tl.load(k_cache_ptr + row + HALF, mask=tmask, other=0.0)
-    v1 = tl.load(v_cache_ptr + row, mask=tmask, other=0.0)
-    v2 = tl.load(v_cache_ptr + row + HALF, mask=tmask, other=0.0)
+    valid = t < end
+    block = tl.load(block_table_ptr + t // KV_BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return block * stride_cb + (t % KV_BLOCK_SIZE) * stride_cs + head_off, valid
+
+
+@triton.jit
+def _kv_load(k_cache_ptr, v_cache_ptr, row_start, valid, HALF: tl.constexpr):
+    """K and V rows at row_start as halves [BLOCK_T, HALF] in the cache dtype (invalid rows read nothing)."""
+    row = row_start[:, None] + tl.arange(0, HALF)[None, :]
+    m = valid[:, None]
+    k1 = tl.load(k_cache_ptr + row, mask=m, other=0.0)
+    k2 = tl.load(k_cache_ptr + row + HALF, mask=m, other=0.0)
+    v1 = tl.load(v_cache_ptr + row, mask=m, other=0.0)
+    v2 = tl.load(v_cache_ptr + row + HALF, mask=m, other=0.0)
     return k1, k2, v1, v2
 
 
 @triton.jit
-def _first_kv_tile(
-    base_ptr, layer_ptr, seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
+def _first_kv_rows(
+    seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
     NK: tl.constexpr, D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr,
     MAX_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """The first cached K/V tile of this program's first attention item. The cache holds it
-    before the step's q/k/v exist, so the persistent kernel loads it ahead, like weight tiles."""
+    """_kv_row_starts of this program's first attention item's first tile. The cache holds that
+    tile before the step's q/k/v exist, so the persistent kernel loads it ahead, like weight
+    tiles; and it is at the same place in every layer's cache, so the block-table lookup runs
+    once per step (per layer, its dependent load held each program ~0.9 us before the barrier)."""
     ctx = tl.load(seq_len_ptr)
     num_splits, per_split = _splits(ctx, SPLIT_MIN, MAX_SPLITS)
     start = (pid % num_splits) * per_split
     end = tl.where(pid < NK * num_splits, tl.minimum(start + per_split, ctx - 1), start)
-    return _kv_tile(
-        _at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE), block_table_ptr,
-        (pid // num_splits) * D, start, end, stride_cb, stride_cs, KV_BLOCK_SIZE, D // 2, BLOCK_T,
-    )
+    return _kv_row_starts(block_table_ptr, (pid // num_splits) * D, start, end, stride_cb, stride_cs, KV_BLOCK_SIZE, BLOCK_T)
 
 
 @triton.jit
 def _stage_attention(
     first_k1, first_k2, first_v1, first_v2, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
     pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
-    qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs,
+    qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, probe_row, probe_half,
     NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+    PROBE: tl.constexpr,
 ):
     dtype = qkv_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
@@ -293,6 +317,7 @@ def _stage_attention(
         q1, q2 = _norm_rope(q1, q2, q_norm_ptr, cos, sin, qk_eps, offs_d, HALF, HAS_NORM, dtype)
         q1c = q1.to(cache_dtype)  # exact: _norm_rope rounds to the activation dtype
         q2c = q2.to(cache_dtype)
+        _stamp(probe_row, 15, num_programs, probe_half, PROBE)
         m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc1 = tl.zeros([BLOCK_M, HALF], tl.float32)
@@ -302,11 +327,12 @@ def _stage_attention(
         end = tl.minimum(start + per_split, ctx - 1)  # positions already in the cache
         for t0 in range(start, end, BLOCK_T):
             tmask = t0 + offs_t < end
-            if (item == pid) & (t0 == start):  # the tile _first_kv_tile loaded ahead
+            if (item == pid) & (t0 == start):  # the tile loaded ahead (_first_kv_rows)
                 k1, k2, v1, v2 = first_k1, first_k2, first_v1, first_v2
             else:
-                k1, k2, v1, v2 = _kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, head_off, t0, end,
-                                          stride_cb, stride_cs, KV_BLOCK_SIZE, HALF, BLOCK_T)
+                row_start, valid = _kv_row_starts(block_table_ptr, head_off, t0, end, stride_cb, stride_cs,
+                                                  KV_BLOCK_SIZE, BLOCK_T)
+                k1, k2, v1, v2 = _kv_load(k_cache_ptr, v_cache_ptr, row_start, valid, HALF)
             s = tl.dot(q1c, tl.trans(k1), input_precision=PRECISION)
             s = tl.dot(q2c, tl.trans(k2), s, input_precision=PRECISION)
             s = tl.where(tmask[None, :], s * qk_scale, _NEG_BIG)
@@ -318,6 +344,7 @@ def _stage_attention(
             acc1 = tl.dot(p.to(cache_dtype), v1, acc1 * alpha[:, None], input_precision=PRECISION)
             acc2 = tl.dot(p.to(cache_dtype), v2, acc2 * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
+        _stamp(probe_row, 16, num_programs, probe_half, PROBE)
         if split == num_splits - 1:
             # This step's token: its K/V come from the projection, not the cache, and are stored.
             k_row = qkv_ptr + (NQ + kvh) * D + offs_d[None, :]
@@ -342,6 +369,7 @@ def _stage_attention(
             tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=smask)
             tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=smask)
             tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=smask)
+            _stamp(probe_row, 17, num_programs, probe_half, PROBE)
         part = (heads * MAX_SPLITS + split)[:, None] * D + offs_d[None, :]
         tl.store(part_acc_ptr + part, acc1, mask=mmask[:, None])
         tl.store(part_acc_ptr + part + HALF, acc2, mask=mmask[:, None])
@@ -350,29 +378,40 @@ def _stage_attention(
         tl.debug_barrier()
         # The last split of this KV head to finish combines all of them.
         arrived = tl.atomic_add(count_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+        _stamp(probe_row, 18, num_programs, probe_half, PROBE)
         if arrived == num_splits - 1:
             tl.atomic_xchg(count_ptr + kvh, 0, sem="relaxed", scope="gpu")
-            # Every split at once ([MAX_SPLITS, BLOCK_G] and [MAX_SPLITS, BLOCK_G, HALF]): one
-            # round trip to the L2 instead of one per split.
-            offs_s = tl.arange(0, MAX_SPLITS)
+            # Every split's partials, loaded at once (an unrolled loop, masked past num_splits: one
+            # round trip to the L2) and combined with elementwise operations only. Loading them as
+            # one [MAX_SPLITS, BLOCK_G, HALF] tensor and reducing over its first axis took 3.2 us
+            # (cross-warp reductions through shared memory; H200, --timeline).
             offs_g = tl.arange(0, BLOCK_G)
             gmask = offs_g < GROUP
             group_heads = kvh * GROUP + offs_g
-            smask = (offs_s < num_splits)[:, None] & gmask[None, :]
-            idx = group_heads[None, :] * MAX_SPLITS + offs_s[:, None]
-            m_s = tl.load(part_ml_ptr + idx * 2, mask=smask, other=_NEG_BIG, cache_modifier=".cg")
-            l_s = tl.load(part_ml_ptr + idx * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
-            src = idx[:, :, None] * D + offs_d[None, None, :]
-            a1 = tl.load(part_acc_ptr + src, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")
-            a2 = tl.load(part_acc_ptr + src + HALF, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")
-            weight = tl.exp2(m_s - tl.max(m_s, axis=0)[None, :])  # empty splits: m = _NEG_BIG, weight 0
-            total = tl.sum(weight * l_s, axis=0)
-            out1 = tl.sum(weight[:, :, None] * a1, axis=0)
-            out2 = tl.sum(weight[:, :, None] * a2, axis=0)
+            m_max = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+            for sp in tl.static_range(0, MAX_SPLITS):
+                ml = part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2
+                m_max = tl.maximum(m_max, tl.load(ml, mask=gmask & (offs_g * 0 + sp < num_splits), other=_NEG_BIG, cache_modifier=".cg"))
+            total = tl.zeros([BLOCK_G], tl.float32)
+            out1 = tl.zeros([BLOCK_G, HALF], tl.float32)
+            out2 = tl.zeros([BLOCK_G, HALF], tl.float32)
+            for sp in tl.static_range(0, MAX_SPLITS):
+                valid = gmask & (offs_g * 0 + sp < num_splits)  # a vector: the interpreter rejects a scalar mask here
+                ml = part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2
+                m_s = tl.load(ml, mask=valid, other=_NEG_BIG, cache_modifier=".cg")
+                l_s = tl.load(ml + 1, mask=valid, other=0.0, cache_modifier=".cg")
+                src = part_acc_ptr + (group_heads * MAX_SPLITS + sp)[:, None] * D + offs_d[None, :]
+                a1 = tl.load(src, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+                a2 = tl.load(src + HALF, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+                weight = tl.exp2(m_s - m_max)  # empty and masked splits: m = _NEG_BIG, weight 0
+                total += weight * l_s
+                out1 += weight[:, None] * a1
+                out2 += weight[:, None] * a2
             inv = 1.0 / tl.where(gmask, total, 1.0)
             dst = attn_ptr + group_heads[:, None] * D + offs_d[None, :]
             tl.store(dst, (out1 * inv[:, None]).to(dtype), mask=gmask[:, None])
             tl.store(dst + HALF, (out2 * inv[:, None]).to(dtype), mask=gmask[:, None])
+            _stamp(probe_row, 19, num_programs, probe_half, PROBE)
 
 
 @triton.jit
@@ -459,24 +498,24 @@ def _prefetch(
 def _layer_stage(
     STAGE: tl.constexpr, first, first2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
     part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
-    eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
+    eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter, probe_row, probe_half,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
-    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
+    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
     `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
-    its first cached K/V tile as kv1-kv4 (from _first_kv_tile)."""
+    its first cached K/V tile as kv1-kv4 (at _first_kv_rows)."""
     if STAGE == 0:
         _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv,
                    H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV)
     elif STAGE == 1:
         _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
                          pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
-                         qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs,
-                         NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, BLOCK_T)
+                         qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, probe_row, probe_half,
+                         NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
     elif STAGE == 2:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, pid, num_programs,
                              rows_h, H, NQ * D, BR_H, BK_O)
@@ -494,7 +533,7 @@ _STAGES_PER_LAYER = 5
 @triton.jit(do_not_specialize=("layer",))
 def _decode_kernel(
     base_ptr, table_ptr, final_norm_ptr, tok_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr,
-    part_acc_ptr, part_ml_ptr, sync_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+    part_acc_ptr, part_ml_ptr, sync_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr, probe_ptr,
     eps, qk_eps, qk_scale, stride_cb, stride_cs, num_layers, layer, rows_qkv, rows_h, rows_inter,
     PERSISTENT: tl.constexpr, STAGE: tl.constexpr,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
@@ -502,14 +541,15 @@ def _decode_kernel(
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
-    STAGE_MASK: tl.constexpr = 31,
+    STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
     tile is loaded before the barrier it waits at, after the previous stage's work (loading it
     before that work measured the same, 1,091 vs 1,088 us per token). Otherwise: only
     stage STAGE (-1 embedding, 0-4 a layer's stages A-E of `layer`, 5 the final norm), its tile
-    loaded at its start. STAGE_MASK (benchmarks only) skips stages of the persistent kernel."""
+    loaded at its start. Benchmarks only: STAGE_MASK skips stages of the persistent kernel; PROBE
+    stamps the times of each layer's PROBE_POINTS into probe_ptr (see _stamp)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
@@ -521,19 +561,25 @@ def _decode_kernel(
         kv4 = kv1
         t1, t2 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
+        kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
+                                           NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_T)
         arrivals = num_programs
         _grid_barrier(sync_ptr, arrivals)
+        probe_half = num_layers * PROBE_POINTS * num_programs
         for layer_i in range(0, num_layers):
             layer_ptr = table_ptr + layer_i * NUM_FIELDS
+            probe_row = probe_ptr + layer_i * PROBE_POINTS * num_programs + pid
             for stage in tl.static_range(0, 5):
+                _stamp(probe_row, 3 * stage, num_programs, probe_half, PROBE)
                 if (STAGE_MASK >> stage) & 1:
                     _layer_stage(
                         stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
                         part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
                         eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
-                        H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, HAS_BIAS,
-                        BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T,
+                        probe_row, probe_half, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G,
+                        HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE,
                     )
+                _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                 # The first tile of the next stage with weights, loaded before this barrier:
                 # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
                 # stage 4's loads stage 0 of the next layer (nothing after the last).
@@ -544,10 +590,9 @@ def _decode_kernel(
                         H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
                     )
                 if stage == 0:
-                    kv1, kv2, kv3, kv4 = _first_kv_tile(
-                        base_ptr, layer_ptr, seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
-                        NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_T,
-                    )
+                    kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
+                                                  kv_rows, kv_valid, D // 2)
+                _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
                 arrivals += num_programs
                 _grid_barrier(sync_ptr, arrivals)
         _stage_final_norm(resid_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H)
@@ -559,16 +604,16 @@ def _decode_kernel(
         layer_ptr = table_ptr + layer * NUM_FIELDS
         t1, t2 = _prefetch(STAGE if STAGE != 1 else 0, layer_ptr, STAGE != 1, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
-        kv1, kv2, kv3, kv4 = _first_kv_tile(
-            base_ptr, layer_ptr, seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
-            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_T,
-        )
+        kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
+                                           NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_T)
+        kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
+                                      kv_rows, kv_valid, D // 2)
         _layer_stage(
             STAGE, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
             part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
-            H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, HAS_BIAS,
-            BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T,
+            probe_ptr, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, HAS_BIAS,
+            BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False,
         )
 
 
@@ -614,14 +659,17 @@ class PersistentDecoder:
     num_programs: one per SM for the persistent launch (every program must be resident). The
     other keywords are shapes: context splits (at most max_splits, a power of two, of at least
     split_tokens positions, walked block_t at a time), warps, weights per register tile
-    (gate_up_tile_elements: the gate and up tiles together, default tile_elements), and a benchmark switch (stage_mask, see _decode_kernel). The defaults
-    are the fastest measured on the H200 (benchmarks/persistent_decode.py --breakdown); the
-    tests use small ones so that programs take several items and contexts several splits."""
+    (gate_up_tile_elements: the gate and up tiles together, default tile_elements), and two
+    benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
+    self.probe). The defaults are the fastest measured on the H200
+    (benchmarks/persistent_decode.py --breakdown); the tests use small ones so that programs
+    take several items and contexts several splits."""
 
     def __init__(
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
+        probe: bool = False,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -658,6 +706,8 @@ class PersistentDecoder:
         self.part_acc = empty(self.num_q * max_splits * self.head_dim, torch.float32)
         self.part_ml = empty(self.num_q * max_splits * 2, torch.float32)
         self.sync = empty(1 + self.num_k, torch.int32)
+        # probe: [2 (global ns, SM cycles), layers, PROBE_POINTS, programs] stamps, 0 = not reached
+        self.probe = empty(2 * self.num_layers * _PROBE_POINTS * num_programs if probe else 1, torch.int64)
         self.rows_qkv = -(-n_qkv // num_programs)
         self.rows_h = -(-self.hidden // num_programs)
         self.rows_inter = -(-self.inter // num_programs)
@@ -673,7 +723,7 @@ class PersistentDecoder:
             HAS_NORM=self.has_norm, HAS_BIAS=self.has_bias,
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
             BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
-            STAGE_MASK=stage_mask,
+            STAGE_MASK=stage_mask, PROBE=probe,
         )
         self.table: torch.Tensor | None = None
 
@@ -723,7 +773,7 @@ class PersistentDecoder:
         args = (
             self._base(), self.table, self.model.model.norm.weight, input_ids, self.resid, self.qkv, self.attn_out,
             self.act, self.out, self.part_acc, self.part_ml, self.sync, positions, meta.slot_mapping, meta.seq_lens,
-            meta.block_tables, self.cos_sin,
+            meta.block_tables, self.cos_sin, self.probe,
             self.eps, self.qk_eps, self.scale * _LOG2E, self.stride_cb, self.stride_cs, self.num_layers,
         )
         counts = (self.rows_qkv, self.rows_h, self.rows_inter)
