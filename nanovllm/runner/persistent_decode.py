@@ -7,11 +7,12 @@ costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of lay
 one program per SM loops over the layers, splits each stage's work between the programs, and
 waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
 output. A barrier costs 0.85 us on an H200, less than a kernel boundary. Measured result
-(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.81-0.83 ms per token (graph replay, LM
-head included) at contexts up to 640 against the per-op graph's 1.13-1.19 ms, and faster than it
-at every context measured (1.97 vs 2.89 ms at 16,384); still far from the weight-read floor
-(~0.3 ms): 141 barriers cost ~0.12 ms, attention ~9 us per layer, and the weight stages read at
-~2.3 TB/s.
+(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.77-0.79 ms per token (graph replay of the
+model forward; the LM head and the sampler follow) at contexts up to 640 against the per-op
+graph's 1.13-1.20 ms, and faster than it at every context measured (1.97 vs 2.89 ms at 16,384);
+still far from the weight-read floor (~0.3 ms for the whole step). Per layer (`--timeline`, 28
+per token): A 5.6 us, B 7.4, C 3.6, D 7.2, E 4.0, each including ~1.0 us from the last program
+reaching its barrier to the others leaving it; the weight stages read at ~2.2 TB/s.
 
 Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`, then the H200):
 - Projections accumulate a [rows, K chunk] fp32 tile across K chunks and reduce it once, and load
@@ -21,6 +22,9 @@ Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`,
   next change; 64-position K/V tiles then 0.83).
 - Attention multiplies with tl.dot, the group's query heads padded to 16 rows: 3-D broadcast
   products took 238 registers and 14.6 us per layer, tl.dot 168 and 8.9 us.
+- The split combine is an unrolled loop of elementwise operations over the splits (3.2 -> 1.0
+  us), and the first cached K/V tile's block-table lookup runs once per step, not per layer
+  (it held each program ~0.9 us before a barrier): 0.83 -> 0.79 ms per token.
 
 Stages of a layer (each program takes a slice of rows, or of (KV head, context split) pairs):
   A  RMSNorm of the residual stream (recomputed by every program: hidden_size values), then the
