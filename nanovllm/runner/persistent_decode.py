@@ -155,6 +155,15 @@ def _rows(item, rows_per_item, N, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def _tile_columns(rows, k0, BLOCK_K: tl.constexpr):
+    """Column indices k0 + [0, BLOCK_K) broadcast to a weight tile's shape [BLOCK_R, BLOCK_K].
+    Loading a projection's input with these gives it the tile's register layout (each thread
+    keeps one copy of its columns): a 1-D load made Triton convert the layout through shared
+    memory, with a CTA barrier, at every K chunk."""
+    return rows[:, None] * 0 + (k0 + tl.arange(0, BLOCK_K))[None, :]
+
+
+@triton.jit
 def _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_per_item, H: tl.constexpr, BLOCK_R: tl.constexpr):
     token = tl.load(tok_ptr).to(tl.int64)
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
@@ -206,7 +215,7 @@ def _stage_qkv(
         rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
         acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in tl.static_range(0, H, BLOCK_K):
-            offs_k = rows[:, None] * 0 + (k0 + tl.arange(0, BLOCK_K))[None, :]
+            offs_k = _tile_columns(rows, k0, BLOCK_K)
             x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
             w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
             acc += w.to(tl.float32) * x
@@ -394,13 +403,14 @@ def _stage_attention(
             group_heads = kvh * GROUP + offs_g
             m_max = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
             for sp in tl.static_range(0, MAX_SPLITS):
-                ml = part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2
-                m_max = tl.maximum(m_max, tl.load(ml, mask=gmask & (offs_g * 0 + sp < num_splits), other=_NEG_BIG, cache_modifier=".cg"))
+                valid = gmask & (offs_g * 0 + sp < num_splits)  # a vector: the interpreter rejects a scalar mask
+                m_s = tl.load(part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2, mask=valid, other=_NEG_BIG, cache_modifier=".cg")
+                m_max = tl.maximum(m_max, m_s)
             total = tl.zeros([BLOCK_G], tl.float32)
             out1 = tl.zeros([BLOCK_G, HALF], tl.float32)
             out2 = tl.zeros([BLOCK_G, HALF], tl.float32)
             for sp in tl.static_range(0, MAX_SPLITS):
-                valid = gmask & (offs_g * 0 + sp < num_splits)  # a vector: the interpreter rejects a scalar mask here
+                valid = gmask & (offs_g * 0 + sp < num_splits)
                 ml = part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2
                 m_s = tl.load(ml, mask=valid, other=_NEG_BIG, cache_modifier=".cg")
                 l_s = tl.load(ml + 1, mask=valid, other=0.0, cache_modifier=".cg")
@@ -429,7 +439,7 @@ def _stage_rows_residual(
         rows, rmask = _rows(item, rows_per_item, H, BLOCK_R)
         acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
-            offs_k = rows[:, None] * 0 + (k0 + tl.arange(0, BLOCK_K))[None, :]
+            offs_k = _tile_columns(rows, k0, BLOCK_K)
             x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
             w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K)
             acc += w.to(tl.float32) * x
@@ -453,7 +463,7 @@ def _stage_gate_up(
         gate = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in tl.static_range(0, H, BLOCK_K):
-            offs_k = rows[:, None] * 0 + (k0 + tl.arange(0, BLOCK_K))[None, :]
+            offs_k = _tile_columns(rows, k0, BLOCK_K)
             x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
             wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
             wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K)
