@@ -144,6 +144,51 @@ def test_graph_sizes_with_the_persistent_kernel():
     assert [graphs.graph_size(n) for n in (1, 2, 8, 9, 32)] == [1, 8, 8, 16, 32]
 
 
+class FakeGraphs:
+    """Stands in for CudaGraphRunner in the adoption tests: records capture_single's calls."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.graphs: dict[int, object] = {8: object()}
+        self.fail = fail
+
+    def capture_single(self, single) -> None:
+        if self.fail:
+            raise RuntimeError("capture failed")
+        self.graphs[1] = single
+
+
+def runner_with_background_compile(graphs: FakeGraphs, dry_pass):
+    """A ModelRunner reduced to what the background compile and its adoption touch."""
+    from nanovllm.runner.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.graph_runner, runner.persistent_decoder = graphs, object()
+    runner._persistent_dry_pass, runner._persistent_pending = dry_pass, None
+    return runner
+
+
+def test_background_compile_is_adopted_or_leaves_the_per_op_path(caplog):
+    pytest.importorskip("triton.runtime._async_compile", reason="this Triton has no async compile mode")
+    ran = []
+    runner = runner_with_background_compile(FakeGraphs(), lambda: ran.append(True))
+    decoder = runner.persistent_decoder
+    runner.finish_background_compile()
+    assert ran == [True] and runner.graph_runner.graphs[1] is decoder and runner.persistent_decoder is decoder
+    runner.finish_background_compile()  # nothing left to do
+    assert ran == [True]
+
+    def broken():
+        raise RuntimeError("compile failed")
+
+    for graphs, dry_pass, reason in ((FakeGraphs(fail=True), lambda: None, "capture failed"),
+                                     (FakeGraphs(), broken, "compile failed")):
+        runner = runner_with_background_compile(graphs, dry_pass)
+        with caplog.at_level("WARNING", logger="nanovllm"):
+            runner.finish_background_compile()
+        assert runner.persistent_decoder is None and 1 not in graphs.graphs
+        assert f"persistent decode off: {reason}" in caplog.text
+
+
 # ---- CUDA ------------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the persistent launch needs a CUDA device (its grid barrier spins)")
