@@ -52,13 +52,35 @@ def _atomic_poll_barrier(sync_ptr, target):
 
 
 @triton.jit
-def _barriers_only(sync_ptr, n, ATOMIC_POLL: tl.constexpr):
+def _load_acquire(ptr):
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _acquire_poll_barrier(sync_ptr, target):
+    """A candidate (not yet measured): arrive with an acq_rel atomic and poll with acquire loads,
+    so the load that sees the count also orders what follows; the kernel's barrier spends one
+    more L2 round trip on an acquiring atomic after its volatile polls."""
+    tl.debug_barrier()
+    seen = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    while seen < target:
+        seen = _load_acquire(sync_ptr)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
+    """n grid barriers in a row. POLL 0: the kernel's (_grid_barrier); 1: the first version's
+    (atomics); 2: acquire-load polling (_acquire_poll_barrier)."""
     num_programs = tl.num_programs(0)
     arrivals = num_programs * 0
     for _ in range(0, n):
         arrivals += num_programs
-        if ATOMIC_POLL:
+        if POLL == 1:
             _atomic_poll_barrier(sync_ptr, arrivals)
+        elif POLL == 2:
+            _acquire_poll_barrier(sync_ptr, arrivals)
         else:
             _grid_barrier(sync_ptr, arrivals)
 
@@ -184,9 +206,10 @@ def main() -> None:
     buf = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"empty launch, {sms} programs: {timed(lambda: _empty[(sms,)](buf)):6.2f} us")
     n = 1000
-    for atomic_poll in (False, True):
-        us = timed(lambda: (buf.zero_(), _barriers_only[(sms,)](buf, n, ATOMIC_POLL=atomic_poll))) / n
-        print(f"grid barrier, {sms} programs, {'atomic' if atomic_poll else 'load'} polling: {us:6.3f} us each")
+    for poll, name in ((0, "volatile-load polling + acquiring atomic (the kernel's)"), (1, "atomic polling"),
+                       (2, "acquire-load polling")):
+        us = timed(lambda: (buf.zero_(), _barriers_only[(sms,)](buf, n, POLL=poll))) / n
+        print(f"grid barrier, {sms} programs, {name}: {us:6.3f} us each")
 
 
 if __name__ == "__main__":

@@ -103,6 +103,11 @@ def _grid_barrier(sync_ptr, target):
     seen = tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu") + 1
     # Poll with plain (volatile) loads: atomics from every SM on one address queue behind each
     # other at the L2; one acquiring atomic once the count is reached orders what follows.
+    # Known gap: Triton 3.6 (the H200 machine's) drops that acquiring add-of-0, whose result is
+    # unused, when it lowers to PTX (Triton 3.9 keeps it, as an acquire load). Every read of
+    # another program's output in this kernel bypasses L1 (.cg) and a GPU does not issue loads
+    # ahead of the branch that ends the poll, so it has held in every test; polling with acquire
+    # loads (benchmarks/persistent_decode.py times it) would make the order formal.
     while seen < target:
         seen = tl.load(sync_ptr, volatile=True)
     tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
