@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.runner.persistent_decode import _grid_barrier
+from nanovllm.runner.persistent_decode import _grid_arrive, _grid_wait
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -52,28 +52,20 @@ def _atomic_poll_barrier(sync_ptr, target):
 
 
 @triton.jit
-def _load_acquire(ptr):
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _acquire_poll_barrier(sync_ptr, target):
-    """A candidate (not yet measured): arrive with an acq_rel atomic and poll with acquire loads,
-    so the load that sees the count also orders what follows. The kernel's barrier ends with an
-    acquiring atomic that Triton 3.6 drops (3.9 keeps it, one more L2 round trip): see
-    _grid_barrier."""
+def _volatile_poll_barrier(sync_ptr, target):
+    """The second version's, for comparison: polls with volatile loads, which order nothing (its
+    closing acquiring atomic, an add of 0 whose result was unused, was dropped by Triton 3.6)."""
     tl.debug_barrier()
-    seen = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    seen = tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu") + 1
     while seen < target:
-        seen = _load_acquire(sync_ptr)
+        seen = tl.load(sync_ptr, volatile=True)
     tl.debug_barrier()
 
 
 @triton.jit
 def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
-    """n grid barriers in a row. POLL 0: the kernel's (_grid_barrier); 1: the first version's
-    (atomics); 2: acquire-load polling (_acquire_poll_barrier)."""
+    """n grid barriers in a row. POLL 0: the kernel's (_grid_arrive, _grid_wait: acquire-load
+    polling); 1: the first version's (atomics); 2: the second's (volatile loads)."""
     num_programs = tl.num_programs(0)
     arrivals = num_programs * 0
     for _ in range(0, n):
@@ -81,12 +73,12 @@ def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
         if POLL == 1:
             _atomic_poll_barrier(sync_ptr, arrivals)
         elif POLL == 2:
-            _acquire_poll_barrier(sync_ptr, arrivals)
+            _volatile_poll_barrier(sync_ptr, arrivals)
         else:
-            _grid_barrier(sync_ptr, arrivals)
+            _grid_wait(sync_ptr, _grid_arrive(sync_ptr), arrivals)
 
 
-def timeline(dec, runner, ids, pos, meta) -> None:
+def timeline(dec, runner, ids, pos, meta, **decoder_kwargs) -> None:
     """Run a PROBE build of the kernel (it stamps the global timer and the SM's cycle counter at
     PROBE_POINTS of every layer, runner/persistent_decode.py) and print, per stage, the median over
     layers 2..num_layers-2 of: the work of the median and of the slowest program, the first-tile
@@ -97,7 +89,7 @@ def timeline(dec, runner, ids, pos, meta) -> None:
 
     from nanovllm.runner import persistent_decode as pd
 
-    d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True)
+    d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True, **decoder_kwargs)
     d.bind(runner.k_caches, runner.v_caches)
     total_us = timed(lambda: d(ids, pos, meta))
     stamps = d.probe.view(2, dec.num_layers, pd._PROBE_POINTS, dec.num_programs).cpu().numpy().astype(np.float64)
@@ -144,6 +136,10 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[640])
     ap.add_argument("--breakdown", action="store_true", help="also time each stage, the barrier and tile shapes (at the first context)")
     ap.add_argument("--timeline", action="store_true", help="also stamp times inside the kernel (a PROBE build, at the first context)")
+    ap.add_argument("--l2-prefetch", type=int, nargs=2, metavar=("MODE", "AHEAD"),
+                    help="the timeline's kernel prefetches weights into the L2 (PersistentDecoder l2_prefetch, l2_ahead)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the L2 prefetch variants and the grid barrier variants (at the first context)")
     args = ap.parse_args()
     from nanovllm import LLM
     from nanovllm.runner import persistent_decode as pd
@@ -164,8 +160,9 @@ def main() -> None:
     meta = g._meta(1)
     ids, pos = g.input_ids[:1], g.positions[:1]
     if args.timeline:
-        timeline(dec, runner, ids, pos, meta)
-    if not args.breakdown:
+        timeline(dec, runner, ids, pos, meta,
+                 **(dict(zip(("l2_prefetch", "l2_ahead"), args.l2_prefetch)) if args.l2_prefetch else {}))
+    if not (args.breakdown or args.sweep):
         return
 
     sms = dec.num_programs
@@ -186,29 +183,33 @@ def main() -> None:
         d.bind(runner.k_caches, runner.v_caches)
         return timed(lambda: d(ids, pos, meta))
 
-    base = persistent(stage_mask=0)
-    print(f"persistent, barriers only (no stage runs): {base:8.1f} us  [{registers()}]")
-    names = ["A norm+qkv", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
-    for stage, name in enumerate(names):
-        us = persistent(stage_mask=1 << stage)
-        print(f"stage {name:22s}: {(us - base) / dec.num_layers:7.2f} us per layer  [{registers()}]")
-    variants = [
-        dict(),
-        dict(tile_elements=16384),
-        dict(tile_elements=16384, gate_up_tile_elements=8192),
-        dict(split_tokens=32, block_t=32),
-        dict(split_tokens=32, block_t=64),
-        dict(split_tokens=64, block_t=64),
-        dict(tile_elements=16384, gate_up_tile_elements=8192, split_tokens=32, block_t=64),
-    ]
+    variants = [dict()]
+    if args.breakdown:
+        base = persistent(stage_mask=0)
+        print(f"persistent, barriers only (no stage runs): {base:8.1f} us  [{registers()}]")
+        names = ["A norm+qkv", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
+        for stage, name in enumerate(names):
+            us = persistent(stage_mask=1 << stage)
+            print(f"stage {name:22s}: {(us - base) / dec.num_layers:7.2f} us per layer  [{registers()}]")
+        variants += [
+            dict(tile_elements=16384),
+            dict(tile_elements=16384, gate_up_tile_elements=8192),
+            dict(split_tokens=32, block_t=32),
+            dict(split_tokens=32, block_t=64),
+            dict(tile_elements=16384, gate_up_tile_elements=8192, split_tokens=32, block_t=64),
+        ]
+    if args.sweep:
+        # L2 prefetch: 0 off, 1 one prefetch per 128-byte line, 2 one bulk prefetch per warp;
+        # ahead: how many weight stages ahead of the one just finished.
+        variants += [dict(l2_prefetch=1, l2_ahead=ahead) for ahead in (1, 2, 3)] + [dict(l2_prefetch=2, l2_ahead=2)]
+        variants += [dict(), dict(l2_prefetch=1, l2_ahead=2)]  # again: drift between the first and last runs
     for kwargs in variants:
         us = persistent(**kwargs)
         print(f"persistent, all stages, {kwargs or 'defaults'}: {us:8.1f} us  [{registers()}]")
     buf = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"empty launch, {sms} programs: {timed(lambda: _empty[(sms,)](buf)):6.2f} us")
     n = 1000
-    for poll, name in ((0, "volatile-load polling (the kernel's; its closing acquire is dropped by Triton 3.6)"), (1, "atomic polling"),
-                       (2, "acquire-load polling")):
+    for poll, name in ((0, "acquire-load polling (the kernel's)"), (1, "atomic polling"), (2, "volatile-load polling")):
         us = timed(lambda: (buf.zero_(), _barriers_only[(sms,)](buf, n, POLL=poll))) / n
         print(f"grid barrier, {sms} programs, {name}: {us:6.3f} us each")
 

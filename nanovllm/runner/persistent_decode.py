@@ -94,28 +94,37 @@ def _at(base_ptr, layer_ptr, FIELD: tl.constexpr):
 
 
 @triton.jit
-def _grid_barrier(sync_ptr, target):
-    """Wait until `target` arrivals have been counted at sync_ptr (the counter only grows within
-    a launch: barrier n of a launch waits for n * num_programs). The CTA barrier first makes
-    every thread's stores precede the release; the acquire makes the other programs' stores
-    visible after it."""
+def _load_acquire(ptr):
+    """An int32 load with acquire semantics at GPU scope (inline PTX: Triton has no acquire load)."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _grid_arrive(sync_ptr):
+    """Arrive at a grid barrier: count this program at sync_ptr and return the count seen (the
+    counter only grows within a launch: barrier n waits for n * num_programs). The CTA barrier
+    makes every thread's stores precede the release. What does not depend on the other programs
+    (the next stage's weight tiles) is issued between this and _grid_wait, so that it overlaps
+    the barrier's latency instead of delaying the arrival."""
     tl.debug_barrier()
-    seen = tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu") + 1
-    # Poll with plain (volatile) loads: atomics from every SM on one address queue behind each
-    # other at the L2; one acquiring atomic once the count is reached orders what follows.
-    # Known gap: Triton 3.6 (the H200 machine's) drops that acquiring add-of-0, whose result is
-    # unused, when it lowers to PTX (Triton 3.9 keeps it, as an acquire load). Every read of
-    # another program's output in this kernel bypasses L1 (.cg) and a GPU does not issue loads
-    # ahead of the branch that ends the poll, so it has held in every test; polling with acquire
-    # loads (benchmarks/persistent_decode.py times it) would make the order formal.
+    return tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+
+
+@triton.jit
+def _grid_wait(sync_ptr, seen, target):
+    """Wait until `target` arrivals have been counted. Polls with acquire loads, so the load that
+    sees the count orders this program's later reads after the other programs' released stores
+    (the arrival's acq_rel does it for the last program to arrive). Polling with atomics queues
+    every SM's polls behind each other at one L2 address: 0.94 against 0.93 us per barrier
+    (H200, benchmarks/persistent_decode.py); volatile loads measured 0.92 but order nothing."""
     while seen < target:
-        seen = tl.load(sync_ptr, volatile=True)
-    tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        seen = _load_acquire(sync_ptr)
     tl.debug_barrier()
 
 
 # Points of a layer the PROBE build stamps (benchmarks/persistent_decode.py --timeline): per stage
-# s, 3s its start (after the barrier), 3s+1 its work done, 3s+2 the next tile loaded (the barrier
+# s, 3s its start (after the barrier), 3s+1 its work done, 3s+2 arrived and the next tile issued (the wait
 # follows); in attention, 15 queries rotated, 16 cached positions walked, 17 the step's token
 # attended and stored (last split), 18 the split count returned, 19 the splits combined.
 _PROBE_POINTS = 20
@@ -131,6 +140,66 @@ def _stamp(probe_row, POINT: tl.constexpr, num_programs, probe_half, PROBE: tl.c
         cycles = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
         tl.store(probe_row + POINT * num_programs, ns)
         tl.store(probe_row + probe_half + POINT * num_programs, cycles)
+
+
+@triton.jit
+def _l2_prefetch(ptr, numel: tl.constexpr, pid, num_programs, MODE: tl.constexpr, THREADS: tl.constexpr):
+    """Ask the L2 to fetch this program's share of ptr[0:numel] (whole 128-byte lines; a partial
+    last line is left out) without waiting for it or holding registers: the stage that reads
+    these weights later then finds them in the L2, and the DRAM keeps streaming through barriers
+    and the programs' tails. MODE 1: one `prefetch.global.L2` per line; 2: one
+    `cp.async.bulk.prefetch.L2` (sm_90) per warp over its part of the share. Not in the
+    interpreter (inline PTX): the stepwise launches never prefetch."""
+    LINE: tl.constexpr = 128 // (ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements per line
+    lines = numel // LINE
+    share = tl.cdiv(lines, num_programs)
+    first = pid * share
+    last = tl.minimum(first + share, lines)
+    if MODE == 1:
+        for l0 in range(first, last, THREADS):
+            line = tl.minimum(l0 + tl.arange(0, THREADS), last - 1).to(tl.int64)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr + line * LINE],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        # One request per warp: ptxas issues a bulk prefetch once per distinct address in a warp.
+        WARPS: tl.constexpr = THREADS // 32
+        per = tl.cdiv(share, WARPS)
+        line = first + tl.arange(0, WARPS) * per
+        nbytes = tl.maximum(tl.minimum(last - line, per), 0) * 128
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+            "=r,l,r", [ptr + line.to(tl.int64) * LINE, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _l2_prefetch_weights(
+    WEIGHT: tl.constexpr, layer_ptr, base_ptr, pid, num_programs,
+    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    MODE: tl.constexpr, THREADS: tl.constexpr,
+):
+    """_l2_prefetch of a layer's WEIGHT-th weight stage (0 qkv, 1 o, 2 gate and up, 3 down)."""
+    if WEIGHT == 0:
+        _l2_prefetch(_at(base_ptr, layer_ptr, F_QKV_W), (NQ + 2 * NK) * D * H, pid, num_programs, MODE, THREADS)
+    elif WEIGHT == 1:
+        _l2_prefetch(_at(base_ptr, layer_ptr, F_O_W), H * NQ * D, pid, num_programs, MODE, THREADS)
+    elif WEIGHT == 2:
+        _l2_prefetch(_at(base_ptr, layer_ptr, F_GU_W), 2 * INTER * H, pid, num_programs, MODE, THREADS)
+    else:
+        _l2_prefetch(_at(base_ptr, layer_ptr, F_DOWN_W), H * INTER, pid, num_programs, MODE, THREADS)
+
+
+@triton.jit
+def _l2_prefetch_ahead(
+    STAGE: tl.constexpr, AHEAD: tl.constexpr, layer_i, num_layers, layer_ptr, base_ptr, pid, num_programs,
+    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    MODE: tl.constexpr, THREADS: tl.constexpr,
+):
+    """At the end of weight stage STAGE (0, 2, 3, 4: A, C, D, E), the weight stage AHEAD after it
+    into the L2 (numbering this layer's A, C, D, E 0-3 and the next layer's 4-7)."""
+    W: tl.constexpr = (STAGE - 1 if STAGE > 1 else STAGE) + AHEAD
+    if layer_i + W // 4 < num_layers:
+        _l2_prefetch_weights(W % 4, layer_ptr + (W // 4) * NUM_FIELDS, base_ptr, pid, num_programs, H, NQ, NK, D, INTER,
+                             MODE, THREADS)
 
 
 @triton.jit
@@ -561,11 +630,13 @@ def _decode_kernel(
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
     STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
+    L2_PREFETCH: tl.constexpr = 0, L2_AHEAD: tl.constexpr = 2, L2_THREADS: tl.constexpr = 256,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
-    tile is loaded before the barrier it waits at, after the previous stage's work (loading it
-    before that work measured the same, 1,091 vs 1,088 us per token). Otherwise: only
+    tile is loaded during the barrier it waits at: after this program arrives, before it polls
+    (loading it before the previous stage's work measured the same as after it, 1,091 vs 1,088 us
+    per token). Otherwise: only
     stage STAGE (-1 embedding, 0-4 a layer's stages A-E of `layer`, 5 the final norm), its tile
     loaded at its start. Benchmarks only: STAGE_MASK skips stages of the persistent kernel; PROBE
     stamps the times of each layer's PROBE_POINTS into probe_ptr (see _stamp)."""
@@ -578,12 +649,17 @@ def _decode_kernel(
         kv2 = kv1
         kv3 = kv1
         kv4 = kv1
+        seen = _grid_arrive(sync_ptr)
         t1, t2 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_T)
+        if L2_PREFETCH != 0:  # the first L2_AHEAD weight stages (see below)
+            for w in tl.static_range(0, L2_AHEAD):
+                _l2_prefetch_weights(w, table_ptr, base_ptr, pid, num_programs, H, NQ, NK, D, INTER,
+                                     L2_PREFETCH, L2_THREADS)
         arrivals = num_programs
-        _grid_barrier(sync_ptr, arrivals)
+        _grid_wait(sync_ptr, seen, arrivals)
         probe_half = num_layers * PROBE_POINTS * num_programs
         for layer_i in range(0, num_layers):
             layer_ptr = table_ptr + layer_i * NUM_FIELDS
@@ -599,7 +675,8 @@ def _decode_kernel(
                         HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
-                # The first tile of the next stage with weights, loaded before this barrier:
+                seen = _grid_arrive(sync_ptr)
+                # The first tile of the next stage with weights, loaded during this barrier:
                 # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
                 # stage 4's loads stage 0 of the next layer (nothing after the last).
                 if stage != 1:
@@ -611,9 +688,13 @@ def _decode_kernel(
                 if stage == 0:
                     kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
                                                   kv_rows, kv_valid, D // 2)
+                if L2_PREFETCH != 0:
+                    if stage != 1:
+                        _l2_prefetch_ahead(stage, L2_AHEAD, layer_i, num_layers, layer_ptr, base_ptr, pid, num_programs,
+                                           H, NQ, NK, D, INTER, L2_PREFETCH, L2_THREADS)
                 _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
                 arrivals += num_programs
-                _grid_barrier(sync_ptr, arrivals)
+                _grid_wait(sync_ptr, seen, arrivals)
         _stage_final_norm(resid_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H)
     elif STAGE == -1:
         _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
@@ -688,7 +769,7 @@ class PersistentDecoder:
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
-        probe: bool = False,
+        probe: bool = False, l2_prefetch: int = 0, l2_ahead: int = 2,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -697,6 +778,8 @@ class PersistentDecoder:
             raise ValueError(f"max_splits must be a power of two, got {max_splits}")
         if block_t < 16 or block_t & (block_t - 1):
             raise ValueError(f"block_t must be a power of two >= 16 (a tl.dot dimension), got {block_t}")
+        if l2_prefetch not in (0, 1, 2) or not 1 <= l2_ahead <= 4:
+            raise ValueError(f"l2_prefetch must be 0, 1 or 2 and l2_ahead 1-4, got {l2_prefetch}, {l2_ahead}")
         inner = model.model
         layer = inner.layers[0]
         attn = layer.self_attn
@@ -743,6 +826,7 @@ class PersistentDecoder:
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
             BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
             STAGE_MASK=stage_mask, PROBE=probe,
+            L2_PREFETCH=l2_prefetch if device.type == "cuda" else 0, L2_AHEAD=l2_ahead, L2_THREADS=32 * num_warps,
         )
         self.table: torch.Tensor | None = None
 
