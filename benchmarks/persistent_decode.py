@@ -136,10 +136,6 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[640])
     ap.add_argument("--breakdown", action="store_true", help="also time each stage, the barrier and tile shapes (at the first context)")
     ap.add_argument("--timeline", action="store_true", help="also stamp times inside the kernel (a PROBE build, at the first context)")
-    ap.add_argument("--l2-prefetch", type=int, nargs=2, metavar=("MODE", "AHEAD"),
-                    help="the timeline's kernel prefetches weights into the L2 (PersistentDecoder l2_prefetch, l2_ahead)")
-    ap.add_argument("--sweep", action="store_true",
-                    help="time the L2 prefetch variants and the grid barrier variants (at the first context)")
     args = ap.parse_args()
     from nanovllm import LLM
     from nanovllm.runner import persistent_decode as pd
@@ -160,9 +156,8 @@ def main() -> None:
     meta = g._meta(1)
     ids, pos = g.input_ids[:1], g.positions[:1]
     if args.timeline:
-        timeline(dec, runner, ids, pos, meta,
-                 **(dict(zip(("l2_prefetch", "l2_ahead"), args.l2_prefetch)) if args.l2_prefetch else {}))
-    if not (args.breakdown or args.sweep):
+        timeline(dec, runner, ids, pos, meta)
+    if not args.breakdown:
         return
 
     sms = dec.num_programs
@@ -183,26 +178,20 @@ def main() -> None:
         d.bind(runner.k_caches, runner.v_caches)
         return timed(lambda: d(ids, pos, meta))
 
-    variants = [dict()]
-    if args.breakdown:
-        base = persistent(stage_mask=0)
-        print(f"persistent, barriers only (no stage runs): {base:8.1f} us  [{registers()}]")
-        names = ["A norm+qkv", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
-        for stage, name in enumerate(names):
-            us = persistent(stage_mask=1 << stage)
-            print(f"stage {name:22s}: {(us - base) / dec.num_layers:7.2f} us per layer  [{registers()}]")
-        variants += [
-            dict(tile_elements=16384),
-            dict(tile_elements=16384, gate_up_tile_elements=8192),
-            dict(split_tokens=32, block_t=32),
-            dict(split_tokens=32, block_t=64),
-            dict(tile_elements=16384, gate_up_tile_elements=8192, split_tokens=32, block_t=64),
-        ]
-    if args.sweep:
-        # L2 prefetch: 0 off, 1 one prefetch per 128-byte line, 2 one bulk prefetch per warp;
-        # ahead: how many weight stages ahead of the one just finished.
-        variants += [dict(l2_prefetch=1, l2_ahead=ahead) for ahead in (1, 2, 3)] + [dict(l2_prefetch=2, l2_ahead=2)]
-        variants += [dict(), dict(l2_prefetch=1, l2_ahead=2)]  # again: drift between the first and last runs
+    base = persistent(stage_mask=0)
+    print(f"persistent, barriers only (no stage runs): {base:8.1f} us  [{registers()}]")
+    names = ["A norm+qkv", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
+    for stage, name in enumerate(names):
+        us = persistent(stage_mask=1 << stage)
+        print(f"stage {name:22s}: {(us - base) / dec.num_layers:7.2f} us per layer  [{registers()}]")
+    variants = [
+        dict(),
+        dict(tile_elements=16384),
+        dict(tile_elements=16384, gate_up_tile_elements=8192),
+        dict(split_tokens=32, block_t=32),
+        dict(split_tokens=32, block_t=64),
+        dict(tile_elements=16384, gate_up_tile_elements=8192, split_tokens=32, block_t=64),
+    ]
     for kwargs in variants:
         us = persistent(**kwargs)
         print(f"persistent, all stages, {kwargs or 'defaults'}: {us:8.1f} us  [{registers()}]")

@@ -130,11 +130,6 @@ def test_unsupported_models(checkpoint_factory):
     decoder = PersistentDecoder(ok, num_programs=2)
     with pytest.raises(RuntimeError, match="bind"):
         decoder(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), None)
-    for bad in (dict(l2_prefetch=3), dict(l2_ahead=0), dict(l2_ahead=5)):
-        with pytest.raises(ValueError, match="l2_prefetch must be"):
-            PersistentDecoder(ok, num_programs=2, **bad)
-    if DEVICE.type != "cuda":  # inline PTX: never asked of a CPU build
-        assert PersistentDecoder(ok, num_programs=2, l2_prefetch=2).constexprs["L2_PREFETCH"] == 0
 
 
 def test_graph_sizes_with_the_persistent_kernel():
@@ -202,13 +197,11 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the persistent launch need
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("l2", [(0, 2), (1, 1), (2, 3)], ids=["no-l2-prefetch", "line-prefetch-1", "bulk-prefetch-3"])
-def test_cuda_persistent_matches_stepwise_and_model(checkpoint_factory, case, l2):
+def test_cuda_persistent_matches_stepwise_and_model(checkpoint_factory, case):
     arch, shape = CASES[case]
     path = checkpoint_factory(arch, **shape)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    # 2 tiles per split; L2 prefetches are hints and must change nothing.
-    kwargs = dict(num_programs=sms, max_splits=2, split_tokens=3, block_t=16, l2_prefetch=l2[0], l2_ahead=l2[1])
+    kwargs = dict(num_programs=sms, max_splits=2, split_tokens=3, block_t=16)  # 2 tiles per split
     expected, persistent, _, caches, _ = decode_both(path, 45, **kwargs)
     _, stepwise, _, step_caches, _ = decode_both(path, 45, persistent=False, **kwargs)
     assert torch.equal(persistent, stepwise)

@@ -143,66 +143,6 @@ def _stamp(probe_row, POINT: tl.constexpr, num_programs, probe_half, PROBE: tl.c
 
 
 @triton.jit
-def _l2_prefetch(ptr, numel: tl.constexpr, pid, num_programs, MODE: tl.constexpr, THREADS: tl.constexpr):
-    """Ask the L2 to fetch this program's share of ptr[0:numel] (whole 128-byte lines; a partial
-    last line is left out) without waiting for it or holding registers: the stage that reads
-    these weights later then finds them in the L2, and the DRAM keeps streaming through barriers
-    and the programs' tails. MODE 1: one `prefetch.global.L2` per line; 2: one
-    `cp.async.bulk.prefetch.L2` (sm_90) per warp over its part of the share. Not in the
-    interpreter (inline PTX): the stepwise launches never prefetch."""
-    LINE: tl.constexpr = 128 // (ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements per line
-    lines = numel // LINE
-    share = tl.cdiv(lines, num_programs)
-    first = pid * share
-    last = tl.minimum(first + share, lines)
-    if MODE == 1:
-        for l0 in range(first, last, THREADS):
-            line = tl.minimum(l0 + tl.arange(0, THREADS), last - 1).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr + line * LINE],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        # One request per warp: ptxas issues a bulk prefetch once per distinct address in a warp.
-        WARPS: tl.constexpr = THREADS // 32
-        per = tl.cdiv(share, WARPS)
-        line = first + tl.arange(0, WARPS) * per
-        nbytes = tl.maximum(tl.minimum(last - line, per), 0) * 128
-        tl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-            "=r,l,r", [ptr + line.to(tl.int64) * LINE, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _l2_prefetch_weights(
-    WEIGHT: tl.constexpr, layer_ptr, base_ptr, pid, num_programs,
-    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
-    MODE: tl.constexpr, THREADS: tl.constexpr,
-):
-    """_l2_prefetch of a layer's WEIGHT-th weight stage (0 qkv, 1 o, 2 gate and up, 3 down)."""
-    if WEIGHT == 0:
-        _l2_prefetch(_at(base_ptr, layer_ptr, F_QKV_W), (NQ + 2 * NK) * D * H, pid, num_programs, MODE, THREADS)
-    elif WEIGHT == 1:
-        _l2_prefetch(_at(base_ptr, layer_ptr, F_O_W), H * NQ * D, pid, num_programs, MODE, THREADS)
-    elif WEIGHT == 2:
-        _l2_prefetch(_at(base_ptr, layer_ptr, F_GU_W), 2 * INTER * H, pid, num_programs, MODE, THREADS)
-    else:
-        _l2_prefetch(_at(base_ptr, layer_ptr, F_DOWN_W), H * INTER, pid, num_programs, MODE, THREADS)
-
-
-@triton.jit
-def _l2_prefetch_ahead(
-    STAGE: tl.constexpr, AHEAD: tl.constexpr, layer_i, num_layers, layer_ptr, base_ptr, pid, num_programs,
-    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
-    MODE: tl.constexpr, THREADS: tl.constexpr,
-):
-    """At the end of weight stage STAGE (0, 2, 3, 4: A, C, D, E), the weight stage AHEAD after it
-    into the L2 (numbering this layer's A, C, D, E 0-3 and the next layer's 4-7)."""
-    W: tl.constexpr = (STAGE - 1 if STAGE > 1 else STAGE) + AHEAD
-    if layer_i + W // 4 < num_layers:
-        _l2_prefetch_weights(W % 4, layer_ptr + (W // 4) * NUM_FIELDS, base_ptr, pid, num_programs, H, NQ, NK, D, INTER,
-                             MODE, THREADS)
-
-
-@triton.jit
 def _rstd(resid_ptr, eps, H: tl.constexpr, BLOCK_K: tl.constexpr):
     """1 / sqrt(mean(x^2) + eps) of the residual stream."""
     sq = tl.zeros([BLOCK_K], tl.float32)
@@ -630,7 +570,6 @@ def _decode_kernel(
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
     STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
-    L2_PREFETCH: tl.constexpr = 0, L2_AHEAD: tl.constexpr = 2, L2_THREADS: tl.constexpr = 256,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -654,10 +593,6 @@ def _decode_kernel(
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_T)
-        if L2_PREFETCH != 0:  # the first L2_AHEAD weight stages (see below)
-            for w in tl.static_range(0, L2_AHEAD):
-                _l2_prefetch_weights(w, table_ptr, base_ptr, pid, num_programs, H, NQ, NK, D, INTER,
-                                     L2_PREFETCH, L2_THREADS)
         arrivals = num_programs
         _grid_wait(sync_ptr, seen, arrivals)
         probe_half = num_layers * PROBE_POINTS * num_programs
@@ -688,10 +623,6 @@ def _decode_kernel(
                 if stage == 0:
                     kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
                                                   kv_rows, kv_valid, D // 2)
-                if L2_PREFETCH != 0:
-                    if stage != 1:
-                        _l2_prefetch_ahead(stage, L2_AHEAD, layer_i, num_layers, layer_ptr, base_ptr, pid, num_programs,
-                                           H, NQ, NK, D, INTER, L2_PREFETCH, L2_THREADS)
                 _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
                 arrivals += num_programs
                 _grid_wait(sync_ptr, seen, arrivals)
@@ -769,7 +700,7 @@ class PersistentDecoder:
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
-        probe: bool = False, l2_prefetch: int = 0, l2_ahead: int = 2,
+        probe: bool = False,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -778,8 +709,6 @@ class PersistentDecoder:
             raise ValueError(f"max_splits must be a power of two, got {max_splits}")
         if block_t < 16 or block_t & (block_t - 1):
             raise ValueError(f"block_t must be a power of two >= 16 (a tl.dot dimension), got {block_t}")
-        if l2_prefetch not in (0, 1, 2) or not 1 <= l2_ahead <= 4:
-            raise ValueError(f"l2_prefetch must be 0, 1 or 2 and l2_ahead 1-4, got {l2_prefetch}, {l2_ahead}")
         inner = model.model
         layer = inner.layers[0]
         attn = layer.self_attn
@@ -826,7 +755,6 @@ class PersistentDecoder:
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
             BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
             STAGE_MASK=stage_mask, PROBE=probe,
-            L2_PREFETCH=l2_prefetch if device.type == "cuda" else 0, L2_AHEAD=l2_ahead, L2_THREADS=32 * num_warps,
         )
         self.table: torch.Tensor | None = None
 
