@@ -1,6 +1,7 @@
 """Where the persistent one-sequence decode kernel's time goes (H200; docs/benchmarks.md, W5).
 
     python benchmarks/persistent_decode.py --model /tmp/q06 [--contexts 640 64 4000] [--breakdown] [--timeline]
+        [--compare own_token_split=False ...]
 
 Per context: one replay of the batch-1 CUDA graph (the persistent kernel) against one replay of
 the per-op graph of 8 rows with only the first row live (what a lone sequence runs without the
@@ -14,6 +15,7 @@ barriers, one program per SM), and each compiled variant's registers and spills.
 from __future__ import annotations
 
 import argparse
+import ast
 
 import torch
 import triton
@@ -136,6 +138,9 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[640])
     ap.add_argument("--breakdown", action="store_true", help="also time each stage, the barrier and tile shapes (at the first context)")
     ap.add_argument("--timeline", action="store_true", help="also stamp times inside the kernel (a PROBE build, at the first context)")
+    ap.add_argument("--compare", nargs="+", metavar="KEY=VALUE", default=[],
+                    help="also time the kernel built with each PersistentDecoder keyword (e.g. own_token_split=False) "
+                         "between two runs of the default one (at the first context)")
     args = ap.parse_args()
     from nanovllm import LLM
     from nanovllm.runner import persistent_decode as pd
@@ -157,9 +162,6 @@ def main() -> None:
     ids, pos = g.input_ids[:1], g.positions[:1]
     if args.timeline:
         timeline(dec, runner, ids, pos, meta)
-    if not args.breakdown:
-        return
-
     sms = dec.num_programs
     seen: set[int] = set()
 
@@ -177,6 +179,14 @@ def main() -> None:
         d = pd.PersistentDecoder(dec.model, num_programs=sms, **kwargs)
         d.bind(runner.k_caches, runner.v_caches)
         return timed(lambda: d(ids, pos, meta))
+
+    for pair in args.compare:
+        key, value = pair.split("=", 1)
+        kwargs = {key: ast.literal_eval(value)}
+        before, variant, after = persistent(), persistent(**kwargs), persistent()
+        print(f"persistent (eager launch), defaults {before:8.1f} / {after:8.1f} us, {pair}: {variant:8.1f} us  [{registers()}]")
+    if not args.breakdown:
+        return
 
     base = persistent(stage_mask=0)
     print(f"persistent, barriers only (no stage runs): {base:8.1f} us  [{registers()}]")

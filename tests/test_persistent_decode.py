@@ -93,15 +93,24 @@ CASES = {
 }
 
 
+# Attention layouts with 2 splits of the 44 cached positions of a 45-token context, each a full
+# 16-position tile and a partial one: the step's own token in a part of its own (3 parts), or
+# attended by the last split.
+SPLITS = {
+    "own-token-part": dict(max_splits=4, split_tokens=23, block_t=16),
+    "last-split-attends-own-token": dict(max_splits=2, split_tokens=3, block_t=16, own_token_split=False),
+}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("context", [1, 45], ids=["first-token", "context-45"])
-def test_stepwise_matches_model(checkpoint_factory, case, context):
+@pytest.mark.parametrize("splits", list(SPLITS))
+def test_stepwise_matches_model(checkpoint_factory, case, context, splits):
     arch, shape = CASES[case]
     path = checkpoint_factory(arch, **shape)
-    # 3 programs and 2 splits: programs take several row slices, the context two splits of 22
-    # cached positions, each a full 16-position tile and a partial one.
+    # 3 programs: each takes several row slices and attention parts.
     expected, got, expected_caches, caches, _ = decode_both(
-        path, context, num_programs=3, persistent=False, max_splits=2, split_tokens=3, block_t=16
+        path, context, num_programs=3, persistent=False, **SPLITS[splits]
     )
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
     for c, e in zip(caches, expected_caches):
@@ -197,11 +206,12 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the persistent launch need
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
-def test_cuda_persistent_matches_stepwise_and_model(checkpoint_factory, case):
+@pytest.mark.parametrize("splits", list(SPLITS))
+def test_cuda_persistent_matches_stepwise_and_model(checkpoint_factory, case, splits):
     arch, shape = CASES[case]
     path = checkpoint_factory(arch, **shape)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    kwargs = dict(num_programs=sms, max_splits=2, split_tokens=3, block_t=16)  # 2 tiles per split
+    kwargs = dict(num_programs=sms, **SPLITS[splits])
     expected, persistent, _, caches, _ = decode_both(path, 45, **kwargs)
     _, stepwise, _, step_caches, _ = decode_both(path, 45, persistent=False, **kwargs)
     assert torch.equal(persistent, stepwise)

@@ -29,9 +29,10 @@ Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`,
 Stages of a layer (each program takes a slice of rows, or of (KV head, context split) pairs):
   A  RMSNorm of the residual stream (recomputed by every program: hidden_size values), then the
      packed q/k/v projection rows.
-  B  q/k norm + rotary, attention over the paged KV cache in context splits, the step's K/V
-     stored into the cache; the last split to finish for a KV head (an atomic count) combines
-     the splits into the attention output.
+  B  q/k norm + rotary, attention over the paged KV cache in context splits, and one more part
+     per KV head that attends to the step's own token and stores its K/V into the cache (on a
+     program of its own, that work is off the path of the splits that walk the cache); the last
+     part to finish for a KV head (an atomic count) combines the parts into the attention output.
   C  o projection rows plus the residual add.
   D  RMSNorm again, gate and up rows, SiLU-and-mul.
   E  down projection rows plus the residual add.
@@ -260,10 +261,13 @@ def _norm_rope(x1, x2, w_ptr, cos, sin, eps, offs_d, HALF: tl.constexpr, HAS_NOR
 
 
 @triton.jit
-def _splits(ctx, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    """(number of context splits, positions per split) for a context of ctx positions."""
-    num_splits = tl.maximum(tl.minimum(tl.cdiv(ctx, SPLIT_MIN), MAX_SPLITS), 1)
-    return num_splits, tl.cdiv(ctx, num_splits)
+def _splits(ctx, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr):
+    """(parts, positions per split) of a KV head's attention over a context of ctx positions: the
+    cached positions in splits of at least SPLIT_MIN, and with OWN_SPLIT one more part that
+    attends to the step's own token alone (else the last split does), at most MAX_SPLITS parts.
+    The part after the last split starts past the cached positions, so it walks none of them."""
+    num_splits = tl.maximum(tl.minimum(tl.cdiv(ctx, SPLIT_MIN), MAX_SPLITS - OWN_SPLIT), 1)
+    return num_splits + OWN_SPLIT, tl.cdiv(ctx, num_splits)
 
 
 @triton.jit
@@ -294,17 +298,17 @@ def _kv_load(k_cache_ptr, v_cache_ptr, row_start, valid, HALF: tl.constexpr):
 def _first_kv_rows(
     seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
     NK: tl.constexpr, D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """_kv_row_starts of this program's first attention item's first tile. The cache holds that
     tile before the step's q/k/v exist, so the persistent kernel loads it ahead, like weight
     tiles; and it is at the same place in every layer's cache, so the block-table lookup runs
     once per step (per layer, its dependent load held each program ~0.9 us before the barrier)."""
     ctx = tl.load(seq_len_ptr)
-    num_splits, per_split = _splits(ctx, SPLIT_MIN, MAX_SPLITS)
-    start = (pid % num_splits) * per_split
-    end = tl.where(pid < NK * num_splits, tl.minimum(start + per_split, ctx - 1), start)
-    return _kv_row_starts(block_table_ptr, (pid // num_splits) * D, start, end, stride_cb, stride_cs, KV_BLOCK_SIZE, BLOCK_T)
+    parts, per_split = _splits(ctx, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT)
+    start = (pid % parts) * per_split
+    end = tl.where(pid < NK * parts, tl.minimum(start + per_split, ctx - 1), start)
+    return _kv_row_starts(block_table_ptr, (pid // parts) * D, start, end, stride_cb, stride_cs, KV_BLOCK_SIZE, BLOCK_T)
 
 
 @triton.jit
@@ -313,8 +317,8 @@ def _stage_attention(
     pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
     qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, probe_row, probe_half,
     NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
-    SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-    PROBE: tl.constexpr,
+    SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
+    HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr,
 ):
     dtype = qkv_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
@@ -326,7 +330,7 @@ def _stage_attention(
     pos = tl.load(pos_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
     ctx = tl.load(seq_len_ptr)  # cached positions plus this step's token
-    num_splits, per_split = _splits(ctx, SPLIT_MIN, MAX_SPLITS)
+    parts, per_split = _splits(ctx, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT)
     offs_d = tl.arange(0, HALF)
     BLOCK_M: tl.constexpr = 16 if BLOCK_G < 16 else BLOCK_G
     cache_dtype: tl.constexpr = k_cache_ptr.dtype.element_ty
@@ -336,9 +340,9 @@ def _stage_attention(
     offs_t = tl.arange(0, BLOCK_T)
     cos = tl.load(cos_sin_ptr + pos * D + offs_d).to(dtype).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * D + HALF + offs_d).to(dtype).to(tl.float32)
-    for item in range(pid, NK * num_splits, num_programs):
-        kvh = item // num_splits
-        split = item % num_splits
+    for item in range(pid, NK * parts, num_programs):
+        kvh = item // parts
+        split = item % parts
         # The group's query heads as the rows of tl.dot operands, padded to the 16 rows it needs.
         heads = kvh * GROUP + offs_m
         q_rows = qkv_ptr + heads[:, None] * D + offs_d[None, :]
@@ -375,7 +379,7 @@ def _stage_attention(
             acc2 = tl.dot(p.to(cache_dtype), v2, acc2 * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
         _stamp(probe_row, 16, num_programs, probe_half, PROBE)
-        if split == num_splits - 1:
+        if split == parts - 1:
             # This step's token: its K/V come from the projection, not the cache, and are stored.
             k_row = qkv_ptr + (NQ + kvh) * D + offs_d[None, :]
             k1 = tl.load(k_row, cache_modifier=".cg").to(tl.float32)
@@ -409,9 +413,9 @@ def _stage_attention(
         # The last split of this KV head to finish combines all of them.
         arrived = tl.atomic_add(count_ptr + kvh, 1, sem="acq_rel", scope="gpu")
         _stamp(probe_row, 18, num_programs, probe_half, PROBE)
-        if arrived == num_splits - 1:
+        if arrived == parts - 1:
             tl.atomic_xchg(count_ptr + kvh, 0, sem="relaxed", scope="gpu")
-            # Every split's partials, loaded at once (an unrolled loop, masked past num_splits: one
+            # Every split's partials, loaded at once (an unrolled loop, masked past `parts`: one
             # round trip to the L2) and combined with elementwise operations only. Loading them as
             # one [MAX_SPLITS, BLOCK_G, HALF] tensor and reducing over its first axis took 3.2 us
             # (cross-warp reductions through shared memory; H200, --timeline).
@@ -420,14 +424,14 @@ def _stage_attention(
             group_heads = kvh * GROUP + offs_g
             m_max = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
             for sp in tl.static_range(0, MAX_SPLITS):
-                valid = gmask & (offs_g * 0 + sp < num_splits)  # a vector: the interpreter rejects a scalar mask
+                valid = gmask & (offs_g * 0 + sp < parts)  # a vector: the interpreter rejects a scalar mask
                 m_s = tl.load(part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2, mask=valid, other=_NEG_BIG, cache_modifier=".cg")
                 m_max = tl.maximum(m_max, m_s)
             total = tl.zeros([BLOCK_G], tl.float32)
             out1 = tl.zeros([BLOCK_G, HALF], tl.float32)
             out2 = tl.zeros([BLOCK_G, HALF], tl.float32)
             for sp in tl.static_range(0, MAX_SPLITS):
-                valid = gmask & (offs_g * 0 + sp < num_splits)
+                valid = gmask & (offs_g * 0 + sp < parts)
                 ml = part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2
                 m_s = tl.load(ml, mask=valid, other=_NEG_BIG, cache_modifier=".cg")
                 l_s = tl.load(ml + 1, mask=valid, other=0.0, cache_modifier=".cg")
@@ -531,8 +535,8 @@ def _layer_stage(
     part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
     eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter, probe_row, probe_half,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
     BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr,
 ):
@@ -546,7 +550,7 @@ def _layer_stage(
         _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
                          pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
                          qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, probe_row, probe_half,
-                         NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
+                         NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
     elif STAGE == 2:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, pid, num_programs,
                              rows_h, H, NQ * D, BR_H, BK_O)
@@ -568,8 +572,8 @@ def _decode_kernel(
     eps, qk_eps, qk_scale, stride_cb, stride_cs, num_layers, layer, rows_qkv, rows_h, rows_inter,
     PERSISTENT: tl.constexpr, STAGE: tl.constexpr,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
     STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
@@ -595,7 +599,7 @@ def _decode_kernel(
         t1, t2 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
-                                           NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_T)
+                                           NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
         arrivals = num_programs
         _grid_wait(sync_ptr, seen, arrivals)
         probe_half = num_layers * PROBE_POINTS * num_programs
@@ -609,8 +613,8 @@ def _decode_kernel(
                         stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
                         part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
                         eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
-                        probe_row, probe_half, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G,
-                        HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE,
+                        probe_row, probe_half, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT,
+                        BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                 seen = _grid_arrive(sync_ptr)
@@ -639,14 +643,14 @@ def _decode_kernel(
         t1, t2 = _prefetch(STAGE if STAGE != 1 else 0, layer_ptr, STAGE != 1, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
-                                           NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_T)
+                                           NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
         kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
                                       kv_rows, kv_valid, D // 2)
         _layer_stage(
             STAGE, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
             part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
-            probe_ptr, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, BLOCK_G, HAS_NORM, HAS_BIAS,
+            probe_ptr, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS,
             BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False,
         )
 
@@ -691,8 +695,9 @@ class PersistentDecoder:
     read from the device tensors given (graph-capturable: no host sync, fixed launch shapes).
 
     num_programs: one per SM for the persistent launch (every program must be resident). The
-    other keywords are shapes: context splits (at most max_splits, a power of two, of at least
-    split_tokens positions, walked block_t at a time), warps, weights per register tile
+    other keywords are shapes: context splits (at most max_splits parts, a power of two, of at least
+    split_tokens positions, walked block_t at a time; with own_token_split, and max_splits > 1, one
+    of the parts attends to the step's own token alone), warps, weights per register tile
     (gate_up_tile_elements: the gate and up tiles together, default tile_elements), and two
     benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
@@ -703,7 +708,7 @@ class PersistentDecoder:
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
-        probe: bool = False,
+        probe: bool = False, own_token_split: bool = True,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -752,7 +757,7 @@ class PersistentDecoder:
         _, bk_inter = _tile_shape(2 * self.rows_inter, self.hidden, gate_up_elements)  # a gate and an up tile
         self.constexprs = dict(
             H=self.hidden, NQ=self.num_q, NK=self.num_k, D=self.head_dim, INTER=self.inter,
-            SPLIT_MIN=split_tokens, MAX_SPLITS=max_splits, BLOCK_T=block_t,
+            SPLIT_MIN=split_tokens, MAX_SPLITS=max_splits, BLOCK_T=block_t, OWN_SPLIT=int(own_token_split and max_splits > 1),
             BLOCK_G=max(2, triton.next_power_of_2(self.num_q // self.num_k)),
             HAS_NORM=self.has_norm, HAS_BIAS=self.has_bias,
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
