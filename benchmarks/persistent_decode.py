@@ -94,6 +94,8 @@ def timeline(dec, runner, ids, pos, meta, **decoder_kwargs) -> None:
     d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True, **decoder_kwargs)
     d.bind(runner.k_caches, runner.v_caches)
     total_us = timed(lambda: d(ids, pos, meta))
+    d.probe.zero_()  # stamps of one call only: which program combines a head's splits varies between calls
+    d(ids, pos, meta)
     stamps = d.probe.view(2, dec.num_layers, pd._PROBE_POINTS, dec.num_programs).cpu().numpy().astype(np.float64)
     print_timeline(stamps, total_us)
 

@@ -97,7 +97,7 @@ CASES = {
 # 16-position tile and a partial one: the step's own token in a part of its own (3 parts), or
 # attended by the last split.
 SPLITS = {
-    "own-token-part": dict(max_splits=4, split_tokens=23, block_t=16),
+    "own-token-part": dict(max_splits=4, split_tokens=23, block_t=16, own_token_split=True),
     "last-split-attends-own-token": dict(max_splits=2, split_tokens=3, block_t=16, own_token_split=False),
 }
 

@@ -6,13 +6,13 @@ because each of its ~250 kernels (four projections, attention, the fused small o
 costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of layers is one launch:
 one program per SM loops over the layers, splits each stage's work between the programs, and
 waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
-output. A barrier costs 0.85 us on an H200, less than a kernel boundary. Measured result
-(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.77-0.79 ms per token (graph replay of the
+output. A barrier costs 0.93 us on an H200, less than a kernel boundary. Measured result
+(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.74-0.75 ms per token (graph replay of the
 model forward; the LM head and the sampler follow) at contexts up to 640 against the per-op
-graph's 1.13-1.20 ms, and faster than it at every context measured (1.97 vs 2.89 ms at 16,384);
+graph's 1.13-1.19 ms, and faster than it at every context measured (1.86 vs 2.89 ms at 16,384);
 still far from the weight-read floor (~0.3 ms for the whole step). Per layer (`--timeline`, 28
-per token): A 5.6 us, B 7.4, C 3.6, D 7.2, E 4.0, each including ~1.0 us from the last program
-reaching its barrier to the others leaving it; the weight stages read at ~2.2 TB/s.
+per token): A 4.9 us, B 6.7, C 3.1, D 6.7, E 3.8, each from a stage's start to the next's; while
+working, the median program of a weight stage reads at ~2.6 TB/s.
 
 Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`, then the H200):
 - Projections accumulate a [rows, K chunk] fp32 tile across K chunks and reduce it once, and load
@@ -25,14 +25,18 @@ Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`,
 - The split combine is an unrolled loop of elementwise operations over the splits (3.2 -> 1.0
   us), and the first cached K/V tile's block-table lookup runs once per step, not per layer
   (it held each program ~0.9 us before a barrier): 0.83 -> 0.79 ms per token.
+- A program arrives at a barrier before it issues the next stage's first tiles, and waits after
+  (0.79 -> 0.75 ms per token). Prefetching weights into the L2 (one prefetch per line, or bulk
+  prefetches) during the stage before was slower in every variant tried: issuing the
+  prefetches cost more than the L2 hits saved.
 
 Stages of a layer (each program takes a slice of rows, or of (KV head, context split) pairs):
   A  RMSNorm of the residual stream (recomputed by every program: hidden_size values), then the
      packed q/k/v projection rows.
-  B  q/k norm + rotary, attention over the paged KV cache in context splits, and one more part
-     per KV head that attends to the step's own token and stores its K/V into the cache (on a
-     program of its own, that work is off the path of the splits that walk the cache); the last
-     part to finish for a KV head (an atomic count) combines the parts into the attention output.
+  B  q/k norm + rotary, attention over the paged KV cache in context splits; the last split
+     also attends to the step's own token and stores its K/V into the cache (or, with
+     own_token_split, one more part per KV head does that alone); the last part to finish for a
+     KV head (an atomic count) combines the parts into the attention output.
   C  o projection rows plus the residual add.
   D  RMSNorm again, gate and up rows, SiLU-and-mul.
   E  down projection rows plus the residual add.
@@ -697,7 +701,9 @@ class PersistentDecoder:
     num_programs: one per SM for the persistent launch (every program must be resident). The
     other keywords are shapes: context splits (at most max_splits parts, a power of two, of at least
     split_tokens positions, walked block_t at a time; with own_token_split, and max_splits > 1, one
-    of the parts attends to the step's own token alone), warps, weights per register tile
+    of the parts attends to the step's own token alone: off the path of the splits that walk the
+    cache, 726 -> 713 us per token at context 640, but at most max_splits - 1 splits walk it,
+    1,856 -> 1,924 us at 16,384 (H200), hence off by default), warps, weights per register tile
     (gate_up_tile_elements: the gate and up tiles together, default tile_elements), and two
     benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
@@ -708,7 +714,7 @@ class PersistentDecoder:
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
-        probe: bool = False, own_token_split: bool = True,
+        probe: bool = False, own_token_split: bool = False,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
