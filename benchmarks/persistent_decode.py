@@ -80,7 +80,7 @@ def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
             _grid_wait(sync_ptr, _grid_arrive(sync_ptr), arrivals)
 
 
-def timeline(dec, runner, ids, pos, meta, **decoder_kwargs) -> None:
+def timeline(dec, runner, ids, pos, meta) -> None:
     """Run a PROBE build of the kernel (it stamps the global timer and the SM's cycle counter at
     PROBE_POINTS of every layer, runner/persistent_decode.py) and print, per stage, the median over
     layers 2..num_layers-2 of: the work of the median and of the slowest program, the first-tile
@@ -91,7 +91,7 @@ def timeline(dec, runner, ids, pos, meta, **decoder_kwargs) -> None:
 
     from nanovllm.runner import persistent_decode as pd
 
-    d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True, **decoder_kwargs)
+    d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True)
     d.bind(runner.k_caches, runner.v_caches)
     total_us = timed(lambda: d(ids, pos, meta))
     d.probe.zero_()  # stamps of one call only: which program combines a head's splits varies between calls

@@ -132,8 +132,8 @@ def _grid_wait(sync_ptr, seen, target):
 
 
 # Points of a layer the PROBE build stamps (benchmarks/persistent_decode.py --timeline): per stage
-# s, 3s its start (after the barrier), 3s+1 its work done, 3s+2 arrived and the next tile issued (the wait
-# follows); in attention, 15 queries rotated, 16 cached positions walked, 17 the step's token
+# s, 3s its start (after the barrier), 3s+1 its work done, 3s+2 arrived and the next tile issued
+# (the wait follows); in attention, 15 queries rotated, 16 cached positions walked, 17 the step's token
 # attended and stored (last split), 18 the split count returned, 19 the splits combined.
 _PROBE_POINTS = 20
 PROBE_POINTS = tl.constexpr(_PROBE_POINTS)
@@ -414,7 +414,7 @@ def _stage_attention(
         tl.store(part_ml_ptr + (heads * MAX_SPLITS + split) * 2, m_i, mask=mmask)
         tl.store(part_ml_ptr + (heads * MAX_SPLITS + split) * 2 + 1, l_i, mask=mmask)
         tl.debug_barrier()
-        # The last split of this KV head to finish combines all of them.
+        # The last part of this KV head to finish combines all of them.
         arrived = tl.atomic_add(count_ptr + kvh, 1, sem="acq_rel", scope="gpu")
         _stamp(probe_row, 18, num_programs, probe_half, PROBE)
         if arrived == parts - 1:
@@ -586,10 +586,10 @@ def _decode_kernel(
     program resident at once: launch at most one program per SM). Each stage's first weight
     tile is loaded during the barrier it waits at: after this program arrives, before it polls
     (loading it before the previous stage's work measured the same as after it, 1,091 vs 1,088 us
-    per token). Otherwise: only
-    stage STAGE (-1 embedding, 0-4 a layer's stages A-E of `layer`, 5 the final norm), its tile
-    loaded at its start. Benchmarks only: STAGE_MASK skips stages of the persistent kernel; PROBE
-    stamps the times of each layer's PROBE_POINTS into probe_ptr (see _stamp)."""
+    per token). Otherwise: only stage STAGE (-1 embedding, 0-4 a layer's stages A-E of `layer`, 5
+    the final norm), its tile loaded at its start. Benchmarks only: STAGE_MASK skips stages of
+    the persistent kernel; PROBE stamps the times of each layer's PROBE_POINTS into probe_ptr
+    (see _stamp)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
