@@ -94,11 +94,15 @@ CASES = {
 
 
 # Attention layouts with 2 splits of the 44 cached positions of a 45-token context, each a full
-# 16-position tile and a partial one: the step's own token in a part of its own (3 parts), or
-# attended by the last split.
+# 16-position tile and a partial one: the step's own token in a part of its own (3 parts per KV
+# head; 8 programs hold every part), or attended by the last split: asked so, or because the
+# own-token part would need more programs than there are (3 for up to 2 x 3 parts), or splits
+# than max_splits allows.
 SPLITS = {
-    "own-token-part": dict(max_splits=4, split_tokens=23, block_t=16, own_token_split=True),
+    "own-token-part": dict(max_splits=4, split_tokens=23, block_t=16, own_token_split=True, num_programs=8),
     "last-split-attends-own-token": dict(max_splits=2, split_tokens=3, block_t=16, own_token_split=False),
+    "own-token-part-no-free-program": dict(max_splits=4, split_tokens=23, block_t=16, own_token_split=True),
+    "own-token-part-no-split-left": dict(max_splits=2, split_tokens=3, block_t=16, own_token_split=True, num_programs=8),
 }
 
 
@@ -108,9 +112,9 @@ SPLITS = {
 def test_stepwise_matches_model(checkpoint_factory, case, context, splits):
     arch, shape = CASES[case]
     path = checkpoint_factory(arch, **shape)
-    # 3 programs: each takes several row slices and attention parts.
+    # 3 programs unless the layout says otherwise: each takes several row slices and attention parts.
     expected, got, expected_caches, caches, _ = decode_both(
-        path, context, num_programs=3, persistent=False, **SPLITS[splits]
+        path, context, persistent=False, **{"num_programs": 3, **SPLITS[splits]}
     )
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
     for c, e in zip(caches, expected_caches):
@@ -211,7 +215,7 @@ def test_cuda_persistent_matches_stepwise_and_model(checkpoint_factory, case, sp
     arch, shape = CASES[case]
     path = checkpoint_factory(arch, **shape)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    kwargs = dict(num_programs=sms, **SPLITS[splits])
+    kwargs = dict(SPLITS[splits], num_programs=sms)
     expected, persistent, _, caches, _ = decode_both(path, 45, **kwargs)
     _, stepwise, _, step_caches, _ = decode_both(path, 45, persistent=False, **kwargs)
     assert torch.equal(persistent, stepwise)

@@ -265,13 +265,17 @@ def _norm_rope(x1, x2, w_ptr, cos, sin, eps, offs_d, HALF: tl.constexpr, HAS_NOR
 
 
 @triton.jit
-def _splits(ctx, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr):
+def _splits(ctx, num_programs, NK: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr,
+            OWN_SPLIT: tl.constexpr):
     """(parts, positions per split) of a KV head's attention over a context of ctx positions: the
-    cached positions in splits of at least SPLIT_MIN, and with OWN_SPLIT one more part that
-    attends to the step's own token alone (else the last split does), at most MAX_SPLITS parts.
-    The part after the last split starts past the cached positions, so it walks none of them."""
-    num_splits = tl.maximum(tl.minimum(tl.cdiv(ctx, SPLIT_MIN), MAX_SPLITS - OWN_SPLIT), 1)
-    return num_splits + OWN_SPLIT, tl.cdiv(ctx, num_splits)
+    cached positions in at most MAX_SPLITS splits of at least SPLIT_MIN; with OWN_SPLIT, while
+    there are fewer than MAX_SPLITS splits and a program is free for it (every KV head's parts
+    still fit in one round of the programs), one more part that attends to the step's own token
+    alone (else the last split does). That part starts past the cached positions, so it walks
+    none of them."""
+    num_splits = tl.maximum(tl.minimum(tl.cdiv(ctx, SPLIT_MIN), MAX_SPLITS), 1)
+    own = ((num_splits < MAX_SPLITS) & (NK * (num_splits + 1) <= num_programs)).to(tl.int32) * OWN_SPLIT
+    return num_splits + own, tl.cdiv(ctx, num_splits)
 
 
 @triton.jit
@@ -300,7 +304,7 @@ def _kv_load(k_cache_ptr, v_cache_ptr, row_start, valid, HALF: tl.constexpr):
 
 @triton.jit
 def _first_kv_rows(
-    seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
+    seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
     NK: tl.constexpr, D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr,
     MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -309,7 +313,7 @@ def _first_kv_rows(
     tiles; and it is at the same place in every layer's cache, so the block-table lookup runs
     once per step (per layer, its dependent load held each program ~0.9 us before the barrier)."""
     ctx = tl.load(seq_len_ptr)
-    parts, per_split = _splits(ctx, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT)
+    parts, per_split = _splits(ctx, num_programs, NK, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT)
     start = (pid % parts) * per_split
     end = tl.where(pid < NK * parts, tl.minimum(start + per_split, ctx - 1), start)
     return _kv_row_starts(block_table_ptr, (pid // parts) * D, start, end, stride_cb, stride_cs, KV_BLOCK_SIZE, BLOCK_T)
@@ -334,7 +338,7 @@ def _stage_attention(
     pos = tl.load(pos_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
     ctx = tl.load(seq_len_ptr)  # cached positions plus this step's token
-    parts, per_split = _splits(ctx, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT)
+    parts, per_split = _splits(ctx, num_programs, NK, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT)
     offs_d = tl.arange(0, HALF)
     BLOCK_M: tl.constexpr = 16 if BLOCK_G < 16 else BLOCK_G
     cache_dtype: tl.constexpr = k_cache_ptr.dtype.element_ty
@@ -602,7 +606,7 @@ def _decode_kernel(
         seen = _grid_arrive(sync_ptr)
         t1, t2 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
-        kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
+        kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
         arrivals = num_programs
         _grid_wait(sync_ptr, seen, arrivals)
@@ -646,7 +650,7 @@ def _decode_kernel(
         layer_ptr = table_ptr + layer * NUM_FIELDS
         t1, t2 = _prefetch(STAGE if STAGE != 1 else 0, layer_ptr, STAGE != 1, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
-        kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, stride_cb, stride_cs,
+        kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
         kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
                                       kv_rows, kv_valid, D // 2)
@@ -700,10 +704,12 @@ class PersistentDecoder:
 
     num_programs: one per SM for the persistent launch (every program must be resident). The
     other keywords are shapes: context splits (at most max_splits parts, a power of two, of at least
-    split_tokens positions, walked block_t at a time; with own_token_split, and max_splits > 1, one
-    of the parts attends to the step's own token alone: off the path of the splits that walk the
-    cache, 726 -> 713 us per token at context 640, but at most max_splits - 1 splits walk it,
-    1,856 -> 1,924 us at 16,384 (H200), hence off by default), warps, weights per register tile
+    split_tokens positions, walked block_t at a time; own_token_split: where it costs no split,
+    one more part attends to the step's own token alone, off the path of the splits that walk the
+    cache (see _splits). An earlier rule that always added the part, leaving at most max_splits - 1
+    splits, measured 726 -> 713 us per token at context 640 but 1,856 -> 1,924 us at 16,384 (H200);
+    for Qwen3-0.6B on an H200 the current rule makes the same parts up to 960 positions and adds
+    none past them, but it has not been measured itself, so it is off by default), warps, weights per register tile
     (gate_up_tile_elements: the gate and up tiles together, default tile_elements), and two
     benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
@@ -763,7 +769,7 @@ class PersistentDecoder:
         _, bk_inter = _tile_shape(2 * self.rows_inter, self.hidden, gate_up_elements)  # a gate and an up tile
         self.constexprs = dict(
             H=self.hidden, NQ=self.num_q, NK=self.num_k, D=self.head_dim, INTER=self.inter,
-            SPLIT_MIN=split_tokens, MAX_SPLITS=max_splits, BLOCK_T=block_t, OWN_SPLIT=int(own_token_split and max_splits > 1),
+            SPLIT_MIN=split_tokens, MAX_SPLITS=max_splits, BLOCK_T=block_t, OWN_SPLIT=int(own_token_split),
             BLOCK_G=max(2, triton.next_power_of_2(self.num_q // self.num_k)),
             HAS_NORM=self.has_norm, HAS_BIAS=self.has_bias,
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
