@@ -1,7 +1,7 @@
 """Where the persistent one-sequence decode kernel's time goes (H200; docs/benchmarks.md, W5).
 
     python benchmarks/persistent_decode.py --model /tmp/q06 [--contexts 640 64 4000] [--breakdown] [--timeline]
-        [--compare own_token_split=False ...]
+        [--compare own_token_split=True flag_barrier=True,own_token_split=True ...] [--barriers]
 
 Per context: one replay of the batch-1 CUDA graph (the persistent kernel) against one replay of
 the per-op graph of 8 rows with only the first row live (what a lone sequence runs without the
@@ -10,7 +10,9 @@ With --timeline, at the first context: stamps from inside the kernel (a PROBE bu
 and inside attention. With --breakdown, at the first context: the persistent kernel with no stage on (its barriers
 alone), then with one stage on at a time (each stage's cost per layer), a few tile shapes, a few
 attention split shapes, an empty launch, the grid barrier alone (a kernel that only crosses
-barriers, one program per SM), and each compiled variant's registers and spills.
+barriers, one program per SM), and each compiled variant's registers and spills. --barriers
+runs only that last grid-barrier comparison. --compare times, at every context, the kernel built
+with PersistentDecoder keywords (comma-separated) between two runs of the default one.
 """
 from __future__ import annotations
 
@@ -65,9 +67,11 @@ def _volatile_poll_barrier(sync_ptr, target):
 
 
 @triton.jit
-def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
-    """n grid barriers in a row. POLL 0: the kernel's (_grid_arrive, _grid_wait: acquire-load
-    polling); 1: the first version's (atomics); 2: the second's (volatile loads)."""
+def _barriers_only(sync_ptr, n, POLL: tl.constexpr, P2: tl.constexpr):
+    """n grid barriers in a row. POLL 0: the kernel's counter (_grid_arrive, _grid_wait:
+    acquire-load polling); 1: the first version's (atomics); 2: the second's (volatile loads);
+    3: the kernel's per-program flags (flag_barrier), which start at sync_ptr + 32."""
+    pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     arrivals = num_programs * 0
     for _ in range(0, n):
@@ -77,7 +81,9 @@ def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
         elif POLL == 2:
             _volatile_poll_barrier(sync_ptr, arrivals)
         else:
-            _grid_wait(sync_ptr, _grid_arrive(sync_ptr), arrivals)
+            flags = POLL == 3
+            seen = _grid_arrive(sync_ptr, sync_ptr + 32, pid, arrivals, flags)
+            _grid_wait(sync_ptr, sync_ptr + 32, seen, arrivals, num_programs, flags, P2)
 
 
 def timeline(dec, runner, ids, pos, meta) -> None:
@@ -140,9 +146,10 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[640])
     ap.add_argument("--breakdown", action="store_true", help="also time each stage, the barrier and tile shapes (at the first context)")
     ap.add_argument("--timeline", action="store_true", help="also stamp times inside the kernel (a PROBE build, at the first context)")
-    ap.add_argument("--compare", nargs="+", metavar="KEY=VALUE", default=[],
-                    help="also time the kernel built with each PersistentDecoder keyword (e.g. own_token_split=False) "
-                         "between two runs of the default one (at the first context)")
+    ap.add_argument("--compare", nargs="+", metavar="KEY=VALUE[,KEY=VALUE]", default=[],
+                    help="also time the kernel built with these PersistentDecoder keywords (e.g. own_token_split=True) "
+                         "between two runs of the default one, at every context")
+    ap.add_argument("--barriers", action="store_true", help="also time the grid barrier variants alone")
     args = ap.parse_args()
     from nanovllm import LLM
     from nanovllm.runner import persistent_decode as pd
@@ -151,20 +158,23 @@ def main() -> None:
     runner = llm.engine.executor.runner
     runner.finish_background_compile()
     g, dec = runner.graph_runner, runner.persistent_decoder
-    for ctx in reversed(args.contexts):  # the first context stays set for the breakdown
+
+    def set_context(ctx: int) -> None:
         blocks = -(-ctx // runner.block_size)
         g.seq_lens.zero_()  # rows 1-7 of the 8-row graph are padding (length 0)
         g.slot_mapping.fill_(-1)  # nothing stored
         g.seq_lens[0] = ctx
         g.positions[0] = ctx - 1
         g.block_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32, device="cuda")
+
+    for ctx in args.contexts:
+        set_context(ctx)
         print(f"context {ctx:5d}: persistent graph (batch 1) {timed(g.graphs[1].replay):8.1f} us; "
               f"per-op graph (8 rows, one live) {timed(g.graphs[8].replay):8.1f} us")
     meta = g._meta(1)
     ids, pos = g.input_ids[:1], g.positions[:1]
-    if args.timeline:
-        timeline(dec, runner, ids, pos, meta)
     sms = dec.num_programs
+    decoders: dict[str, pd.PersistentDecoder] = {}
     seen: set[int] = set()
 
     def registers() -> str:
@@ -177,25 +187,43 @@ def main() -> None:
                     out.append(f"regs {k.n_regs} spills {k.n_spills}")
         return "; ".join(out)
 
-    def persistent(**kwargs) -> float:
-        d = pd.PersistentDecoder(dec.model, num_programs=sms, **kwargs)
-        d.bind(runner.k_caches, runner.v_caches)
+    def persistent(spec: str = "", **kwargs) -> float:
+        """Microseconds per eager launch of the kernel built with these keywords (compiled and bound once per spec)."""
+        key = spec or repr(sorted(kwargs.items()))
+        if key not in decoders:
+            decoders[key] = pd.PersistentDecoder(dec.model, num_programs=sms, **kwargs)
+            decoders[key].bind(runner.k_caches, runner.v_caches)
+        d = decoders[key]
         return timed(lambda: d(ids, pos, meta))
 
-    for pair in args.compare:
-        key, value = pair.split("=", 1)
-        kwargs = {key: ast.literal_eval(value)}
-        before, variant, after = persistent(), persistent(**kwargs), persistent()
-        print(f"persistent (eager launch), defaults {before:8.1f} / {after:8.1f} us, {pair}: {variant:8.1f} us  [{registers()}]")
-    if not args.breakdown:
-        return
+    for spec in args.compare:
+        kwargs = {}
+        for pair in spec.split(","):
+            key, value = pair.split("=", 1)
+            kwargs[key] = ast.literal_eval(value)
+        for ctx in args.contexts:
+            set_context(ctx)
+            before, variant, after = persistent(), persistent(spec, **kwargs), persistent()
+            print(f"context {ctx:5d}: persistent (eager launch), defaults {before:8.1f} / {after:8.1f} us, "
+                  f"{spec}: {variant:8.1f} us  [{registers()}]")
+    set_context(args.contexts[0])  # the breakdown and the timeline run at the first context
+    if args.timeline:
+        timeline(dec, runner, ids, pos, meta)
+    if args.breakdown:
+        breakdown(persistent, registers, dec.num_layers)
+    if args.breakdown or args.barriers:
+        barriers(sms)
 
+
+def breakdown(persistent, registers, num_layers: int) -> None:
+    """The kernel with no stage on (its barriers alone), with one stage on at a time, and a few
+    tile and split shapes (eager launches), with each build's registers and spills."""
     base = persistent(stage_mask=0)
     print(f"persistent, barriers only (no stage runs): {base:8.1f} us  [{registers()}]")
     names = ["A norm+qkv", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
     for stage, name in enumerate(names):
         us = persistent(stage_mask=1 << stage)
-        print(f"stage {name:22s}: {(us - base) / dec.num_layers:7.2f} us per layer  [{registers()}]")
+        print(f"stage {name:22s}: {(us - base) / num_layers:7.2f} us per layer  [{registers()}]")
     variants = [
         dict(),
         dict(tile_elements=16384),
@@ -207,11 +235,17 @@ def main() -> None:
     for kwargs in variants:
         us = persistent(**kwargs)
         print(f"persistent, all stages, {kwargs or 'defaults'}: {us:8.1f} us  [{registers()}]")
-    buf = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+
+def barriers(sms: int) -> None:
+    """An empty launch and the grid barrier variants alone, one program per SM."""
+    buf = torch.zeros(32 + sms, dtype=torch.int32, device="cuda")
     print(f"empty launch, {sms} programs: {timed(lambda: _empty[(sms,)](buf)):6.2f} us")
     n = 1000
-    for poll, name in ((0, "acquire-load polling (the kernel's)"), (1, "atomic polling"), (2, "volatile-load polling")):
-        us = timed(lambda: (buf.zero_(), _barriers_only[(sms,)](buf, n, POLL=poll))) / n
+    variants = ((0, "counter, acquire-load polling (the kernel's)"), (1, "counter, atomic polling"),
+                (2, "counter, volatile-load polling"), (3, "per-program flags (flag_barrier)"))
+    for poll, name in variants:
+        us = timed(lambda: (buf.zero_(), _barriers_only[(sms,)](buf, n, POLL=poll, P2=triton.next_power_of_2(sms)))) / n
         print(f"grid barrier, {sms} programs, {name}: {us:6.3f} us each")
 
 

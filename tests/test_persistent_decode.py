@@ -129,7 +129,7 @@ def test_more_splits_than_allowed_and_one_program(checkpoint_factory):
         path, 21, num_programs=1, persistent=False, max_splits=2, split_tokens=2, block_t=16
     )
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
-    assert decoder.sync[1:].tolist() == [0] * decoder.num_k  # the last split of each head reset its count
+    assert decoder.sync[1 : 1 + decoder.num_k].tolist() == [0] * decoder.num_k  # the last split of each head reset its count
 
 
 def test_unsupported_models(checkpoint_factory):
@@ -217,6 +217,23 @@ def test_cuda_persistent_matches_stepwise_and_model(checkpoint_factory, case, sp
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     kwargs = dict(SPLITS[splits], num_programs=sms)
     expected, persistent, _, caches, _ = decode_both(path, 45, **kwargs)
+    _, stepwise, _, step_caches, _ = decode_both(path, 45, persistent=False, **kwargs)
+    assert torch.equal(persistent, stepwise)
+    for a, b in zip(caches, step_caches):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(persistent, expected, atol=2e-5, rtol=2e-5)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_flag_barrier_matches_stepwise_and_model(checkpoint_factory, case):
+    """The per-program-flag grid barrier (flag_barrier) orders the stages as the counter does."""
+    arch, shape = CASES[case]
+    path = checkpoint_factory(arch, **shape)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    kwargs = dict(SPLITS["last-split-attends-own-token"], num_programs=sms)
+    expected, persistent, _, caches, _ = decode_both(path, 45, flag_barrier=True, **kwargs)
     _, stepwise, _, step_caches, _ = decode_both(path, 45, persistent=False, **kwargs)
     assert torch.equal(persistent, stepwise)
     for a, b in zip(caches, step_caches):

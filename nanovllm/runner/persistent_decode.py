@@ -106,28 +106,52 @@ def _load_acquire(ptr):
 
 
 @triton.jit
-def _grid_arrive(sync_ptr):
-    """Arrive at a grid barrier: count this program at sync_ptr and return the count seen (the
-    counter only grows within a launch: barrier n waits for n * num_programs). The CTA barrier
-    makes every thread's stores precede the release. What does not depend on the other programs
-    (the next stage's weight tiles) is issued between this and _grid_wait, so that it overlaps
-    the barrier's latency instead of delaying the arrival (786 -> 747 us per token, H200). Those
-    loads still wait for the add's answer (Triton hands it to every thread through shared memory
-    and a CTA barrier); an add whose result is unused compiles to a reduction that does not wait,
-    but then the last program to arrive must poll once more: 761 us."""
-    tl.debug_barrier()
-    return tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+def _store_release(ptr, value):
+    """One int32 store with release semantics at GPU scope, by thread 0 of the program."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; mov.u32 $0, %tid.x; setp.eq.u32 p, $0, 0; @p st.release.gpu.global.b32 [$1], $2; }",
+        "=r,l,r", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _grid_wait(sync_ptr, seen, target):
-    """Wait until `target` arrivals have been counted. Polls with acquire loads, so the load that
-    sees the count orders this program's later reads after the other programs' released stores
-    (the arrival's acq_rel does it for the last program to arrive). Polling with atomics queues
-    every SM's polls behind each other at one L2 address: 0.94 against 0.93 us per barrier
-    (H200, benchmarks/persistent_decode.py); volatile loads measured 0.92 but order nothing."""
-    while seen < target:
-        seen = _load_acquire(sync_ptr)
+def _grid_arrive(sync_ptr, flags_ptr, pid, target, FLAGS: tl.constexpr):
+    """Arrive at a grid barrier. Counter (FLAGS False): count this program at sync_ptr and return
+    the count seen (the counter only grows within a launch: barrier n waits for n * num_programs).
+    Flags: store `target` into this program's own flag, no read-modify-write that the SMs queue
+    for at one L2 address; the wait then reads every program's flag. The CTA barrier makes every
+    thread's stores precede the release. What does not depend on the other programs (the next
+    stage's weight tiles) is issued between this and _grid_wait, so that it overlaps the
+    barrier's latency instead of delaying the arrival (786 -> 747 us per token, H200). With the
+    counter those loads still wait for the add's answer (Triton hands it to every thread through
+    shared memory and a CTA barrier); an add whose result is unused compiles to a reduction that
+    does not wait, but then the last program to arrive must poll once more: 761 us."""
+    tl.debug_barrier()
+    if FLAGS:
+        _store_release(flags_ptr + pid, target)
+        return 0
+    else:
+        return tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+
+
+@triton.jit
+def _grid_wait(sync_ptr, flags_ptr, seen, target, num_programs, FLAGS: tl.constexpr, P2: tl.constexpr):
+    """Wait until every program has arrived at the barrier whose target is `target`. Polls with
+    acquire loads, so the load that sees an arrival orders this program's later reads after that
+    program's released stores (with the counter, the arrival's acq_rel does it for the last
+    program to arrive; with flags each thread acquires one program's flag, and the CTA barrier
+    after the loop passes that on to every thread). Polling the counter with atomics queues every
+    SM's polls behind each other at one L2 address: 0.94 against 0.93 us per barrier (H200,
+    benchmarks/persistent_decode.py); volatile loads measured 0.92 but order nothing.
+    P2: num_programs rounded up to a power of two (the flags' block)."""
+    if FLAGS:
+        offs = tl.arange(0, P2)
+        flags = flags_ptr + tl.minimum(offs, num_programs - 1)
+        lowest = tl.min(_load_acquire(flags), axis=0)
+        while lowest < target:
+            lowest = tl.min(_load_acquire(flags), axis=0)
+    else:
+        while seen < target:
+            seen = _load_acquire(sync_ptr)
     tl.debug_barrier()
 
 
@@ -584,7 +608,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
-    STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
+    FLAGS: tl.constexpr = False, P2: tl.constexpr = 1, STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -596,20 +620,23 @@ def _decode_kernel(
     (see _stamp)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
+    # sync_ptr[0] counts barrier arrivals, then one split counter per KV head; with FLAGS, each
+    # program's arrival flag, from the next 128-byte line on.
+    count_ptr = sync_ptr + 1
+    flags_ptr = sync_ptr + 32 * ((NK + 32) // 32)
     if PERSISTENT:
         _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
         kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)  # placeholders: set before each use
         kv2 = kv1
         kv3 = kv1
         kv4 = kv1
-        seen = _grid_arrive(sync_ptr)
+        arrivals = num_programs
+        seen = _grid_arrive(sync_ptr, flags_ptr, pid, arrivals, FLAGS)
         t1, t2 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
-        arrivals = num_programs
-        _grid_wait(sync_ptr, seen, arrivals)
+        _grid_wait(sync_ptr, flags_ptr, seen, arrivals, num_programs, FLAGS, P2)
         probe_half = num_layers * PROBE_POINTS * num_programs
         for layer_i in range(0, num_layers):
             layer_ptr = table_ptr + layer_i * NUM_FIELDS
@@ -625,7 +652,8 @@ def _decode_kernel(
                         BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
-                seen = _grid_arrive(sync_ptr)
+                arrivals += num_programs
+                seen = _grid_arrive(sync_ptr, flags_ptr, pid, arrivals, FLAGS)
                 # The first tile of the next stage with weights, loaded during this barrier:
                 # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
                 # stage 4's loads stage 0 of the next layer (nothing after the last).
@@ -639,8 +667,7 @@ def _decode_kernel(
                     kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
                                                   kv_rows, kv_valid, D // 2)
                 _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
-                arrivals += num_programs
-                _grid_wait(sync_ptr, seen, arrivals)
+                _grid_wait(sync_ptr, flags_ptr, seen, arrivals, num_programs, FLAGS, P2)
         _stage_final_norm(resid_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H)
     elif STAGE == -1:
         _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
@@ -720,7 +747,7 @@ class PersistentDecoder:
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
-        probe: bool = False, own_token_split: bool = False,
+        probe: bool = False, own_token_split: bool = False, flag_barrier: bool = False,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -756,7 +783,8 @@ class PersistentDecoder:
         self.out = empty((1, self.hidden))
         self.part_acc = empty(self.num_q * max_splits * self.head_dim, torch.float32)
         self.part_ml = empty(self.num_q * max_splits * 2, torch.float32)
-        self.sync = empty(1 + self.num_k, torch.int32)
+        # arrival counter, split counters, then (flag_barrier) one arrival flag per program (_decode_kernel)
+        self.sync = empty(32 * ((self.num_k + 32) // 32) + num_programs, torch.int32)
         # probe: [2 (global ns, SM cycles), layers, PROBE_POINTS, programs] stamps, 0 = not reached
         self.probe = empty(2 * self.num_layers * _PROBE_POINTS * num_programs if probe else 1, torch.int64)
         self.rows_qkv = -(-n_qkv // num_programs)
@@ -774,7 +802,7 @@ class PersistentDecoder:
             HAS_NORM=self.has_norm, HAS_BIAS=self.has_bias,
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
             BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
-            STAGE_MASK=stage_mask, PROBE=probe,
+            FLAGS=flag_barrier, P2=triton.next_power_of_2(num_programs), STAGE_MASK=stage_mask, PROBE=probe,
         )
         self.table: torch.Tensor | None = None
 
