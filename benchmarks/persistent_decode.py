@@ -1,7 +1,7 @@
 """Where the persistent one-sequence decode kernel's time goes (H200; docs/benchmarks.md, W5).
 
     python benchmarks/persistent_decode.py --model /tmp/q06 [--contexts 640 64 4000] [--breakdown] [--timeline]
-        [--compare own_token_split=True flag_barrier=True,own_token_split=True ...] [--barriers]
+        [--compare own_token_split=False tile_elements=4096,load_stages=3 ...] [--barriers]
 
 Per context: one replay of the batch-1 CUDA graph (the persistent kernel) against one replay of
 the per-op graph of 8 rows with only the first row live (what a lone sequence runs without the
@@ -67,11 +67,12 @@ def _volatile_poll_barrier(sync_ptr, target):
 
 
 @triton.jit
-def _barriers_only(sync_ptr, n, POLL: tl.constexpr, P2: tl.constexpr):
+def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
     """n grid barriers in a row. POLL 0: the kernel's counter (_grid_arrive, _grid_wait:
-    acquire-load polling); 1: the first version's (atomics); 2: the second's (volatile loads);
-    3: the kernel's per-program flags (flag_barrier), which start at sync_ptr + 32."""
-    pid = tl.program_id(0)
+    acquire-load polling); 1: the first version's (atomics); 2: the second's (volatile loads).
+    (Per-program arrival flags, each program's release store polled by every program with
+    acquire loads and a min-reduction, measured 1.77 us at commit 65cf178, and the kernel with
+    them 744 -> 872 us per token at context 640: removed.)"""
     num_programs = tl.num_programs(0)
     arrivals = num_programs * 0
     for _ in range(0, n):
@@ -81,9 +82,7 @@ def _barriers_only(sync_ptr, n, POLL: tl.constexpr, P2: tl.constexpr):
         elif POLL == 2:
             _volatile_poll_barrier(sync_ptr, arrivals)
         else:
-            flags = POLL == 3
-            seen = _grid_arrive(sync_ptr, sync_ptr + 32, pid, arrivals, flags)
-            _grid_wait(sync_ptr, sync_ptr + 32, seen, arrivals, num_programs, flags, P2)
+            _grid_wait(sync_ptr, _grid_arrive(sync_ptr), arrivals)
 
 
 def timeline(dec, runner, ids, pos, meta) -> None:
@@ -239,13 +238,13 @@ def breakdown(persistent, registers, num_layers: int) -> None:
 
 def barriers(sms: int) -> None:
     """An empty launch and the grid barrier variants alone, one program per SM."""
-    buf = torch.zeros(32 + sms, dtype=torch.int32, device="cuda")
+    buf = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"empty launch, {sms} programs: {timed(lambda: _empty[(sms,)](buf)):6.2f} us")
     n = 1000
     variants = ((0, "counter, acquire-load polling (the kernel's)"), (1, "counter, atomic polling"),
-                (2, "counter, volatile-load polling"), (3, "per-program flags (flag_barrier)"))
+                (2, "counter, volatile-load polling"))
     for poll, name in variants:
-        us = timed(lambda: (buf.zero_(), _barriers_only[(sms,)](buf, n, POLL=poll, P2=triton.next_power_of_2(sms)))) / n
+        us = timed(lambda: (buf.zero_(), _barriers_only[(sms,)](buf, n, POLL=poll))) / n
         print(f"grid barrier, {sms} programs, {name}: {us:6.3f} us each")
 
 

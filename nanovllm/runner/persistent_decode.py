@@ -106,52 +106,28 @@ def _load_acquire(ptr):
 
 
 @triton.jit
-def _store_release(ptr, value):
-    """One int32 store with release semantics at GPU scope, by thread 0 of the program."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; mov.u32 $0, %tid.x; setp.eq.u32 p, $0, 0; @p st.release.gpu.global.b32 [$1], $2; }",
-        "=r,l,r", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _grid_arrive(sync_ptr, flags_ptr, pid, target, FLAGS: tl.constexpr):
-    """Arrive at a grid barrier. Counter (FLAGS False): count this program at sync_ptr and return
-    the count seen (the counter only grows within a launch: barrier n waits for n * num_programs).
-    Flags: store `target` into this program's own flag, no read-modify-write that the SMs queue
-    for at one L2 address; the wait then reads every program's flag. The CTA barrier makes every
-    thread's stores precede the release. What does not depend on the other programs (the next
-    stage's weight tiles) is issued between this and _grid_wait, so that it overlaps the
-    barrier's latency instead of delaying the arrival (786 -> 747 us per token, H200). With the
-    counter those loads still wait for the add's answer (Triton hands it to every thread through
-    shared memory and a CTA barrier); an add whose result is unused compiles to a reduction that
-    does not wait, but then the last program to arrive must poll once more: 761 us."""
+def _grid_arrive(sync_ptr):
+    """Arrive at a grid barrier: count this program at sync_ptr and return the count seen (the
+    counter only grows within a launch: barrier n waits for n * num_programs). The CTA barrier
+    makes every thread's stores precede the release. What does not depend on the other programs
+    (the next stage's weight tiles) is issued between this and _grid_wait, so that it overlaps
+    the barrier's latency instead of delaying the arrival (786 -> 747 us per token, H200). Those
+    loads still wait for the add's answer (Triton hands it to every thread through shared memory
+    and a CTA barrier); an add whose result is unused compiles to a reduction that does not wait,
+    but then the last program to arrive must poll once more: 761 us."""
     tl.debug_barrier()
-    if FLAGS:
-        _store_release(flags_ptr + pid, target)
-        return 0
-    else:
-        return tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    return tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
 
 
 @triton.jit
-def _grid_wait(sync_ptr, flags_ptr, seen, target, num_programs, FLAGS: tl.constexpr, P2: tl.constexpr):
-    """Wait until every program has arrived at the barrier whose target is `target`. Polls with
-    acquire loads, so the load that sees an arrival orders this program's later reads after that
-    program's released stores (with the counter, the arrival's acq_rel does it for the last
-    program to arrive; with flags each thread acquires one program's flag, and the CTA barrier
-    after the loop passes that on to every thread). Polling the counter with atomics queues every
-    SM's polls behind each other at one L2 address: 0.94 against 0.93 us per barrier (H200,
-    benchmarks/persistent_decode.py); volatile loads measured 0.92 but order nothing.
-    P2: num_programs rounded up to a power of two (the flags' block)."""
-    if FLAGS:
-        offs = tl.arange(0, P2)
-        flags = flags_ptr + tl.minimum(offs, num_programs - 1)
-        lowest = tl.min(_load_acquire(flags), axis=0)
-        while lowest < target:
-            lowest = tl.min(_load_acquire(flags), axis=0)
-    else:
-        while seen < target:
-            seen = _load_acquire(sync_ptr)
+def _grid_wait(sync_ptr, seen, target):
+    """Wait until `target` arrivals have been counted. Polls with acquire loads, so the load that
+    sees the count orders this program's later reads after the other programs' released stores
+    (the arrival's acq_rel does it for the last program to arrive). Polling with atomics queues
+    every SM's polls behind each other at one L2 address: 0.94 against 0.93 us per barrier
+    (H200, benchmarks/persistent_decode.py); volatile loads measured 0.92 but order nothing."""
+    while seen < target:
+        seen = _load_acquire(sync_ptr)
     tl.debug_barrier()
 
 
@@ -234,23 +210,35 @@ def _first_tile(w_ptr, pid, rows_per_item, N, valid, K: tl.constexpr, BLOCK_R: t
 
 
 @triton.jit
-def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """K chunk k0 of an item's weight rows: `first` (loaded ahead, see _first_tile) for the
-    program's first item's first chunk, else a load."""
-    if k0 == 0:
-        if is_first_item:
-            w = first
-        else:
-            w = _weight_tile(w_ptr, rows, rmask, 0, K, BLOCK_K)
+def _first_chunk(first, is_first_item, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K chunk 0 of an item's weight rows: `first` (loaded ahead, see _first_tile) for the
+    program's first item, else a load."""
+    if is_first_item:
+        w = first
     else:
-        w = _weight_tile(w_ptr, rows, rmask, k0, K, BLOCK_K)
+        w = _weight_tile(w_ptr, rows, rmask, 0, K, BLOCK_K)
     return w
+
+
+@triton.jit
+def _normed_product(w, resid_ptr, ln_ptr, rstd, rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """w * rmsnorm(residual)[k0:k0 + BLOCK_K] in fp32, the input broadcast to the tile's shape."""
+    offs_k = _tile_columns(rows, k0, BLOCK_K)
+    return w.to(tl.float32) * _normed(resid_ptr, ln_ptr, offs_k, offs_k < K, rstd, dtype)
+
+
+@triton.jit
+def _product(w, x_ptr, rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w * x[k0:k0 + BLOCK_K] in fp32 (x written by other programs: read from the L2)."""
+    offs_k = _tile_columns(rows, k0, BLOCK_K)
+    return w.to(tl.float32) * tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
 
 
 @triton.jit
 def _stage_qkv(
     first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item,
     H: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    LOAD_STAGES: tl.constexpr,
 ):
     """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile."""
     dtype = qkv_ptr.dtype.element_ty
@@ -259,12 +247,16 @@ def _stage_qkv(
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
-        acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-        for k0 in tl.static_range(0, H, BLOCK_K):
-            offs_k = _tile_columns(rows, k0, BLOCK_K)
-            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
-            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
-            acc += w.to(tl.float32) * x
+        acc = _normed_product(_first_chunk(first, item == pid, w_ptr, rows, rmask, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
+                              rows, 0, H, BLOCK_K, dtype)
+        if LOAD_STAGES == 0:
+            for k0 in tl.static_range(BLOCK_K, H, BLOCK_K):
+                w = _weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K)
+                acc += _normed_product(w, resid_ptr, ln_ptr, rstd, rows, k0, H, BLOCK_K, dtype)
+        else:
+            for k0 in tl.range(BLOCK_K, H, BLOCK_K, num_stages=LOAD_STAGES):
+                w = _weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K)
+                acc += _normed_product(w, resid_ptr, ln_ptr, rstd, rows, k0, H, BLOCK_K, dtype)
         acc = tl.sum(acc, axis=1)
         if HAS_BIAS:
             acc += tl.load(_at(base_ptr, layer_ptr, F_QKV_B) + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -484,18 +476,19 @@ def _stage_attention(
 @triton.jit
 def _stage_rows_residual(
     first, w_ptr, x_ptr, resid_ptr, pid, num_programs, rows_per_item,
-    H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOAD_STAGES: tl.constexpr,
 ):
     """residual[rows] = round(round(W[rows] @ x) + residual[rows]): the o and down projections."""
     dtype = resid_ptr.dtype.element_ty
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, H, BLOCK_R)
-        acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            offs_k = _tile_columns(rows, k0, BLOCK_K)
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K)
-            acc += w.to(tl.float32) * x
+        acc = _product(_first_chunk(first, item == pid, w_ptr, rows, rmask, K, BLOCK_K), x_ptr, rows, 0, K, BLOCK_K)
+        if LOAD_STAGES == 0:
+            for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
+                acc += _product(_weight_tile(w_ptr, rows, rmask, k0, K, BLOCK_K), x_ptr, rows, k0, K, BLOCK_K)
+        else:
+            for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=LOAD_STAGES):
+                acc += _product(_weight_tile(w_ptr, rows, rmask, k0, K, BLOCK_K), x_ptr, rows, k0, K, BLOCK_K)
         acc = tl.sum(acc, axis=1)
         r = tl.load(resid_ptr + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(resid_ptr + rows, (acc.to(dtype).to(tl.float32) + r).to(dtype), mask=rmask)
@@ -504,7 +497,7 @@ def _stage_rows_residual(
 @triton.jit
 def _stage_gate_up(
     first_gate, first_up, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_per_item,
-    H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOAD_STAGES: tl.constexpr,
 ):
     """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)."""
     dtype = act_ptr.dtype.element_ty
@@ -513,15 +506,22 @@ def _stage_gate_up(
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(INTER, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, INTER, BLOCK_R)
-        gate = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-        up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-        for k0 in tl.static_range(0, H, BLOCK_K):
-            offs_k = _tile_columns(rows, k0, BLOCK_K)
-            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
-            wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
-            wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K)
-            gate += wg.to(tl.float32) * x
-            up += wu.to(tl.float32) * x
+        gate = _normed_product(_first_chunk(first_gate, item == pid, w_ptr, rows, rmask, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
+                               rows, 0, H, BLOCK_K, dtype)
+        up = _normed_product(_first_chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, H, BLOCK_K), resid_ptr, ln_ptr,
+                             rstd, rows, 0, H, BLOCK_K, dtype)
+        if LOAD_STAGES == 0:
+            for k0 in tl.static_range(BLOCK_K, H, BLOCK_K):
+                gate += _normed_product(_weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
+                                        rows, k0, H, BLOCK_K, dtype)
+                up += _normed_product(_weight_tile(w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
+                                      rows, k0, H, BLOCK_K, dtype)
+        else:
+            for k0 in tl.range(BLOCK_K, H, BLOCK_K, num_stages=LOAD_STAGES):
+                gate += _normed_product(_weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
+                                        rows, k0, H, BLOCK_K, dtype)
+                up += _normed_product(_weight_tile(w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
+                                      rows, k0, H, BLOCK_K, dtype)
         gate = tl.sum(gate, axis=1)
         up = tl.sum(up, axis=1)
         g = gate.to(dtype).to(tl.float32)
@@ -570,14 +570,14 @@ def _layer_stage(
     KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
-    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr,
+    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, LOAD_STAGES: tl.constexpr, PROBE: tl.constexpr,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
     `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
     its first cached K/V tile as kv1-kv4 (at _first_kv_rows)."""
     if STAGE == 0:
         _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv,
-                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV)
+                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, LOAD_STAGES)
     elif STAGE == 1:
         _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
                          pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
@@ -585,13 +585,13 @@ def _layer_stage(
                          NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
     elif STAGE == 2:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, pid, num_programs,
-                             rows_h, H, NQ * D, BR_H, BK_O)
+                             rows_h, H, NQ * D, BR_H, BK_O, LOAD_STAGES)
     elif STAGE == 3:
         _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_inter,
-                       H, INTER, BR_INTER, BK_INTER)
+                       H, INTER, BR_INTER, BK_INTER, LOAD_STAGES)
     else:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_DOWN_W), act_ptr, resid_ptr, pid, num_programs,
-                             rows_h, H, INTER, BR_H, BK_DOWN)
+                             rows_h, H, INTER, BR_H, BK_DOWN, LOAD_STAGES)
 
 
 _STAGES_PER_LAYER = 5
@@ -608,7 +608,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
-    FLAGS: tl.constexpr = False, P2: tl.constexpr = 1, STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
+    LOAD_STAGES: tl.constexpr = 0, STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -620,23 +620,20 @@ def _decode_kernel(
     (see _stamp)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    # sync_ptr[0] counts barrier arrivals, then one split counter per KV head; with FLAGS, each
-    # program's arrival flag, from the next 128-byte line on.
-    count_ptr = sync_ptr + 1
-    flags_ptr = sync_ptr + 32 * ((NK + 32) // 32)
+    count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
     if PERSISTENT:
         _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
         kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)  # placeholders: set before each use
         kv2 = kv1
         kv3 = kv1
         kv4 = kv1
-        arrivals = num_programs
-        seen = _grid_arrive(sync_ptr, flags_ptr, pid, arrivals, FLAGS)
+        seen = _grid_arrive(sync_ptr)
         t1, t2 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
-        _grid_wait(sync_ptr, flags_ptr, seen, arrivals, num_programs, FLAGS, P2)
+        arrivals = num_programs
+        _grid_wait(sync_ptr, seen, arrivals)
         probe_half = num_layers * PROBE_POINTS * num_programs
         for layer_i in range(0, num_layers):
             layer_ptr = table_ptr + layer_i * NUM_FIELDS
@@ -649,11 +646,11 @@ def _decode_kernel(
                         part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
                         eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
                         probe_row, probe_half, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT,
-                        BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE,
+                        BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, LOAD_STAGES,
+                        PROBE,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
-                arrivals += num_programs
-                seen = _grid_arrive(sync_ptr, flags_ptr, pid, arrivals, FLAGS)
+                seen = _grid_arrive(sync_ptr)
                 # The first tile of the next stage with weights, loaded during this barrier:
                 # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
                 # stage 4's loads stage 0 of the next layer (nothing after the last).
@@ -667,7 +664,8 @@ def _decode_kernel(
                     kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
                                                   kv_rows, kv_valid, D // 2)
                 _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
-                _grid_wait(sync_ptr, flags_ptr, seen, arrivals, num_programs, FLAGS, P2)
+                arrivals += num_programs
+                _grid_wait(sync_ptr, seen, arrivals)
         _stage_final_norm(resid_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H)
     elif STAGE == -1:
         _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
@@ -686,7 +684,7 @@ def _decode_kernel(
             part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
             probe_ptr, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS,
-            BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False,
+            BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, LOAD_STAGES, False,
         )
 
 
@@ -733,10 +731,9 @@ class PersistentDecoder:
     other keywords are shapes: context splits (at most max_splits parts, a power of two, of at least
     split_tokens positions, walked block_t at a time; own_token_split: where it costs no split,
     one more part attends to the step's own token alone, off the path of the splits that walk the
-    cache (see _splits). An earlier rule that always added the part, leaving at most max_splits - 1
-    splits, measured 726 -> 713 us per token at context 640 but 1,856 -> 1,924 us at 16,384 (H200);
-    for Qwen3-0.6B on an H200 the current rule makes the same parts up to 960 positions and adds
-    none past them, but it has not been measured itself, so it is off by default), warps, weights per register tile
+    cache (see _splits); measured on the H200 against the last split attending to it: 744 -> 706
+    us per token at context 640, 834 -> 815 at 2,048, 1,866 -> 1,846 at 16,384 (eager launches;
+    an earlier rule that always added the part was slower past ~1,000 positions), warps, weights per register tile
     (gate_up_tile_elements: the gate and up tiles together, default tile_elements), and two
     benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
@@ -747,7 +744,7 @@ class PersistentDecoder:
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
-        probe: bool = False, own_token_split: bool = False, flag_barrier: bool = False,
+        probe: bool = False, own_token_split: bool = True, load_stages: int = 0,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -783,8 +780,7 @@ class PersistentDecoder:
         self.out = empty((1, self.hidden))
         self.part_acc = empty(self.num_q * max_splits * self.head_dim, torch.float32)
         self.part_ml = empty(self.num_q * max_splits * 2, torch.float32)
-        # arrival counter, split counters, then (flag_barrier) one arrival flag per program (_decode_kernel)
-        self.sync = empty(32 * ((self.num_k + 32) // 32) + num_programs, torch.int32)
+        self.sync = empty(1 + self.num_k, torch.int32)
         # probe: [2 (global ns, SM cycles), layers, PROBE_POINTS, programs] stamps, 0 = not reached
         self.probe = empty(2 * self.num_layers * _PROBE_POINTS * num_programs if probe else 1, torch.int64)
         self.rows_qkv = -(-n_qkv // num_programs)
@@ -802,7 +798,7 @@ class PersistentDecoder:
             HAS_NORM=self.has_norm, HAS_BIAS=self.has_bias,
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
             BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
-            FLAGS=flag_barrier, P2=triton.next_power_of_2(num_programs), STAGE_MASK=stage_mask, PROBE=probe,
+            LOAD_STAGES=load_stages, STAGE_MASK=stage_mask, PROBE=probe,
         )
         self.table: torch.Tensor | None = None
 
