@@ -100,7 +100,7 @@ CASES = {
 # than max_splits allows.
 SPLITS = {
     "own-token-part": dict(max_splits=4, split_tokens=23, block_t=16, own_token_split=True, num_programs=8),
-    "last-split-attends-own-token": dict(max_splits=2, split_tokens=3, block_t=16, own_token_split=False, load_stages=3),
+    "last-split-attends-own-token": dict(max_splits=2, split_tokens=3, block_t=16, own_token_split=False),
     "own-token-part-no-free-program": dict(max_splits=4, split_tokens=23, block_t=16, own_token_split=True),
     "own-token-part-no-split-left": dict(max_splits=2, split_tokens=3, block_t=16, own_token_split=True, num_programs=8),
 }

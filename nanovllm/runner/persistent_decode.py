@@ -210,35 +210,23 @@ def _first_tile(w_ptr, pid, rows_per_item, N, valid, K: tl.constexpr, BLOCK_R: t
 
 
 @triton.jit
-def _first_chunk(first, is_first_item, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """K chunk 0 of an item's weight rows: `first` (loaded ahead, see _first_tile) for the
-    program's first item, else a load."""
-    if is_first_item:
-        w = first
+def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K chunk k0 of an item's weight rows: `first` (loaded ahead, see _first_tile) for the
+    program's first item's first chunk, else a load."""
+    if k0 == 0:
+        if is_first_item:
+            w = first
+        else:
+            w = _weight_tile(w_ptr, rows, rmask, 0, K, BLOCK_K)
     else:
-        w = _weight_tile(w_ptr, rows, rmask, 0, K, BLOCK_K)
+        w = _weight_tile(w_ptr, rows, rmask, k0, K, BLOCK_K)
     return w
-
-
-@triton.jit
-def _normed_product(w, resid_ptr, ln_ptr, rstd, rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """w * rmsnorm(residual)[k0:k0 + BLOCK_K] in fp32, the input broadcast to the tile's shape."""
-    offs_k = _tile_columns(rows, k0, BLOCK_K)
-    return w.to(tl.float32) * _normed(resid_ptr, ln_ptr, offs_k, offs_k < K, rstd, dtype)
-
-
-@triton.jit
-def _product(w, x_ptr, rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w * x[k0:k0 + BLOCK_K] in fp32 (x written by other programs: read from the L2)."""
-    offs_k = _tile_columns(rows, k0, BLOCK_K)
-    return w.to(tl.float32) * tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
 
 
 @triton.jit
 def _stage_qkv(
     first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item,
     H: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    LOAD_STAGES: tl.constexpr,
 ):
     """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile."""
     dtype = qkv_ptr.dtype.element_ty
@@ -247,16 +235,12 @@ def _stage_qkv(
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
-        acc = _normed_product(_first_chunk(first, item == pid, w_ptr, rows, rmask, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
-                              rows, 0, H, BLOCK_K, dtype)
-        if LOAD_STAGES == 0:
-            for k0 in tl.static_range(BLOCK_K, H, BLOCK_K):
-                w = _weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K)
-                acc += _normed_product(w, resid_ptr, ln_ptr, rstd, rows, k0, H, BLOCK_K, dtype)
-        else:
-            for k0 in tl.range(BLOCK_K, H, BLOCK_K, num_stages=LOAD_STAGES):
-                w = _weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K)
-                acc += _normed_product(w, resid_ptr, ln_ptr, rstd, rows, k0, H, BLOCK_K, dtype)
+        acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_K):
+            offs_k = _tile_columns(rows, k0, BLOCK_K)
+            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
+            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
+            acc += w.to(tl.float32) * x
         acc = tl.sum(acc, axis=1)
         if HAS_BIAS:
             acc += tl.load(_at(base_ptr, layer_ptr, F_QKV_B) + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -476,19 +460,18 @@ def _stage_attention(
 @triton.jit
 def _stage_rows_residual(
     first, w_ptr, x_ptr, resid_ptr, pid, num_programs, rows_per_item,
-    H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOAD_STAGES: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """residual[rows] = round(round(W[rows] @ x) + residual[rows]): the o and down projections."""
     dtype = resid_ptr.dtype.element_ty
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, H, BLOCK_R)
-        acc = _product(_first_chunk(first, item == pid, w_ptr, rows, rmask, K, BLOCK_K), x_ptr, rows, 0, K, BLOCK_K)
-        if LOAD_STAGES == 0:
-            for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
-                acc += _product(_weight_tile(w_ptr, rows, rmask, k0, K, BLOCK_K), x_ptr, rows, k0, K, BLOCK_K)
-        else:
-            for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=LOAD_STAGES):
-                acc += _product(_weight_tile(w_ptr, rows, rmask, k0, K, BLOCK_K), x_ptr, rows, k0, K, BLOCK_K)
+        acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            offs_k = _tile_columns(rows, k0, BLOCK_K)
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K)
+            acc += w.to(tl.float32) * x
         acc = tl.sum(acc, axis=1)
         r = tl.load(resid_ptr + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(resid_ptr + rows, (acc.to(dtype).to(tl.float32) + r).to(dtype), mask=rmask)
@@ -497,7 +480,7 @@ def _stage_rows_residual(
 @triton.jit
 def _stage_gate_up(
     first_gate, first_up, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_per_item,
-    H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, LOAD_STAGES: tl.constexpr,
+    H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)."""
     dtype = act_ptr.dtype.element_ty
@@ -506,22 +489,15 @@ def _stage_gate_up(
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(INTER, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, INTER, BLOCK_R)
-        gate = _normed_product(_first_chunk(first_gate, item == pid, w_ptr, rows, rmask, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
-                               rows, 0, H, BLOCK_K, dtype)
-        up = _normed_product(_first_chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, H, BLOCK_K), resid_ptr, ln_ptr,
-                             rstd, rows, 0, H, BLOCK_K, dtype)
-        if LOAD_STAGES == 0:
-            for k0 in tl.static_range(BLOCK_K, H, BLOCK_K):
-                gate += _normed_product(_weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
-                                        rows, k0, H, BLOCK_K, dtype)
-                up += _normed_product(_weight_tile(w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
-                                      rows, k0, H, BLOCK_K, dtype)
-        else:
-            for k0 in tl.range(BLOCK_K, H, BLOCK_K, num_stages=LOAD_STAGES):
-                gate += _normed_product(_weight_tile(w_ptr, rows, rmask, k0, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
-                                        rows, k0, H, BLOCK_K, dtype)
-                up += _normed_product(_weight_tile(w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K), resid_ptr, ln_ptr, rstd,
-                                      rows, k0, H, BLOCK_K, dtype)
+        gate = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_K):
+            offs_k = _tile_columns(rows, k0, BLOCK_K)
+            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
+            wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
+            wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K)
+            gate += wg.to(tl.float32) * x
+            up += wu.to(tl.float32) * x
         gate = tl.sum(gate, axis=1)
         up = tl.sum(up, axis=1)
         g = gate.to(dtype).to(tl.float32)
@@ -570,14 +546,14 @@ def _layer_stage(
     KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
-    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, LOAD_STAGES: tl.constexpr, PROBE: tl.constexpr,
+    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
     `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
     its first cached K/V tile as kv1-kv4 (at _first_kv_rows)."""
     if STAGE == 0:
         _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv,
-                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, LOAD_STAGES)
+                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV)
     elif STAGE == 1:
         _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
                          pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
@@ -585,13 +561,13 @@ def _layer_stage(
                          NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
     elif STAGE == 2:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, pid, num_programs,
-                             rows_h, H, NQ * D, BR_H, BK_O, LOAD_STAGES)
+                             rows_h, H, NQ * D, BR_H, BK_O)
     elif STAGE == 3:
         _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_inter,
-                       H, INTER, BR_INTER, BK_INTER, LOAD_STAGES)
+                       H, INTER, BR_INTER, BK_INTER)
     else:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_DOWN_W), act_ptr, resid_ptr, pid, num_programs,
-                             rows_h, H, INTER, BR_H, BK_DOWN, LOAD_STAGES)
+                             rows_h, H, INTER, BR_H, BK_DOWN)
 
 
 _STAGES_PER_LAYER = 5
@@ -608,7 +584,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
-    LOAD_STAGES: tl.constexpr = 0, STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
+    STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -646,8 +622,7 @@ def _decode_kernel(
                         part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
                         eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
                         probe_row, probe_half, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT,
-                        BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, LOAD_STAGES,
-                        PROBE,
+                        BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                 seen = _grid_arrive(sync_ptr)
@@ -684,7 +659,7 @@ def _decode_kernel(
             part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
             probe_ptr, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS,
-            BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, LOAD_STAGES, False,
+            BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False,
         )
 
 
@@ -744,7 +719,7 @@ class PersistentDecoder:
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
-        probe: bool = False, own_token_split: bool = True, load_stages: int = 0,
+        probe: bool = False, own_token_split: bool = True,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -798,7 +773,7 @@ class PersistentDecoder:
             HAS_NORM=self.has_norm, HAS_BIAS=self.has_bias,
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
             BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
-            LOAD_STAGES=load_stages, STAGE_MASK=stage_mask, PROBE=probe,
+            STAGE_MASK=stage_mask, PROBE=probe,
         )
         self.table: torch.Tensor | None = None
 
