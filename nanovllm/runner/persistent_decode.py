@@ -156,7 +156,7 @@ def _rstd(resid_ptr, eps, H: tl.constexpr, BLOCK_K: tl.constexpr):
     sq = tl.zeros([BLOCK_K], tl.float32)
     for k0 in tl.static_range(0, H, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(resid_ptr + offs, mask=offs < H, other=0.0, cache_modifier=".cg").to(tl.float32)
+        x = tl.load(resid_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
         sq += x * x
     return tl.rsqrt(tl.sum(sq, axis=0) * (1.0 / H) + eps)
 
@@ -164,7 +164,7 @@ def _rstd(resid_ptr, eps, H: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _normed(resid_ptr, w_ptr, offs, mask, rstd, dtype: tl.constexpr):
     """One chunk of RMSNorm(residual) * weight, rounded as the fused RMSNorm kernel rounds it."""
-    x = tl.load(resid_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    x = tl.load(resid_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
 
@@ -354,8 +354,8 @@ def _stage_attention(
         # The group's query heads as the rows of tl.dot operands, padded to the 16 rows it needs.
         heads = kvh * GROUP + offs_m
         q_rows = qkv_ptr + heads[:, None] * D + offs_d[None, :]
-        q1 = tl.load(q_rows, mask=mmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-        q2 = tl.load(q_rows + HALF, mask=mmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        q1 = tl.load(q_rows, mask=mmask[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(q_rows + HALF, mask=mmask[:, None], other=0.0).to(tl.float32)
         q1, q2 = _norm_rope(q1, q2, q_norm_ptr, cos, sin, qk_eps, offs_d, HALF, HAS_NORM, dtype)
         q1c = q1.to(cache_dtype)  # exact: _norm_rope rounds to the activation dtype
         q2c = q2.to(cache_dtype)
@@ -390,12 +390,12 @@ def _stage_attention(
         if split == parts - 1:
             # This step's token: its K/V come from the projection, not the cache, and are stored.
             k_row = qkv_ptr + (NQ + kvh) * D + offs_d[None, :]
-            k1 = tl.load(k_row, cache_modifier=".cg").to(tl.float32)
-            k2 = tl.load(k_row + HALF, cache_modifier=".cg").to(tl.float32)
+            k1 = tl.load(k_row).to(tl.float32)
+            k2 = tl.load(k_row + HALF).to(tl.float32)
             k1, k2 = _norm_rope(k1, k2, k_norm_ptr, cos, sin, qk_eps, offs_d, HALF, HAS_NORM, dtype)
             v_row = qkv_ptr + (NQ + NK + kvh) * D + offs_d[None, :]
-            v1 = tl.load(v_row, cache_modifier=".cg").to(tl.float32)
-            v2 = tl.load(v_row + HALF, cache_modifier=".cg").to(tl.float32)
+            v1 = tl.load(v_row).to(tl.float32)
+            v2 = tl.load(v_row + HALF).to(tl.float32)
             s = (tl.sum(q1 * k1, axis=1) + tl.sum(q2 * k2, axis=1)) * qk_scale
             m_new = tl.maximum(m_i, s)
             alpha = tl.exp2(m_i - m_new)
@@ -433,7 +433,7 @@ def _stage_attention(
             m_max = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
             for sp in tl.static_range(0, MAX_SPLITS):
                 valid = gmask & (offs_g * 0 + sp < parts)  # a vector: the interpreter rejects a scalar mask
-                m_s = tl.load(part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2, mask=valid, other=_NEG_BIG, cache_modifier=".cg")
+                m_s = tl.load(part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2, mask=valid, other=_NEG_BIG)
                 m_max = tl.maximum(m_max, m_s)
             total = tl.zeros([BLOCK_G], tl.float32)
             out1 = tl.zeros([BLOCK_G, HALF], tl.float32)
@@ -441,11 +441,11 @@ def _stage_attention(
             for sp in tl.static_range(0, MAX_SPLITS):
                 valid = gmask & (offs_g * 0 + sp < parts)
                 ml = part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2
-                m_s = tl.load(ml, mask=valid, other=_NEG_BIG, cache_modifier=".cg")
-                l_s = tl.load(ml + 1, mask=valid, other=0.0, cache_modifier=".cg")
+                m_s = tl.load(ml, mask=valid, other=_NEG_BIG)
+                l_s = tl.load(ml + 1, mask=valid, other=0.0)
                 src = part_acc_ptr + (group_heads * MAX_SPLITS + sp)[:, None] * D + offs_d[None, :]
-                a1 = tl.load(src, mask=valid[:, None], other=0.0, cache_modifier=".cg")
-                a2 = tl.load(src + HALF, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+                a1 = tl.load(src, mask=valid[:, None], other=0.0)
+                a2 = tl.load(src + HALF, mask=valid[:, None], other=0.0)
                 weight = tl.exp2(m_s - m_max)  # empty and masked splits: m = _NEG_BIG, weight 0
                 total += weight * l_s
                 out1 += weight[:, None] * a1
@@ -469,11 +469,11 @@ def _stage_rows_residual(
         acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             offs_k = _tile_columns(rows, k0, BLOCK_K)
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K)
             acc += w.to(tl.float32) * x
         acc = tl.sum(acc, axis=1)
-        r = tl.load(resid_ptr + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        r = tl.load(resid_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(resid_ptr + rows, (acc.to(dtype).to(tl.float32) + r).to(dtype), mask=rmask)
 
 
