@@ -209,22 +209,6 @@ def _first_tile(w_ptr, pid, rows_per_item, N, valid, K: tl.constexpr, BLOCK_R: t
     return _weight_tile(w_ptr, rows, rmask & valid, 0, K, BLOCK_K)
 
 
-L1_PREFETCH = tl.constexpr(False)
-
-
-@triton.jit
-def _prefetch_rest_l1(w_ptr, rows, rmask, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Ask the L1 for every 128-byte line of K chunks 1.. of these weight rows (trial)."""
-    LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-    if L1_PREFETCH:
-        if BLOCK_K >= LINE:
-            safe_rows = tl.where(rmask, rows, tl.min(rows, axis=0))
-            for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
-                ptrs = w_ptr + safe_rows[:, None] * K + (k0 + tl.arange(0, BLOCK_K // LINE) * LINE)[None, :]
-                tl.inline_asm_elementwise("mov.u32 $0, 0; prefetch.global.L1 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                                          is_pure=False, pack=1)
-
-
 @triton.jit
 def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """K chunk k0 of an item's weight rows: `first` (loaded ahead, see _first_tile) for the
@@ -251,7 +235,6 @@ def _stage_qkv(
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
-        _prefetch_rest_l1(w_ptr, rows, rmask, H, BLOCK_K)
         acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in tl.static_range(0, H, BLOCK_K):
             offs_k = _tile_columns(rows, k0, BLOCK_K)
@@ -483,7 +466,6 @@ def _stage_rows_residual(
     dtype = resid_ptr.dtype.element_ty
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, H, BLOCK_R)
-        _prefetch_rest_l1(w_ptr, rows, rmask, K, BLOCK_K)
         acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             offs_k = _tile_columns(rows, k0, BLOCK_K)
@@ -507,8 +489,6 @@ def _stage_gate_up(
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(INTER, rows_per_item), num_programs):
         rows, rmask = _rows(item, rows_per_item, INTER, BLOCK_R)
-        _prefetch_rest_l1(w_ptr, rows, rmask, H, BLOCK_K)
-        _prefetch_rest_l1(w_ptr + INTER * H, rows, rmask, H, BLOCK_K)
         gate = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in tl.static_range(0, H, BLOCK_K):
