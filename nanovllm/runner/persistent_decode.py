@@ -7,11 +7,11 @@ costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of lay
 one program per SM loops over the layers, splits each stage's work between the programs, and
 waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
 output. A barrier costs 0.93 us on an H200, less than a kernel boundary. Measured result
-(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.74-0.75 ms per token (graph replay of the
+(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.68-0.70 ms per token (graph replay of the
 model forward; the LM head and the sampler follow) at contexts up to 640 against the per-op
-graph's 1.13-1.19 ms, and faster than it at every context measured (1.86 vs 2.89 ms at 16,384);
+graph's 1.12-1.19 ms, and faster than it at every context measured (1.84 vs 2.89 ms at 16,384);
 still far from the weight-read floor (~0.3 ms for the whole step). Per layer (`--timeline`, 28
-per token): A 4.9 us, B 6.7, C 3.1, D 6.7, E 3.8, each from a stage's start to the next's; while
+per token): A 4.6 us, B 6.1, C 3.1, D 6.7, E 3.8, each from a stage's start to the next's; while
 working, the median program of a weight stage reads at ~2.6 TB/s.
 
 Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`, then the H200):
