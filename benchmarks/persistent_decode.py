@@ -1,7 +1,7 @@
 """Where the persistent one-sequence decode kernel's time goes (H200; docs/benchmarks.md, W5).
 
     python benchmarks/persistent_decode.py --model /tmp/q06 [--contexts 640 64 4000] [--breakdown] [--timeline]
-        [--compare own_token_split=False tile_elements=4096,load_stages=3 ...] [--barriers]
+        [--compare own_token_split=False split_tokens=32,block_t=32 ...] [--barriers]
 
 Per context: one replay of the batch-1 CUDA graph (the persistent kernel) against one replay of
 the per-op graph of 8 rows with only the first row live (what a lone sequence runs without the

@@ -29,6 +29,19 @@ Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`,
   (0.79 -> 0.75 ms per token). Prefetching weights into the L2 (one prefetch per line, or bulk
   prefetches) during the stage before was slower in every variant tried: issuing the
   prefetches cost more than the L2 hits saved.
+- What other programs wrote this step (the residual stream, q/k/v, the attention parts) is read
+  with ordinary, L1-cached loads: every such read follows an acquire at GPU scope in the reading
+  program (the barrier's poll or arrival, or the split count), and each acquire invalidates the
+  SM's L1 (CCTL.IVALL in the SASS), so no stale line is read; a projection's K chunks and warps
+  then share the input's lines in the L1. Reading them from the L2 (.cg) took 741 -> 703 us per
+  token (context 640).
+- The step's own token in an attention part of its own where that costs no split (see _splits):
+  744 -> 706 us per token at context 640, faster at every context measured.
+- Tried and slower (the code is in the history): projections' K loops as dynamic loops (709 ->
+  755 us) or pipelined by Triton through shared memory (tl.range num_stages 2-4, cp.async:
+  1,024-1,420 us; commit ec62a37); prefetching a projection's later chunks into the L1 at the
+  stage's start (704 -> 772 us; commit eb21c16); a grid barrier of per-program arrival flags
+  (1.77 against 0.86 us per barrier; commit 65cf178).
 
 Stages of a layer (each program takes a slice of rows, or of (KV head, context split) pairs):
   A  RMSNorm of the residual stream (recomputed by every program: hidden_size values), then the
@@ -703,17 +716,17 @@ class PersistentDecoder:
     read from the device tensors given (graph-capturable: no host sync, fixed launch shapes).
 
     num_programs: one per SM for the persistent launch (every program must be resident). The
-    other keywords are shapes: context splits (at most max_splits parts, a power of two, of at least
-    split_tokens positions, walked block_t at a time; own_token_split: where it costs no split,
-    one more part attends to the step's own token alone, off the path of the splits that walk the
-    cache (see _splits); measured on the H200 against the last split attending to it: 744 -> 706
-    us per token at context 640, 834 -> 815 at 2,048, 1,866 -> 1,846 at 16,384 (eager launches;
-    an earlier rule that always added the part was slower past ~1,000 positions), warps, weights per register tile
-    (gate_up_tile_elements: the gate and up tiles together, default tile_elements), and two
-    benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
-    self.probe). The defaults are the fastest measured on the H200
-    (benchmarks/persistent_decode.py --breakdown); the tests use small ones so that programs
-    take several items and contexts several splits."""
+    other keywords are shapes: context splits (at most max_splits parts, a power of two, of at
+    least split_tokens positions, walked block_t at a time; own_token_split: where it costs no
+    split, one more part attends to the step's own token alone, off the path of the splits that
+    walk the cache (see _splits); measured on the H200 against the last split attending to it:
+    744 -> 706 us per token at context 640, 834 -> 815 at 2,048, 1,866 -> 1,846 at 16,384 (eager
+    launches; an earlier rule that always added the part was slower past ~1,000 positions),
+    warps, weights per register tile (gate_up_tile_elements: the gate and up tiles together,
+    default tile_elements), and two benchmark switches (stage_mask and probe, see
+    _decode_kernel; probe's stamps land in self.probe). The defaults are the fastest measured on
+    the H200 (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small
+    ones so that programs take several items and contexts several splits."""
 
     def __init__(
         self, model: Any, num_programs: int, persistent: bool = True,
