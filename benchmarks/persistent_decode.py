@@ -1,7 +1,7 @@
 """Where the persistent one-sequence decode kernel's time goes (H200; docs/benchmarks.md, W5).
 
     python benchmarks/persistent_decode.py --model /tmp/q06 [--contexts 640 64 4000] [--breakdown] [--timeline]
-        [--compare own_token_split=False split_tokens=32,block_t=32 ...] [--barriers]
+        [--compare one_thread_barrier=True split_tokens=32,block_t=32 ...] [--barriers]
 
 Per context: one replay of the batch-1 CUDA graph (the persistent kernel) against one replay of
 the per-op graph of 8 rows with only the first row live (what a lone sequence runs without the
@@ -69,7 +69,8 @@ def _volatile_poll_barrier(sync_ptr, target):
 @triton.jit
 def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
     """n grid barriers in a row. POLL 0: the kernel's counter (_grid_arrive, _grid_wait:
-    acquire-load polling); 1: the first version's (atomics); 2: the second's (volatile loads).
+    acquire-load polling); 1: the first version's (atomics); 2: the second's (volatile loads);
+    3: the kernel's with one_thread_barrier (thread 0 adds and polls).
     (Per-program arrival flags, each program's release store polled by every program with
     acquire loads and a min-reduction, measured 1.77 us at commit 65cf178, and the kernel with
     them 744 -> 872 us per token at context 640: removed.)"""
@@ -82,7 +83,7 @@ def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
         elif POLL == 2:
             _volatile_poll_barrier(sync_ptr, arrivals)
         else:
-            _grid_wait(sync_ptr, _grid_arrive(sync_ptr), arrivals)
+            _grid_wait(sync_ptr, _grid_arrive(sync_ptr, POLL == 3), arrivals)
 
 
 def timeline(dec, runner, ids, pos, meta) -> None:
@@ -242,7 +243,7 @@ def barriers(sms: int) -> None:
     print(f"empty launch, {sms} programs: {timed(lambda: _empty[(sms,)](buf)):6.2f} us")
     n = 1000
     variants = ((0, "counter, acquire-load polling (the kernel's)"), (1, "counter, atomic polling"),
-                (2, "counter, volatile-load polling"))
+                (2, "counter, volatile-load polling"), (3, "counter, thread 0 adds and polls (one_thread_barrier)"))
     for poll, name in variants:
         us = timed(lambda: (buf.zero_(), _barriers_only[(sms,)](buf, n, POLL=poll))) / n
         print(f"grid barrier, {sms} programs, {name}: {us:6.3f} us each")

@@ -99,7 +99,9 @@ CASES = {
 # own-token part would need more programs than there are (3 for up to 2 x 3 parts), or splits
 # than max_splits allows.
 SPLITS = {
-    "own-token-part": dict(max_splits=4, split_tokens=23, block_t=16, own_token_split=True, num_programs=8),
+    # (On the GPU this layout also runs the one-thread barrier, one_thread_barrier.)
+    "own-token-part": dict(max_splits=4, split_tokens=23, block_t=16, own_token_split=True, num_programs=8,
+                           one_thread_barrier=True),
     "last-split-attends-own-token": dict(max_splits=2, split_tokens=3, block_t=16, own_token_split=False),
     "own-token-part-no-free-program": dict(max_splits=4, split_tokens=23, block_t=16, own_token_split=True),
     "own-token-part-no-split-left": dict(max_splits=2, split_tokens=3, block_t=16, own_token_split=True, num_programs=8),

@@ -118,27 +118,43 @@ def _load_acquire(ptr):
                                      is_pure=False, pack=1)
 
 
+# What _grid_arrive returns to the threads that do not poll (ONE_THREAD): above any target.
+_NOT_POLLING = 2**31 - 1
+
+
 @triton.jit
-def _grid_arrive(sync_ptr):
+def _grid_arrive(sync_ptr, ONE_THREAD: tl.constexpr = False):
     """Arrive at a grid barrier: count this program at sync_ptr and return the count seen (the
     counter only grows within a launch: barrier n waits for n * num_programs). The CTA barrier
     makes every thread's stores precede the release. What does not depend on the other programs
     (the next stage's weight tiles) is issued between this and _grid_wait, so that it overlaps
-    the barrier's latency instead of delaying the arrival (786 -> 747 us per token, H200). Those
-    loads still wait for the add's answer (Triton hands it to every thread through shared memory
-    and a CTA barrier); an add whose result is unused compiles to a reduction that does not wait,
-    but then the last program to arrive must poll once more: 761 us."""
+    the barrier's latency instead of delaying the arrival (786 -> 747 us per token, H200).
+
+    With tl.atomic_add those loads still wait for the add's answer: Triton hands a scalar
+    atomic's result to every thread through shared memory and a CTA barrier. An add whose result
+    is unused compiles to a reduction that does not wait, but then the last program to arrive
+    must poll once more (761 us). ONE_THREAD: thread 0 adds in inline PTX and keeps the answer in
+    its own register, the other threads get _NOT_POLLING, so nothing waits for the answer until
+    thread 0 polls in _grid_wait (not measured yet; see PersistentDecoder's one_thread_barrier)."""
     tl.debug_barrier()
-    return tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    if ONE_THREAD:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.u32 $0, 2147483647; "
+            "@p atom.acq_rel.gpu.global.add.u32 $0, [$1], 1; @p add.u32 $0, $0, 1; }",
+            "=r,l", [sync_ptr], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
 
 
 @triton.jit
 def _grid_wait(sync_ptr, seen, target):
     """Wait until `target` arrivals have been counted. Polls with acquire loads, so the load that
     sees the count orders this program's later reads after the other programs' released stores
-    (the arrival's acq_rel does it for the last program to arrive). Polling with atomics queues
-    every SM's polls behind each other at one L2 address: 0.94 against 0.93 us per barrier
-    (H200, benchmarks/persistent_decode.py); volatile loads measured 0.92 but order nothing."""
+    (the arrival's acq_rel does it for the last program to arrive). With _grid_arrive's
+    ONE_THREAD only thread 0 polls, and the CTA barrier after the loop passes its acquire on to
+    the other threads, as a cooperative grid sync does. Polling with atomics queues every SM's
+    polls behind each other at one L2 address: 0.94 against 0.93 us per barrier (H200,
+    benchmarks/persistent_decode.py); volatile loads measured 0.92 but order nothing."""
     while seen < target:
         seen = _load_acquire(sync_ptr)
     tl.debug_barrier()
@@ -597,7 +613,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
-    STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
+    ONE_THREAD_BARRIER: tl.constexpr = False, STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -616,7 +632,7 @@ def _decode_kernel(
         kv2 = kv1
         kv3 = kv1
         kv4 = kv1
-        seen = _grid_arrive(sync_ptr)
+        seen = _grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
         t1, t2 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
@@ -638,7 +654,7 @@ def _decode_kernel(
                         BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
-                seen = _grid_arrive(sync_ptr)
+                seen = _grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
                 # The first tile of the next stage with weights, loaded during this barrier:
                 # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
                 # stage 4's loads stage 0 of the next layer (nothing after the last).
@@ -723,8 +739,10 @@ class PersistentDecoder:
     744 -> 706 us per token at context 640, 834 -> 815 at 2,048, 1,866 -> 1,846 at 16,384 (eager
     launches; an earlier rule that always added the part was slower past ~1,000 positions),
     warps, weights per register tile (gate_up_tile_elements: the gate and up tiles together,
-    default tile_elements), and two benchmark switches (stage_mask and probe, see
-    _decode_kernel; probe's stamps land in self.probe). The defaults are the fastest measured on
+    default tile_elements), one_thread_barrier (see _grid_arrive: built after the session's device
+    time ran out and checked only in a local sm_90 compile, so off until measured), and two
+    benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
+    self.probe). The defaults are the fastest measured on
     the H200 (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small
     ones so that programs take several items and contexts several splits."""
 
@@ -732,7 +750,7 @@ class PersistentDecoder:
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
-        probe: bool = False, own_token_split: bool = True,
+        probe: bool = False, own_token_split: bool = True, one_thread_barrier: bool = False,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -786,7 +804,7 @@ class PersistentDecoder:
             HAS_NORM=self.has_norm, HAS_BIAS=self.has_bias,
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
             BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
-            STAGE_MASK=stage_mask, PROBE=probe,
+            ONE_THREAD_BARRIER=one_thread_barrier, STAGE_MASK=stage_mask, PROBE=probe,
         )
         self.table: torch.Tensor | None = None
 
