@@ -10,11 +10,11 @@ capture serves every context length up to max_model_len.
 A lone sequence takes the persistent decode kernel once the runner has one
 (runner/persistent_decode.py, compiled in the background after start-up): `capture_single`
 adds a graph of size 1 that captures that kernel instead of the per-op forward, faster at every
-context measured (H200, Qwen3-0.6B, per token: 0.79 vs 1.20 ms at 640 tokens, 1.97 vs 2.89 ms at
-16,384; benchmarks/persistent_decode.py). Otherwise the smallest graph has 8 rows: cuBLAS picks a slow kernel for some projections below 8 rows
-(Qwen3-0.6B's o_proj took 12.6 us at 1 row and 5.9 us at 8 on the H200,
-`benchmarks/small_gemm.py`), and the other kernels cost the same for 1 or 8 rows, so a lone
-sequence runs faster padded to 8.
+context measured (H200, Qwen3-0.6B, per token: 0.70 vs 1.19 ms at 640 tokens, 1.84 vs 2.89 ms at
+16,384; benchmarks/persistent_decode.py). Otherwise the smallest graph has 8 rows: cuBLAS picks
+a slow kernel for some projections below 8 rows (Qwen3-0.6B's o_proj took 12.6 us at 1 row and
+5.9 us at 8 on the H200, `benchmarks/small_gemm.py`), and the other kernels cost the same for 1
+or 8 rows, so a lone sequence runs faster padded to 8.
 """
 from __future__ import annotations
 

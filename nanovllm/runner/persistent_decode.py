@@ -6,7 +6,7 @@ because each of its ~250 kernels (four projections, attention, the fused small o
 costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of layers is one launch:
 one program per SM loops over the layers, splits each stage's work between the programs, and
 waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
-output. A barrier costs 0.93 us on an H200, less than a kernel boundary. Measured result
+output. A barrier costs 0.86-0.93 us on an H200, less than a kernel boundary. Measured result
 (docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.68-0.70 ms per token (graph replay of the
 model forward; the LM head and the sampler follow) at contexts up to 640 against the per-op
 graph's 1.12-1.19 ms, and faster than it at every context measured (1.84 vs 2.89 ms at 16,384);
@@ -118,10 +118,6 @@ def _load_acquire(ptr):
                                      is_pure=False, pack=1)
 
 
-# What _grid_arrive returns to the threads that do not poll (ONE_THREAD): above any target.
-_NOT_POLLING = 2**31 - 1
-
-
 @triton.jit
 def _grid_arrive(sync_ptr, ONE_THREAD: tl.constexpr = False):
     """Arrive at a grid barrier: count this program at sync_ptr and return the count seen (the
@@ -134,8 +130,9 @@ def _grid_arrive(sync_ptr, ONE_THREAD: tl.constexpr = False):
     atomic's result to every thread through shared memory and a CTA barrier. An add whose result
     is unused compiles to a reduction that does not wait, but then the last program to arrive
     must poll once more (761 us). ONE_THREAD: thread 0 adds in inline PTX and keeps the answer in
-    its own register, the other threads get _NOT_POLLING, so nothing waits for the answer until
-    thread 0 polls in _grid_wait (not measured yet; see PersistentDecoder's one_thread_barrier)."""
+    its own register, the other threads get 2**31 - 1 (above any target: they do not poll), so
+    nothing waits for the answer until thread 0 polls in _grid_wait (not measured yet; see
+    PersistentDecoder's one_thread_barrier)."""
     tl.debug_barrier()
     if ONE_THREAD:
         return tl.inline_asm_elementwise(
