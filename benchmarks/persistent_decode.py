@@ -68,9 +68,10 @@ def _volatile_poll_barrier(sync_ptr, target):
 
 @triton.jit
 def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
-    """n grid barriers in a row. POLL 0: the kernel's counter (_grid_arrive, _grid_wait:
-    acquire-load polling); 1: the first version's (atomics); 2: the second's (volatile loads);
-    3: the kernel's with one_thread_barrier (thread 0 adds and polls).
+    """n grid barriers in a row. POLL 0: the counter of _grid_arrive, _grid_wait with every
+    thread taking the arrival's answer (one_thread_barrier=False; acquire-load polling); 1: the
+    first version's (atomics); 2: the second's (volatile loads); 3: the kernel's default
+    (one_thread_barrier: thread 0 adds and polls).
     (Per-program arrival flags, each program's release store polled by every program with
     acquire loads and a min-reduction, measured 1.77 us at commit 65cf178, and the kernel with
     them 744 -> 872 us per token at context 640: removed.)"""
@@ -161,18 +162,30 @@ def main() -> None:
 
     def set_context(ctx: int) -> None:
         blocks = -(-ctx // runner.block_size)
+        table = torch.arange(blocks, dtype=torch.int32, device="cuda")
         g.seq_lens.zero_()  # rows 1-7 of the 8-row graph are padding (length 0)
         g.slot_mapping.fill_(-1)  # nothing stored
         g.seq_lens[0] = ctx
         g.positions[0] = ctx - 1
-        g.block_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32, device="cuda")
+        g.block_tables[0, :blocks] = table
+        s = g.single  # the persistent graph's inputs
+        s.slot.fill_(-1)
+        s.seq_len.fill_(ctx)
+        s.position.fill_(ctx - 1)
+        s.block_table[0, :blocks] = table
 
+    head = runner.model.compute_logits
+    logits_us = timed(lambda: head(g.outputs[8][:1]))
     for ctx in args.contexts:
         set_context(ctx)
-        print(f"context {ctx:5d}: persistent graph (batch 1) {timed(g.graphs[1].replay):8.1f} us; "
+        # The persistent graph also holds the LM head and the argmax: its forward alone is the
+        # replay less the LM head's eager time (timed here on one row).
+        single = timed(g.graphs[1].replay)
+        print(f"context {ctx:5d}: persistent graph (batch 1) {single:8.1f} us with LM head and argmax, "
+              f"~{single - logits_us:6.1f} without (LM head alone {logits_us:.1f}); "
               f"per-op graph (8 rows, one live) {timed(g.graphs[8].replay):8.1f} us")
-    meta = g._meta(1)
-    ids, pos = g.input_ids[:1], g.positions[:1]
+    meta = g.single.meta()
+    ids, pos = g.single.token, g.single.position
     sms = dec.num_programs
     decoders: dict[str, pd.PersistentDecoder] = {}
     seen: set[int] = set()
@@ -242,8 +255,8 @@ def barriers(sms: int) -> None:
     buf = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"empty launch, {sms} programs: {timed(lambda: _empty[(sms,)](buf)):6.2f} us")
     n = 1000
-    variants = ((0, "counter, acquire-load polling (the kernel's)"), (1, "counter, atomic polling"),
-                (2, "counter, volatile-load polling"), (3, "counter, thread 0 adds and polls (one_thread_barrier)"))
+    variants = ((0, "counter, acquire-load polling (one_thread_barrier=False)"), (1, "counter, atomic polling"),
+                (2, "counter, volatile-load polling"), (3, "counter, thread 0 adds and polls (the kernel's: one_thread_barrier)"))
     for poll, name in variants:
         us = timed(lambda: (buf.zero_(), _barriers_only[(sms,)](buf, n, POLL=poll))) / n
         print(f"grid barrier, {sms} programs, {name}: {us:6.3f} us each")

@@ -138,6 +138,37 @@ def test_persistent_kernel_is_adopted_while_serving_and_handles_long_contexts(ch
     assert counted.replays >= 15  # every decode step after the prefill
 
 
+def test_lone_sequence_graph_feeds_the_sampler_when_not_plain_greedy(checkpoint_factory):
+    """The persistent kernel's graph ends in the LM head and a greedy argmax; a lone sequence
+    that bans tokens (min_tokens) or asks for logprobs is sampled from the graph's logits
+    instead. Tokens must equal eager mode's, logprobs agree to rounding, and so must a greedy
+    request that follows with synchronous scheduling (every input token known on the host, so
+    the copy overwrites the one the last replay left)."""
+    path = checkpoint_factory("qwen3")
+    kw = dict(device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3)
+    params = [SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    outs = {}
+    for mode in ("eager", "persistent"):
+        llm = LLM(str(path), enforce_eager=mode == "eager", persistent_decode=mode == "persistent", **kw)
+        runner = llm.engine.executor.runner
+        if mode == "persistent":
+            runner.finish_background_compile()
+            counted = CountedGraph(runner.graph_runner.graphs[1])
+            runner.graph_runner.graphs[1] = counted
+        ps = prompts(llm.engine.vocab_size, [21, 6], seed=7)
+        first = llm.generate([ps[0]], params[0], use_tqdm=False)[0].outputs[0]
+        llm.engine.async_scheduling = False
+        outs[mode] = [first, llm.generate([ps[1]], params[1], use_tqdm=False)[0].outputs[0]]
+    for eager, persistent in zip(outs["eager"], outs["persistent"]):
+        assert persistent.token_ids == eager.token_ids
+    for eager, persistent in zip(outs["eager"][0].logprobs, outs["persistent"][0].logprobs):
+        assert eager.keys() == persistent.keys()
+        for token, lp in eager.items():
+            assert persistent[token] == pytest.approx(lp, abs=1e-3)
+    assert counted.replays >= 2 * 11  # every decode step of both requests
+
+
 class CountedGraph:
     def __init__(self, graph) -> None:
         self.graph, self.replays = graph, 0

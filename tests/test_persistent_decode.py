@@ -12,6 +12,8 @@ shapes in bf16.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -99,9 +101,9 @@ CASES = {
 # own-token part would need more programs than there are (3 for up to 2 x 3 parts), or splits
 # than max_splits allows.
 SPLITS = {
-    # (On the GPU this layout also runs the one-thread barrier, one_thread_barrier.)
+    # (On the GPU this layout also runs the other grid barrier, one_thread_barrier=False.)
     "own-token-part": dict(max_splits=4, split_tokens=23, block_t=16, own_token_split=True, num_programs=8,
-                           one_thread_barrier=True),
+                           one_thread_barrier=False),
     "last-split-attends-own-token": dict(max_splits=2, split_tokens=3, block_t=16, own_token_split=False),
     "own-token-part-no-free-program": dict(max_splits=4, split_tokens=23, block_t=16, own_token_split=True),
     "own-token-part-no-split-left": dict(max_splits=2, split_tokens=3, block_t=16, own_token_split=True, num_programs=8),
@@ -148,15 +150,43 @@ def test_unsupported_models(checkpoint_factory):
 
 
 def test_graph_sizes_with_the_persistent_kernel():
-    """A lone decode replays the persistent kernel's graph (size 1) once one is captured, at any
-    context; other batches, and a lone decode before then, the per-op graphs (8, 16, ...)."""
+    """Batches replay the per-op graphs (8, 16, ...), a lone decode the 8-row one until the
+    persistent kernel's graph (size 1) is captured; from then on the runner sends a lone decode
+    to that graph (`has_single`, ModelRunner._execute_single) and `run` keeps the per-op sizes."""
     from nanovllm.runner.cuda_graph import CudaGraphRunner
 
     graphs = CudaGraphRunner(None, torch.device("cpu"), 32, 4, 64)
     assert graphs.sizes == [8, 16, 32]
     assert [graphs.graph_size(n) for n in (1, 2, 8, 9, 32)] == [8, 8, 8, 16, 32]
+    assert not graphs.has_single
     graphs.graphs[1] = object()  # what capture_single adds
-    assert [graphs.graph_size(n) for n in (1, 2, 8, 9, 32)] == [1, 8, 8, 16, 32]
+    assert graphs.has_single
+    assert [graphs.graph_size(n) for n in (1, 2, 8, 9, 32)] == [8, 8, 8, 16, 32]
+
+
+@pytest.mark.parametrize("host_knows_token", [True, False], ids=["token-from-host", "token-left-in-place"])
+def test_single_decode_inputs_arrive_in_one_copy(host_knows_token):
+    """The lone-sequence graph's inputs are views of one byte buffer: the bytes fill_host writes,
+    copied from 0 (the host knows the token) or from POSITION (the token is the one the last
+    replay left in place), give every view its value, and each view starts 16 bytes apart."""
+    from nanovllm.runner.cuda_graph import SingleDecodeInputs
+
+    s = SingleDecodeInputs(max_blocks=6, max_model_len=96, device=torch.device("cpu"))
+    assert (s.slot.item(), s.seq_len.item()) == (-1, 1)  # stores nothing until filled
+    s.token.fill_(777)  # the previous replay's argmax
+    host = torch.zeros(s.nbytes, dtype=torch.uint8).numpy()
+    s.fill_host(host, token=42, position=37, block_table=[9, 4, 7], block_size=16)
+    start = 0 if host_knows_token else s.POSITION
+    s.buffer[start:].copy_(torch.from_numpy(host[start:]))
+    assert s.token.item() == (42 if host_knows_token else 777)
+    assert s.position.item() == 37
+    assert s.slot.item() == 7 * 16 + 5  # position 37: block index 2 of the table, offset 5
+    assert s.seq_len.item() == 38
+    assert s.block_table[0, :3].tolist() == [9, 4, 7]
+    meta = s.meta()
+    assert meta.num_decodes == 1 and meta.block_tables.shape == (1, 6)
+    views = (s.token, s.position, s.slot, s.seq_len, s.block_table)
+    assert all((v.data_ptr() - s.buffer.data_ptr()) % 16 == 0 for v in views)
 
 
 class FakeGraphs:
@@ -166,7 +196,7 @@ class FakeGraphs:
         self.graphs: dict[int, object] = {8: object()}
         self.fail = fail
 
-    def capture_single(self, single) -> None:
+    def capture_single(self, single, head) -> None:
         if self.fail:
             raise RuntimeError("capture failed")
         self.graphs[1] = single
@@ -178,6 +208,7 @@ def runner_with_background_compile(graphs: FakeGraphs, dry_pass):
 
     runner = ModelRunner.__new__(ModelRunner)
     runner.graph_runner, runner.persistent_decoder = graphs, object()
+    runner.model = SimpleNamespace(compute_logits=lambda hidden: hidden)  # captured after the kernel
     runner._persistent_dry_pass, runner._persistent_pending = dry_pass, None
     return runner
 

@@ -11,7 +11,11 @@ A lone sequence takes the persistent decode kernel once the runner has one
 (runner/persistent_decode.py, compiled in the background after start-up): `capture_single`
 adds a graph of size 1 that captures that kernel instead of the per-op forward, faster at every
 context measured (H200, Qwen3-0.6B, per token: 0.70 vs 1.19 ms at 640 tokens, 1.84 vs 2.89 ms at
-16,384; benchmarks/persistent_decode.py). Otherwise the smallest graph has 8 rows: cuBLAS picks
+16,384; benchmarks/persistent_decode.py). That graph also holds the LM head and the greedy
+argmax, which it writes over its own input token, so that a greedy stream's next step finds its
+input in place; its inputs are views of one byte buffer (SingleDecodeInputs) that one
+host-to-device copy fills. Each launch left outside the graph cost the host ~10-65 us per token
+(torch profiler, H200, W5). Otherwise the smallest graph has 8 rows: cuBLAS picks
 a slow kernel for some projections below 8 rows (Qwen3-0.6B's o_proj took 12.6 us at 1 row and
 5.9 us at 8 on the H200, `benchmarks/small_gemm.py`), and the other kernels cost the same for 1
 or 8 rows, so a lone sequence runs faster padded to 8.
@@ -23,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +37,46 @@ logger = logging.getLogger("nanovllm")
 
 
 MIN_GRAPH_BATCH = 8
+
+
+class SingleDecodeInputs:
+    """The lone-sequence graph's static inputs: typed views of one device byte buffer, so that a
+    step's inputs arrive in one copy (`fill_host`, then copy the bytes from POSITION, or from 0
+    when the host knows the input token). Each view starts 16 bytes apart: Triton compiles a
+    kernel variant per pointer alignment, and the compile (dry pass) and the capture use these
+    same views."""
+
+    TOKEN, POSITION, SLOT, SEQ_LEN, BLOCK_TABLE = 0, 16, 32, 48, 64  # byte offsets
+
+    def __init__(self, max_blocks: int, max_model_len: int, device: torch.device) -> None:
+        self.nbytes = self.BLOCK_TABLE + 4 * max_blocks
+        self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        b = self.buffer
+        self.token = b[self.TOKEN : self.TOKEN + 8].view(torch.int64)
+        self.position = b[self.POSITION : self.POSITION + 8].view(torch.int64)
+        self.slot = b[self.SLOT : self.SLOT + 8].view(torch.int64)
+        self.seq_len = b[self.SEQ_LEN : self.SEQ_LEN + 4].view(torch.int32)
+        self.block_table = b[self.BLOCK_TABLE :].view(torch.int32).view(1, max_blocks)
+        self.slot.fill_(-1)  # until a step fills them: store nothing
+        self.seq_len.fill_(1)
+        self.max_model_len = max_model_len
+        self._query_start_loc = torch.arange(2, dtype=torch.int32, device=device)
+
+    def meta(self) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot, query_start_loc=self._query_start_loc, seq_lens=self.seq_len,
+            block_tables=self.block_table, num_decodes=1, max_query_len=1, max_seq_len=self.max_model_len,
+            query_lens_cpu=[1], seq_lens_cpu=[self.max_model_len],
+        )
+
+    def fill_host(self, host: np.ndarray, token: int, position: int, block_table: list[int], block_size: int) -> None:
+        """Write one decode step's inputs into `host` (nbytes uint8, the device buffer's layout)."""
+        ints = host[: self.SEQ_LEN].view(np.int64)
+        ints[self.TOKEN // 8] = token
+        ints[self.POSITION // 8] = position
+        ints[self.SLOT // 8] = block_table[position // block_size] * block_size + position % block_size
+        host[self.SEQ_LEN : self.SEQ_LEN + 4].view(np.int32)[0] = position + 1
+        host[self.BLOCK_TABLE : self.BLOCK_TABLE + 4 * len(block_table)].view(np.int32)[:] = block_table
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -56,6 +101,8 @@ class CudaGraphRunner:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.single = SingleDecodeInputs(max_blocks_per_seq, max_model_len, device)
+        self.single_logits: torch.Tensor | None = None
         self.max_model_len = max_model_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -103,22 +150,35 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (batch 1..%d) in %.1fs", len(self.sizes), self.max_batch, self.capture_seconds)
 
     @torch.inference_mode()
-    def capture_single(self, single: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]) -> None:
-        """Capture `single` (one decoding sequence's forward, compiled already) as the graph of
-        size 1, into the pool of the others. Runs between steps, on the thread that runs them:
-        the warm-up launch reads the static buffers, so row 0 is first made to store nothing
-        (slot -1) and attend to nothing cached (length 1: its own token only)."""
+    def capture_single(
+        self,
+        single: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        head: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Capture `single` (one decoding sequence's forward over `self.single`, compiled
+        already), then `head` (hidden -> logits) and the greedy argmax into `self.single.token`,
+        as the graph of size 1, in the pool of the others. Runs between steps, on the thread that
+        runs them: the warm-up launch reads the static inputs, so they are first made to store
+        nothing (slot -1) and attend to nothing cached (length 1: its own token only)."""
         t0 = time.perf_counter()
-        self.slot_mapping[:1] = -1
-        self.seq_lens[:1] = 1
-        meta = self._meta(1)
-        single(self.input_ids[:1], self.positions[:1], meta)
+        s = self.single
+        s.slot.fill_(-1)
+        s.seq_len.fill_(1)
+        meta = s.meta()
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = single(s.token, s.position, meta)
+            logits = head(hidden)
+            torch.argmax(logits, dim=-1, out=s.token)
+            return hidden, logits
+
+        forward()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA call during this capture (a server thread copying
         # results) must not invalidate it.
         with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
-            self.outputs[1] = single(self.input_ids[:1], self.positions[:1], meta)
+            self.outputs[1], self.single_logits = forward()
         torch.cuda.synchronize()
         self.graphs[1] = graph
         logger.info("captured the persistent decode kernel's graph in %.2fs", time.perf_counter() - t0)
@@ -135,13 +195,23 @@ class CudaGraphRunner:
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and 0 < num_seqs <= self.max_batch
 
+    @property
+    def has_single(self) -> bool:
+        """Whether a lone decoding sequence replays the graph of size 1 (`replay_single`)."""
+        return 1 in self.graphs
+
     def graph_size(self, num_seqs: int) -> int:
-        """The captured batch size a step of num_seqs decodes replays."""
-        if num_seqs == 1 and 1 in self.graphs:
-            return 1
+        """The captured per-op batch size a step of num_seqs decodes replays in `run`."""
         return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
+    def replay_single(self) -> torch.Tensor:
+        """Replay the graph of size 1 over `self.single` (filled by the caller); returns its
+        logits [1, vocab]. The greedy token is in `self.single.token` afterwards."""
+        self.graphs[1].replay()
+        return self.single_logits
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Replay the per-op graph that fits these decodes (copied into its static inputs)."""
         n = input_ids.shape[0]
         bs = self.graph_size(n)
         width = meta.block_tables.shape[1]

@@ -20,12 +20,13 @@ import torch
 
 from nanovllm.attention.backend import AttentionMetadata, bind_kv_cache, get_backend
 from nanovllm.config import EngineConfig
-from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN
-from nanovllm.layers.sampler import Sampler, SamplingTensors, make_generator
+from nanovllm.layers.sampler import GREEDY_EPS, Sampler, SamplerOutput, SamplingTensors, make_generator
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
 from nanovllm.precompile import compile_in_background, precompiling
+from nanovllm.runner.host_staging import HostStaging
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
@@ -148,6 +149,7 @@ class ModelRunner:
         self._prev_rows: dict[int, int] = {}
         self.graph_runner = None
         self.persistent_decoder = None
+        self._staging = HostStaging(self.device, slots=6) if self.device.type == "cuda" else None
         # The torch backend reads host-side lengths, so only the Triton / flash-attn backends are captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from nanovllm.runner.cuda_graph import CudaGraphRunner
@@ -194,7 +196,7 @@ class ModelRunner:
         self._persistent_pending: Future | None = None
         if self.persistent_decoder is not None:
             g, decoder = self.graph_runner, self.persistent_decoder
-            ids, pos, meta = g.input_ids[:1], g.positions[:1], g._meta(1)
+            ids, pos, meta = g.single.token, g.single.position, g.single.meta()
 
             def dry_pass() -> None:
                 with torch.cuda.device(self.device), torch.inference_mode():
@@ -253,7 +255,7 @@ class ModelRunner:
         try:
             if not pending.result():
                 raise RuntimeError("this Triton cannot compile in the background")
-            self.graph_runner.capture_single(self.persistent_decoder)
+            self.graph_runner.capture_single(self.persistent_decoder, self.model.compute_logits)
         except Exception as e:  # noqa: BLE001 - an optional fast path: log it and serve without it
             logger.warning("persistent decode off: %s", e)
             self.graph_runner.graphs.pop(1, None)
@@ -384,9 +386,13 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        """Host array -> device tensor: through pinned memory without blocking on CUDA, as is on CPU."""
-        t = torch.from_numpy(a)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        """Host array -> device tensor: through a pinned staging slot without blocking on CUDA
+        (runner/host_staging.py), as is on CPU."""
+        if self._staging is None:
+            return torch.from_numpy(a)
+        host = self._staging.take(a.nbytes)
+        host.view(a.dtype)[:] = a.reshape(-1)
+        return self._staging.upload(0, a.nbytes).view(torch.from_numpy(a[:0]).dtype).view(a.shape)
 
     def _to_device_packed(self, arrays: list[np.ndarray], dtype: type) -> list[torch.Tensor]:
         """Several host arrays of one dtype -> device views of one buffer, in one copy (each copy
@@ -395,15 +401,22 @@ class ModelRunner:
         Every view starts on a 16-byte boundary: Triton compiles a kernel variant per pointer
         alignment, so a view whose alignment followed the step's token count would compile a
         new variant in the middle of a run."""
-        align = 16 // np.dtype(dtype).itemsize
+        item = np.dtype(dtype).itemsize
+        align = 16 // item
         offsets, end = [], 0
         for a in arrays:
             offsets.append(end)
             end += -(-a.size // align) * align
-        flat = np.empty(end, dtype=dtype)
+        if self._staging is None:
+            flat = np.empty(end, dtype=dtype)
+        else:
+            flat = self._staging.take(end * item).view(dtype)
         for a, offset in zip(arrays, offsets):
             flat[offset : offset + a.size] = a.reshape(-1)
-        dev = self._to_device(flat)
+        if self._staging is None:
+            dev = torch.from_numpy(flat)
+        else:
+            dev = self._staging.upload(0, end * item).view(torch.from_numpy(flat[:0]).dtype)
         return [dev[offset : offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
@@ -464,6 +477,8 @@ class ModelRunner:
             self._adopt_persistent_decoder()
         elif self._persistent_dry_pass is not None and out.num_decodes:
             self._start_background_compile()  # the first decode step: every first token is out
+        if self.graph_runner is not None and self.graph_runner.has_single and len(out.seqs) == 1 and out.num_decodes == 1:
+            return self._execute_single(out.seqs[0])
         input_ids, positions, meta, logits_indices = self.prepare(out)
         if self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
             hidden = self.graph_runner.run(input_ids, positions, meta)
@@ -482,6 +497,35 @@ class ModelRunner:
         self._prev_tokens = sampled.token_ids
         self._prev_rows = {s.seq_id: i for i, s in enumerate(rows)}
         return PendingOutput(rows, sampled, self.device)
+
+    def _execute_single(self, item: ScheduledSeq) -> PendingOutput | _Done:
+        """A lone decoding sequence: one copy of its inputs, one replay of the graph of the
+        persistent kernel, LM head and greedy argmax (CudaGraphRunner.capture_single); the
+        sampler runs only for rows that are not plain greedy. A greedy stream's input token is
+        where the last replay wrote it; another one is copied there from the last step's ids."""
+        g = self.graph_runner
+        s = g.single
+        host = self._staging.take(s.nbytes)
+        token = item.token_ids[0]
+        s.fill_host(host, token, item.start_pos, item.block_table, self.block_size)
+        if token == PLACEHOLDER_TOKEN:
+            row = self._prev_rows[item.seq_id]
+            if not (self._prev_tokens is s.token and row == 0):
+                s.token.copy_(self._prev_tokens[row : row + 1])
+            self._staging.upload(s.POSITION, s.nbytes, out=s.buffer[s.POSITION :])
+        else:
+            self._staging.upload(0, s.nbytes, out=s.buffer)
+        logits = g.replay_single()
+        if not item.sample:
+            return _Done(RunnerOutput([]))
+        p = item.params
+        if p.temperature < GREEDY_EPS and not item.banned_token_ids and p.logprobs is None:
+            sampled = SamplerOutput(s.token, None, None, None)  # the graph's argmax
+        else:
+            sampled = self._sample([item], logits)
+        self._prev_tokens = sampled.token_ids
+        self._prev_rows = {item.seq_id: 0}
+        return PendingOutput([item], sampled, self.device)
 
     def _sample(self, rows, logits: torch.Tensor):
         banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]

@@ -131,8 +131,9 @@ def _grid_arrive(sync_ptr, ONE_THREAD: tl.constexpr = False):
     is unused compiles to a reduction that does not wait, but then the last program to arrive
     must poll once more (761 us). ONE_THREAD: thread 0 adds in inline PTX and keeps the answer in
     its own register, the other threads get 2**31 - 1 (above any target: they do not poll), so
-    nothing waits for the answer until thread 0 polls in _grid_wait (not measured yet; see
-    PersistentDecoder's one_thread_barrier)."""
+    nothing waits for the answer until thread 0 polls in _grid_wait: 702 -> 688 us per token at
+    context 640, 14-25 us less at every context measured (64 to 16,384; H200, eager launches);
+    the barrier alone 0.91 -> 0.87 us (PersistentDecoder's one_thread_barrier, on by default)."""
     tl.debug_barrier()
     if ONE_THREAD:
         return tl.inline_asm_elementwise(
@@ -736,18 +737,18 @@ class PersistentDecoder:
     744 -> 706 us per token at context 640, 834 -> 815 at 2,048, 1,866 -> 1,846 at 16,384 (eager
     launches; an earlier rule that always added the part was slower past ~1,000 positions),
     warps, weights per register tile (gate_up_tile_elements: the gate and up tiles together,
-    default tile_elements), one_thread_barrier (see _grid_arrive: built after the session's device
-    time ran out and checked only in a local sm_90 compile, so off until measured), and two
-    benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
-    self.probe). The defaults are the fastest measured on
-    the H200 (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small
-    ones so that programs take several items and contexts several splits."""
+    default tile_elements), one_thread_barrier (thread 0 alone arrives and polls, see
+    _grid_arrive; False: every thread takes the arrival's answer, 14-25 us per token slower), and
+    two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
+    self.probe). The defaults are the fastest measured on the H200
+    (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small ones so that
+    programs take several items and contexts several splits."""
 
     def __init__(
         self, model: Any, num_programs: int, persistent: bool = True,
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
-        probe: bool = False, own_token_split: bool = True, one_thread_barrier: bool = False,
+        probe: bool = False, own_token_split: bool = True, one_thread_barrier: bool = True,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
