@@ -136,23 +136,6 @@ def test_more_splits_than_allowed_and_one_program(checkpoint_factory):
     assert decoder.sync[1 : 1 + decoder.num_k].tolist() == [0] * decoder.num_k  # the last split of each head reset its count
 
 
-@pytest.mark.parametrize("preload", [1, 2, 4])
-def test_weight_chunks_loaded_ahead(checkpoint_factory, preload):
-    """Small weight tiles (16 columns: 4-8 K chunks per projection) with 1, 2 or 4 of each
-    stage's first chunks loaded ahead (preload_chunks; o and gate/up take at most 2, the o
-    projection's second after attention): the same logits as the model; on CUDA the persistent
-    launch equals the stepwise one bit for bit."""
-    path = checkpoint_factory("qwen3")
-    kwargs = dict(tile_elements=16, preload_chunks=preload)
-    expected, got, *_ = decode_both(path, 45, persistent=False, num_programs=3, **kwargs)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
-    if HAS_CUDA:
-        sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-        _, persistent, *_ = decode_both(path, 45, num_programs=sms, **kwargs)
-        _, stepwise, *_ = decode_both(path, 45, persistent=False, num_programs=sms, **kwargs)
-        assert torch.equal(persistent, stepwise)
-
-
 def test_unsupported_models(checkpoint_factory):
     path = checkpoint_factory("llama", num_heads=4, num_kv_heads=1, head_dim=16, attention_bias=True)
     model, *_ = build(path)

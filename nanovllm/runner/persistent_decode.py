@@ -228,32 +228,23 @@ def _weight_tile(w_ptr, rows, rmask, k0, K: tl.constexpr, BLOCK_K: tl.constexpr)
 
 
 @triton.jit
-def _first_tile(w_ptr, pid, rows_per_item, N, valid, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """K chunk k0 of this program's first item: what a stage reads first, so the persistent
-    kernel loads it ahead, before the barrier the stage waits at (weights do not depend on the
-    other programs' results). valid=False reads nothing."""
+def _first_tile(w_ptr, pid, rows_per_item, N, valid, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first K chunk of this program's first item: what a stage reads first, so the
+    persistent kernel loads it ahead, before the barrier the stage waits at (weights do not
+    depend on the other programs' results). valid=False reads nothing."""
     rows, rmask = _rows(pid, rows_per_item, N, BLOCK_R)
-    return _weight_tile(w_ptr, rows, rmask & valid, k0, K, BLOCK_K)
+    return _weight_tile(w_ptr, rows, rmask & valid, 0, K, BLOCK_K)
 
 
 @triton.jit
-def _chunk(f0, f1, f2, f3, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.constexpr,
-           BLOCK_K: tl.constexpr, PRE: tl.constexpr):
-    """K chunk k0 of an item's weight rows: for the program's first item, its first PRE chunks
-    were loaded ahead (f0-f3, see _first_tile and _prefetch); anything else is a load."""
-    i: tl.constexpr = k0 // BLOCK_K
-    if i < PRE:
+def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K chunk k0 of an item's weight rows: `first` (loaded ahead, see _first_tile) for the
+    program's first item's first chunk, else a load."""
+    if k0 == 0:
         if is_first_item:
-            if i == 0:
-                w = f0
-            elif i == 1:
-                w = f1
-            elif i == 2:
-                w = f2
-            else:
-                w = f3
+            w = first
         else:
-            w = _weight_tile(w_ptr, rows, rmask, k0, K, BLOCK_K)
+            w = _weight_tile(w_ptr, rows, rmask, 0, K, BLOCK_K)
     else:
         w = _weight_tile(w_ptr, rows, rmask, k0, K, BLOCK_K)
     return w
@@ -261,11 +252,10 @@ def _chunk(f0, f1, f2, f3, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, 
 
 @triton.jit
 def _stage_qkv(
-    f0, f1, f2, f3, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item,
+    first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item,
     H: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRE: tl.constexpr,
 ):
-    """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). f0-f3, PRE: see _chunk."""
+    """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile."""
     dtype = qkv_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN1)
@@ -276,7 +266,7 @@ def _stage_qkv(
         for k0 in tl.static_range(0, H, BLOCK_K):
             offs_k = _tile_columns(rows, k0, BLOCK_K)
             x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
-            w = _chunk(f0, f1, f2, f3, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, PRE)
+            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
             acc += w.to(tl.float32) * x
         acc = tl.sum(acc, axis=1)
         if HAS_BIAS:
@@ -496,8 +486,8 @@ def _stage_attention(
 
 @triton.jit
 def _stage_rows_residual(
-    f0, f1, f2, f3, w_ptr, x_ptr, resid_ptr, pid, num_programs, rows_per_item,
-    H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr,
+    first, w_ptr, x_ptr, resid_ptr, pid, num_programs, rows_per_item,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """residual[rows] = round(round(W[rows] @ x) + residual[rows]): the o and down projections."""
     dtype = resid_ptr.dtype.element_ty
@@ -507,7 +497,7 @@ def _stage_rows_residual(
         for k0 in tl.static_range(0, K, BLOCK_K):
             offs_k = _tile_columns(rows, k0, BLOCK_K)
             x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            w = _chunk(f0, f1, f2, f3, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K, PRE)
+            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K)
             acc += w.to(tl.float32) * x
         acc = tl.sum(acc, axis=1)
         r = tl.load(resid_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -516,11 +506,10 @@ def _stage_rows_residual(
 
 @triton.jit
 def _stage_gate_up(
-    f0, f1, f2, f3, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_per_item,
-    H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr,
+    first_gate, first_up, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_per_item,
+    H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual).
-    Loaded ahead (_prefetch): gate chunks 0, 1 in f0, f2 and up chunks 0, 1 in f1, f3 (PRE of them)."""
+    """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)."""
     dtype = act_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN2)
@@ -532,8 +521,8 @@ def _stage_gate_up(
         for k0 in tl.static_range(0, H, BLOCK_K):
             offs_k = _tile_columns(rows, k0, BLOCK_K)
             x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
-            wg = _chunk(f0, f2, f0, f0, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, PRE)
-            wu = _chunk(f1, f3, f1, f1, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K, PRE)
+            wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
+            wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K)
             gate += wg.to(tl.float32) * x
             up += wu.to(tl.float32) * x
         gate = tl.sum(gate, axis=1)
@@ -556,65 +545,28 @@ def _prefetch(
     STAGE: tl.constexpr, layer_ptr, valid, base_ptr, pid, rows_qkv, rows_h, rows_inter,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
-    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, PRE_QKV: tl.constexpr, PRE_GU: tl.constexpr,
-    PRE_DOWN: tl.constexpr,
+    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr,
 ):
-    """The weight tiles of stage STAGE (0 qkv, 2 o, 3 gate and up, 4 down) of a layer that are
-    loaded ahead, as _chunk's f0-f3: the first PRE_* K chunks of this program's first item
-    (gate and up: see _stage_gate_up; o: its first chunk only, the kernel loads the second at
-    the barrier after attention). Unused slots repeat f0 (no load)."""
+    """The first weight tile(s) of stage STAGE (0 qkv, 2 o, 3 gate and up, 4 down) of a layer."""
     if STAGE == 0:
-        w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
-        N: tl.constexpr = (NQ + 2 * NK) * D
-        f0 = _first_tile(w_ptr, pid, rows_qkv, N, valid, 0, H, BR_QKV, BK_QKV)
-        f1 = f0
-        f2 = f0
-        f3 = f0
-        if PRE_QKV > 1:
-            f1 = _first_tile(w_ptr, pid, rows_qkv, N, valid, BK_QKV, H, BR_QKV, BK_QKV)
-        if PRE_QKV > 2:
-            f2 = _first_tile(w_ptr, pid, rows_qkv, N, valid, 2 * BK_QKV, H, BR_QKV, BK_QKV)
-        if PRE_QKV > 3:
-            f3 = _first_tile(w_ptr, pid, rows_qkv, N, valid, 3 * BK_QKV, H, BR_QKV, BK_QKV)
-        return f0, f1, f2, f3
+        t = _first_tile(_at(base_ptr, layer_ptr, F_QKV_W), pid, rows_qkv, (NQ + 2 * NK) * D, valid, H, BR_QKV, BK_QKV)
+        return t, t
     elif STAGE == 2:
-        f0 = _first_tile(_at(base_ptr, layer_ptr, F_O_W), pid, rows_h, H, valid, 0, NQ * D, BR_H, BK_O)
-        return f0, f0, f0, f0
+        t = _first_tile(_at(base_ptr, layer_ptr, F_O_W), pid, rows_h, H, valid, NQ * D, BR_H, BK_O)
+        return t, t
     elif STAGE == 3:
         w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
-        g0 = _first_tile(w_ptr, pid, rows_inter, INTER, valid, 0, H, BR_INTER, BK_INTER)
-        u0 = _first_tile(w_ptr + INTER * H, pid, rows_inter, INTER, valid, 0, H, BR_INTER, BK_INTER)
-        g1 = g0
-        u1 = u0
-        if PRE_GU > 1:
-            g1 = _first_tile(w_ptr, pid, rows_inter, INTER, valid, BK_INTER, H, BR_INTER, BK_INTER)
-            u1 = _first_tile(w_ptr + INTER * H, pid, rows_inter, INTER, valid, BK_INTER, H, BR_INTER, BK_INTER)
-        return g0, u0, g1, u1
+        gate = _first_tile(w_ptr, pid, rows_inter, INTER, valid, H, BR_INTER, BK_INTER)
+        up = _first_tile(w_ptr + INTER * H, pid, rows_inter, INTER, valid, H, BR_INTER, BK_INTER)
+        return gate, up
     else:
-        w_ptr = _at(base_ptr, layer_ptr, F_DOWN_W)
-        f0 = _first_tile(w_ptr, pid, rows_h, H, valid, 0, INTER, BR_H, BK_DOWN)
-        f1 = f0
-        f2 = f0
-        f3 = f0
-        if PRE_DOWN > 1:
-            f1 = _first_tile(w_ptr, pid, rows_h, H, valid, BK_DOWN, INTER, BR_H, BK_DOWN)
-        if PRE_DOWN > 2:
-            f2 = _first_tile(w_ptr, pid, rows_h, H, valid, 2 * BK_DOWN, INTER, BR_H, BK_DOWN)
-        if PRE_DOWN > 3:
-            f3 = _first_tile(w_ptr, pid, rows_h, H, valid, 3 * BK_DOWN, INTER, BR_H, BK_DOWN)
-        return f0, f1, f2, f3
-
-
-@triton.jit
-def _second_o_tile(layer_ptr, base_ptr, pid, rows_h, H: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr,
-                   BR_H: tl.constexpr, BK_O: tl.constexpr):
-    """The o projection's second K chunk of this program's first item (_chunk's f1 for stage C)."""
-    return _first_tile(_at(base_ptr, layer_ptr, F_O_W), pid, rows_h, H, True, BK_O, NQ * D, BR_H, BK_O)
+        t = _first_tile(_at(base_ptr, layer_ptr, F_DOWN_W), pid, rows_h, H, valid, INTER, BR_H, BK_DOWN)
+        return t, t
 
 
 @triton.jit
 def _layer_stage(
-    STAGE: tl.constexpr, f0, f1, f2, f3, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
+    STAGE: tl.constexpr, first, first2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
     part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
     eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter, probe_row, probe_half,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
@@ -622,28 +574,27 @@ def _layer_stage(
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
     BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr,
-    PRE_QKV: tl.constexpr, PRE_O: tl.constexpr, PRE_GU: tl.constexpr, PRE_DOWN: tl.constexpr,
 ):
-    """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; f0-f3 the
-    weight tiles loaded ahead (_prefetch, _chunk), unused by stage 1 (attention), which takes
+    """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
+    `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
     its first cached K/V tile as kv1-kv4 (at _first_kv_rows)."""
     if STAGE == 0:
-        _stage_qkv(f0, f1, f2, f3, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv,
-                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, PRE_QKV)
+        _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv,
+                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV)
     elif STAGE == 1:
         _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
                          pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
                          qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, probe_row, probe_half,
                          NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
     elif STAGE == 2:
-        _stage_rows_residual(f0, f1, f2, f3, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, pid, num_programs,
-                             rows_h, H, NQ * D, BR_H, BK_O, PRE_O)
+        _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, pid, num_programs,
+                             rows_h, H, NQ * D, BR_H, BK_O)
     elif STAGE == 3:
-        _stage_gate_up(f0, f1, f2, f3, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_inter,
-                       H, INTER, BR_INTER, BK_INTER, PRE_GU)
+        _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_inter,
+                       H, INTER, BR_INTER, BK_INTER)
     else:
-        _stage_rows_residual(f0, f1, f2, f3, _at(base_ptr, layer_ptr, F_DOWN_W), act_ptr, resid_ptr, pid, num_programs,
-                             rows_h, H, INTER, BR_H, BK_DOWN, PRE_DOWN)
+        _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_DOWN_W), act_ptr, resid_ptr, pid, num_programs,
+                             rows_h, H, INTER, BR_H, BK_DOWN)
 
 
 _STAGES_PER_LAYER = 5
@@ -660,7 +611,6 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
-    PRE_QKV: tl.constexpr, PRE_O: tl.constexpr, PRE_GU: tl.constexpr, PRE_DOWN: tl.constexpr,
     ONE_THREAD_BARRIER: tl.constexpr = False, STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
@@ -681,9 +631,8 @@ def _decode_kernel(
         kv3 = kv1
         kv4 = kv1
         seen = _grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
-        f0, f1, f2, f3 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
-                                   H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
-                                   PRE_QKV, PRE_GU, PRE_DOWN)
+        t1, t2 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+                      H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
         arrivals = num_programs
@@ -696,28 +645,23 @@ def _decode_kernel(
                 _stamp(probe_row, 3 * stage, num_programs, probe_half, PROBE)
                 if (STAGE_MASK >> stage) & 1:
                     _layer_stage(
-                        stage, f0, f1, f2, f3, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
+                        stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
                         part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
                         eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
                         probe_row, probe_half, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT,
                         BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE,
-                        PRE_QKV, PRE_O, PRE_GU, PRE_DOWN,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                 seen = _grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
-                # The first tiles of the next stage with weights, loaded during this barrier:
-                # stage 0's loads the o projection's first, which waits through attention (stage 1,
-                # no weights), and stage 1's its second; stage 4's loads stage 0 of the next layer
-                # (nothing after the last).
+                # The first tile of the next stage with weights, loaded during this barrier:
+                # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
+                # stage 4's loads stage 0 of the next layer (nothing after the last).
                 if stage != 1:
-                    f0, f1, f2, f3 = _prefetch(
+                    t1, t2 = _prefetch(
                         (stage + 1 + (stage == 0)) % 5, layer_ptr + NUM_FIELDS if stage == 4 else layer_ptr,
                         layer_i + 1 < num_layers if stage == 4 else True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                         H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
-                        PRE_QKV, PRE_GU, PRE_DOWN,
                     )
-                elif PRE_O > 1:
-                    f1 = _second_o_tile(layer_ptr, base_ptr, pid, rows_h, H, NQ, D, BR_H, BK_O)
                 if stage == 0:
                     kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
                                                   kv_rows, kv_valid, D // 2)
@@ -731,23 +675,18 @@ def _decode_kernel(
         _stage_final_norm(resid_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H)
     else:
         layer_ptr = table_ptr + layer * NUM_FIELDS
-        f0, f1, f2, f3 = _prefetch(STAGE if STAGE != 1 else 0, layer_ptr, STAGE != 1, base_ptr, pid, rows_qkv, rows_h,
-                                   rows_inter, H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER,
-                                   BK_INTER, PRE_QKV, PRE_GU, PRE_DOWN)
-        if STAGE == 2:
-            if PRE_O > 1:
-                f1 = _second_o_tile(layer_ptr, base_ptr, pid, rows_h, H, NQ, D, BR_H, BK_O)
+        t1, t2 = _prefetch(STAGE if STAGE != 1 else 0, layer_ptr, STAGE != 1, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+                      H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
         kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
                                       kv_rows, kv_valid, D // 2)
         _layer_stage(
-            STAGE, f0, f1, f2, f3, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
+            STAGE, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
             part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
             probe_ptr, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS,
             BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False,
-            PRE_QKV, PRE_O, PRE_GU, PRE_DOWN,
         )
 
 
@@ -810,15 +749,12 @@ class PersistentDecoder:
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
         probe: bool = False, own_token_split: bool = True, one_thread_barrier: bool = True,
-        preload_chunks: int = 1,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"persistent decode does not support this model: {reason}")
         if max_splits < 1 or max_splits & (max_splits - 1):
             raise ValueError(f"max_splits must be a power of two, got {max_splits}")
-        if not 1 <= preload_chunks <= 4:
-            raise ValueError(f"preload_chunks must be 1-4, got {preload_chunks}")
         if block_t < 16 or block_t & (block_t - 1):
             raise ValueError(f"block_t must be a power of two >= 16 (a tl.dot dimension), got {block_t}")
         inner = model.model
@@ -867,12 +803,6 @@ class PersistentDecoder:
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
             BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
             ONE_THREAD_BARRIER=one_thread_barrier, STAGE_MASK=stage_mask, PROBE=probe,
-            # K chunks of each stage loaded ahead (_prefetch): at most what the stage has, and at
-            # most 2 for o (its second is loaded after attention) and gate/up (two tiles each).
-            PRE_QKV=min(preload_chunks, -(-self.hidden // bk_qkv)),
-            PRE_O=min(preload_chunks, 2, -(-self.num_q * self.head_dim // bk_o)),
-            PRE_GU=min(preload_chunks, 2, -(-self.hidden // bk_inter)),
-            PRE_DOWN=min(preload_chunks, -(-self.inter // bk_down)),
         )
         self.table: torch.Tensor | None = None
 
