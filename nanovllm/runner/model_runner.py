@@ -515,6 +515,8 @@ class ModelRunner:
             self._staging.upload(s.POSITION, s.nbytes, out=s.buffer[s.POSITION :])
         else:
             self._staging.upload(0, s.nbytes, out=s.buffer)
+        if not item.sample and self._prev_tokens is s.token:
+            self._prev_tokens = s.token.clone()  # the replay's argmax overwrites them
         logits = g.replay_single()
         if not item.sample:
             return _Done(RunnerOutput([]))

@@ -55,7 +55,8 @@ Stages of a layer (each program takes a slice of rows, or of (KV head, context s
   E  down projection rows plus the residual add.
 A barrier follows each stage. Before the first layer the embedding row becomes the residual
 stream; after the last, the final RMSNorm writes the hidden state. The LM head and the sampler
-run after the kernel, as for every other step.
+run after the kernel, as for every other step (the runner's CUDA graph of the kernel also holds
+the LM head and the greedy argmax: runner/cuda_graph.py).
 
 Numerics follow the per-op path (layers/fused.py): every value the reference rounds to the
 activation dtype (projection outputs, the residual sums, normalised values, rotary products,
