@@ -386,17 +386,14 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        """Host array -> device tensor: through a pinned staging slot without blocking on CUDA
-        (runner/host_staging.py), as is on CPU."""
-        if self._staging is None:
-            return torch.from_numpy(a)
-        host = self._staging.take(a.nbytes)
-        host.view(a.dtype)[:] = a.reshape(-1)
-        return self._staging.upload(0, a.nbytes).view(torch.from_numpy(a[:0]).dtype).view(a.shape)
+        """Host array -> device tensor (see _to_device_packed)."""
+        return self._to_device_packed([a], a.dtype)[0]
 
     def _to_device_packed(self, arrays: list[np.ndarray], dtype: type) -> list[torch.Tensor]:
         """Several host arrays of one dtype -> device views of one buffer, in one copy (each copy
-        is a launch the GPU waits on between steps, so a step's arrays travel together).
+        is a launch the GPU waits on between steps, so a step's arrays travel together). On CUDA
+        the buffer is a pinned staging slot and the copy does not block the host
+        (runner/host_staging.py); on the CPU the views are of host memory.
 
         Every view starts on a 16-byte boundary: Triton compiles a kernel variant per pointer
         alignment, so a view whose alignment followed the step's token count would compile a
@@ -413,10 +410,9 @@ class ModelRunner:
             flat = self._staging.take(end * item).view(dtype)
         for a, offset in zip(arrays, offsets):
             flat[offset : offset + a.size] = a.reshape(-1)
-        if self._staging is None:
-            dev = torch.from_numpy(flat)
-        else:
-            dev = self._staging.upload(0, end * item).view(torch.from_numpy(flat[:0]).dtype)
+        dev = torch.from_numpy(flat)
+        if self._staging is not None:
+            dev = self._staging.upload(0, flat.nbytes).view(dev.dtype)
         return [dev[offset : offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
