@@ -24,9 +24,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[..., nblocks] block ids -> [..., nblocks * block_size, H, D] cached rows."""
-    rows = cache[block_ids]  # [..., nblocks, block_size, H, D]
-    return rows.flatten(-4, -3)
+    """[n, nblocks] block ids -> [n, nblocks * block_size, H, D] cached rows. index_select copies
+    whole blocks (contiguous rows); advanced indexing was ~2x slower on the CPU."""
+    n, nblocks = block_ids.shape
+    rows = cache.index_select(0, block_ids.reshape(-1))
+    return rows.view(n, nblocks * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
 class TorchAttentionBackend:
@@ -35,46 +37,46 @@ class TorchAttentionBackend:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
         if not kv_stored:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k_cache.shape[2]
-        group = num_heads // num_kv_heads
         block_size = k_cache.shape[1]
+        gqa = q.shape[1] != k_cache.shape[2]
         out = torch.empty_like(q)
 
         nd = meta.num_decodes
         if nd:
+            # One SDPA call over every decode, in fp32, on [seqs, heads, positions, head_dim]
+            # views of the gathered blocks (no transposing copies: the einsum this replaced
+            # permuted K and V into bmm layout, 1.08 -> 0.39 ms per layer at 16 x 96 positions,
+            # 2-vCPU machine, and its copies grew with the context). Query head h reads KV head
+            # h // (heads / kv_heads), as everywhere in the engine.
             max_len = max(meta.seq_lens_cpu[:nd])
             nblocks = (max_len + block_size - 1) // block_size
             block_ids = meta.block_tables[:nd, :nblocks].long()
-            keys = _gather_context(k_cache, block_ids).float()  # [nd, L, Hkv, D]
-            values = _gather_context(v_cache, block_ids).float()
-            qd = q[:nd].float().view(nd, num_kv_heads, group, head_dim)
-            scores = torch.einsum("bkgd,blkd->bkgl", qd, keys) * scale
-            pos = torch.arange(keys.shape[1], device=q.device)
+            keys = _gather_context(k_cache, block_ids).float().transpose(1, 2)  # [nd, Hkv, L, D]
+            values = _gather_context(v_cache, block_ids).float().transpose(1, 2)
+            pos = torch.arange(keys.shape[2], device=q.device)
             mask = pos[None, :] < meta.seq_lens[:nd, None].to(pos.dtype)  # [nd, L]
-            scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            od = torch.einsum("bkgl,blkd->bkgd", probs, values)
-            out[:nd] = od.reshape(nd, num_heads, head_dim).to(q.dtype)
+            od = F.scaled_dot_product_attention(
+                q[:nd].float().unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa,
+            )
+            out[:nd] = od.squeeze(2).to(q.dtype)
 
         start = nd  # decodes occupy the first nd tokens
         for i in range(nd, meta.num_seqs):
             qlen, ctx = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
             nblocks = (ctx + block_size - 1) // block_size
-            block_ids = meta.block_tables[i, :nblocks].long()
-            keys = _gather_context(k_cache, block_ids)[:ctx]  # [ctx, Hkv, D]
-            values = _gather_context(v_cache, block_ids)[:ctx]
+            block_ids = meta.block_tables[i : i + 1, :nblocks].long()
+            keys = _gather_context(k_cache, block_ids)[0, :ctx]  # [ctx, Hkv, D]
+            values = _gather_context(v_cache, block_ids)[0, :ctx]
             qi = q[start : start + qlen]
             qpos = torch.arange(ctx - qlen, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [qlen, ctx]
-            keys = keys.repeat_interleave(group, dim=1) if group > 1 else keys
-            values = values.repeat_interleave(group, dim=1) if group > 1 else values
             oi = F.scaled_dot_product_attention(
                 qi.transpose(0, 1).unsqueeze(0),
                 keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
                 values.to(q.dtype).transpose(0, 1).unsqueeze(0),
                 attn_mask=mask,
                 scale=scale,
+                enable_gqa=gqa,
             )
             out[start : start + qlen] = oi.squeeze(0).transpose(0, 1)
             start += qlen
