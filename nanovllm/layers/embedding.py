@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import all_reduce, gather_last_dim, tp_rank, tp_size
+from nanovllm.layers.cpu_linear import linear
 from nanovllm.layers.linear import check_shape
 
 
@@ -54,7 +55,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits over the full vocabulary (the rows given only)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight)
         if self.tp_size == 1:
             return logits
         return gather_last_dim(logits)[..., : self.num_embeddings]

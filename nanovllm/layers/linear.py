@@ -14,10 +14,10 @@ being loaded, so the model loader never needs to know how a layer is sharded.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import all_reduce, divide, tp_rank, tp_size
+from nanovllm.layers.cpu_linear import linear
 
 
 def check_shape(what: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -62,7 +62,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}, tp={self.tp_size}"
@@ -188,6 +188,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
