@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this are sampled greedily (as in vLLM); logits / 1e-6 can overflow fp32.
+GREEDY_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -70,4 +73,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether this request samples greedily (argmax): temperature below GREEDY_EPS."""
+        return self.temperature < GREEDY_EPS

@@ -78,6 +78,8 @@ def test_greedy_is_argmax(device):
 
 
 def test_tiny_temperature_is_greedy():
+    # One rule for the sampler and for the runner's lone-sequence graph (its in-graph argmax).
+    assert SamplingParams(temperature=1e-7).greedy and not SamplingParams(temperature=1e-4).greedy
     st = SamplingTensors.from_params([SamplingParams(temperature=1e-7)], None, 10, "cpu")
     assert st.all_greedy and st.temperature is None  # greedy rows need no controls on the device
     logits = torch.randn(1, 10) * 100

@@ -23,7 +23,8 @@ Design decisions:
   top_p, and always the most likely token. Min-p then drops tokens with prob < min_p * max prob
   (a ratio that top-k/top-p renormalisation does not change).
 - Greedy rows (temperature 0) take argmax of the raw logits (first index on ties, as torch.argmax
-  and HF do). Temperatures below `GREEDY_EPS` are treated as greedy: dividing by them overflows.
+  and HF do). Temperatures below `GREEDY_EPS` are treated as greedy (`SamplingParams.greedy`):
+  dividing by them overflows.
 - Everything that decides control flow (the flags, which rows are seeded, how many logprobs) is
   known on the host when `SamplingTensors` is built, so `Sampler.forward` never reads the device.
 """
@@ -36,9 +37,6 @@ import torch
 from torch import nn
 
 from nanovllm.sampling_params import SamplingParams
-
-# Temperatures below this are sampled greedily (as in vLLM); logits / 1e-6 can overflow fp32.
-GREEDY_EPS = 1e-5
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -103,7 +101,7 @@ class SamplingTensors:
             if g is not None and g.device.type != device.type:
                 raise ValueError(f"SamplingTensors: generator on {g.device}, logits on {device}")
 
-        temperature = [0.0 if p.temperature < GREEDY_EPS else float(p.temperature) for p in params]
+        temperature = [0.0 if p.greedy else float(p.temperature) for p in params]
         greedy = [t == 0.0 for t in temperature]
         top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
         top_p = [float(p.top_p) for p in params]

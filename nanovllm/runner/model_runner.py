@@ -22,7 +22,7 @@ from nanovllm.attention.backend import AttentionMetadata, bind_kv_cache, get_bac
 from nanovllm.config import EngineConfig
 from nanovllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN
-from nanovllm.layers.sampler import GREEDY_EPS, Sampler, SamplerOutput, SamplingTensors, make_generator
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
 from nanovllm.precompile import compile_in_background, precompiling
@@ -517,7 +517,7 @@ class ModelRunner:
         if not item.sample:
             return _Done(RunnerOutput([]))
         p = item.params
-        if p.temperature < GREEDY_EPS and not item.banned_token_ids and p.logprobs is None:
+        if p.greedy and not item.banned_token_ids and p.logprobs is None:
             sampled = SamplerOutput(s.token, None, None, None)  # the graph's argmax
         else:
             sampled = self._sample([item], logits)
