@@ -7,6 +7,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from nanovllm.layers import fused_sampler  # noqa: E402
 from nanovllm.layers.sampler import Sampler, SamplingTensors  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
@@ -113,3 +116,26 @@ def test_choose_num_splits():
             s = fused_sampler.choose_num_splits(rows, vocab, 132)
             assert s & (s - 1) == 0 and (s == 1 or vocab // s >= 2 * fused_sampler.BLOCK_V)
 
+
+
+@triton.jit
+def _noise_kernel(u_ptr, out_ptr, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    u = tl.load(u_ptr + offs, mask=offs < n, other=0.5)
+    tl.store(out_ptr + offs, fused_sampler._gumbel(u, FAST), mask=offs < n)
+
+
+def test_gumbel_noise_is_accurate_in_its_upper_tail():
+    """The sampled token comes from the noise's upper tail (u near 1, where -ln u is tiny): a
+    fast log's absolute error there would distort it. On the GPU the kernel's fast path (MUFU
+    lg2), on the CPU the interpreter's precise one; both against float64."""
+    u = torch.tensor(
+        [0.0, 1e-20, 1e-10, 1e-3, 0.1, 0.3, 0.5, 0.7, 0.9, 0.98, 1 - 1 / 64 - 1e-6, 1 - 1 / 64 + 1e-6]
+        + [1 - k * 2.0**-24 for k in (2, 3, 5, 16, 100, 1000, 10000)],
+        dtype=torch.float32,
+    )
+    out = torch.empty_like(u, device=DEV)
+    _noise_kernel[(1,)](u.to(DEV), out, u.numel(), FAST=DEV == "cuda", BLOCK=32)
+    exact = -torch.log(-torch.log(u.double().clamp(min=1e-20)))
+    assert torch.allclose(out.cpu().double(), exact, rtol=0, atol=2e-5), (out.cpu(), exact)
+    assert out.max().item() > 15.0  # the largest u Triton draws (1 - 2^-23) is in the list
