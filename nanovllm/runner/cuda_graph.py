@@ -140,7 +140,10 @@ class CudaGraphRunner:
             self._forward(bs, meta)  # warm-up (autotune, lazy init)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, self.pool):
+            # thread_local: another thread's CUDA call must not invalidate this capture. Under
+            # the default (global) mode a Triton kernel that a background compile (this or
+            # another engine's persistent decode kernel) loads meanwhile broke the capture.
+            with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
                 self.outputs[bs] = self._forward(bs, meta)
             if self.pool is None:
                 self.pool = graph.pool()
@@ -191,6 +194,7 @@ class CudaGraphRunner:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
+        self.single_logits = None
 
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and 0 < num_seqs <= self.max_batch

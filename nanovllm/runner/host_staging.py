@@ -23,7 +23,6 @@ class HostStaging:
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None] * slots
         self._events = [torch.cuda.Event() for _ in range(slots)]
-        self._used = [False] * slots
         self._next = 0
         self._current = 0
 
@@ -31,8 +30,7 @@ class HostStaging:
         """The next slot's first nbytes (uint8), free to write: its last copy has run."""
         i = self._current = self._next
         self._next = (i + 1) % len(self._buffers)
-        if self._used[i]:
-            self._events[i].synchronize()
+        self._events[i].synchronize()  # returns at once for an event never recorded
         buf = self._buffers[i]
         if buf is None or buf.numel() < nbytes:
             size = max(nbytes, 2 * (0 if buf is None else buf.numel()), 4096)
@@ -47,5 +45,4 @@ class HostStaging:
             out = torch.empty(end - start, dtype=torch.uint8, device=self.device)
         out.copy_(src, non_blocking=True)
         self._events[self._current].record()
-        self._used[self._current] = True
         return out
