@@ -3,7 +3,8 @@
 No model hub is reachable, so benchmarks use the real Qwen3-0.6B shape with random bf16
 weights (std 0.02, norms 1), exactly as nano-vllm's bench.py measures speed: the numbers depend
 on shapes, not on weight values. A small trained BPE tokenizer is saved beside the weights so
-string prompts (nano-vllm's bench.py warm-up) work too.
+string prompts (nano-vllm's bench.py warm-up) work too. Also: GPU time per call from CUDA-graph
+replays (`graph_time_us`), for the kernel benchmarks.
 """
 from __future__ import annotations
 
@@ -53,3 +54,28 @@ def make_qwen3_06b(path: str | os.PathLike, seed: int = 0) -> Path:
 
     make_tokenizer_dir(path)
     return path
+
+
+def graph_time_us(fn, calls: int = 1, replays: int = 20) -> float:
+    """GPU microseconds per call of fn(i), i = 0..calls-1, captured in one CUDA graph (after
+    three warm-up calls on a side stream) and replayed `replays` times back to back: the host's
+    launch overhead, which eager timing would measure instead, stays out."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)

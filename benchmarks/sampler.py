@@ -17,6 +17,7 @@ import json
 
 import torch
 
+from common import graph_time_us
 from nanovllm.layers import fused_sampler
 
 
@@ -25,22 +26,6 @@ def load_module(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def time_calls(fn, iters: int) -> float:
-    """GPU microseconds per call: one call captured in a CUDA graph, replayed back to back (the
-    host's launch overhead, ~0.1 ms per eager call, would otherwise hide the kernels' time)."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def main() -> None:
@@ -62,9 +47,8 @@ def main() -> None:
         result = {"rows": rows, "vocab": args.vocab}
         for name, module in modules.items():
             assert torch.equal(module.gumbel_argmax(logits, greedy, seed), logits.float().argmax(-1))
-            module.gumbel_argmax(logits, temperature, seed)  # compile / warm up
         for name, module in modules.items():
-            result[f"{name}_us"] = round(time_calls(lambda: module.gumbel_argmax(logits, temperature, seed), args.iters), 1)
+            result[f"{name}_us"] = round(graph_time_us(lambda _: module.gumbel_argmax(logits, temperature, seed), replays=args.iters), 1)
         print(json.dumps(result))
 
 

@@ -16,32 +16,11 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from common import graph_time_us
+
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 ROWS = (1, 2, 4, 8, 16)
 LAYERS = 28
-
-
-def graph_time_us(fn, calls: int = LAYERS, replays: int = 20) -> float:
-    """Time per call of fn(i), i = 0..calls-1, replayed from one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def transposed(x, w):
@@ -71,7 +50,7 @@ def batch_rows(weights: dict, rows: list[int]) -> None:
             cells = []
             for lib in libraries:
                 torch.backends.cuda.preferred_blas_library(lib)
-                us = graph_time_us(lambda i: F.linear(x, ws[i]))
+                us = graph_time_us(lambda i: F.linear(x, ws[i]), calls=LAYERS)
                 totals[lib] += us
                 cells.append(f"{lib} {us:6.2f} ({n * k * 2 / (us * 1e3):5.0f} GB/s, {2 * m * n * k / (us * 1e6):4.0f} TF)")
             torch.backends.cuda.preferred_blas_library("cublas")
@@ -99,7 +78,7 @@ def main() -> None:
             cells = []
             for fn in VARIANTS.values():
                 err = (fn(x, ws[0]).float() - ref).abs().max().item()
-                us = graph_time_us(lambda i: fn(x, ws[i]))
+                us = graph_time_us(lambda i: fn(x, ws[i]), calls=LAYERS)
                 gbs = ws[0].numel() * 2 / (us * 1e-6) / 1e9
                 cells.append(f"{us:7.2f} ({gbs:5.0f}){'!' if err > 0.05 else ' '}")
             print(f"{name:8s} {m:3d} " + " ".join(f"{c:>20s}" for c in cells))
