@@ -88,6 +88,29 @@ def test_engine_on_another_thread_replays_graphs(checkpoint_factory):
     assert box["tokens"] == ref
 
 
+def test_capturing_the_lone_sequence_graph_mid_run_keeps_the_caches(checkpoint_factory):
+    """The persistent kernel's graph is captured while serving, once its background compile is
+    done. That capture must keep the caching allocator: with `torch.cuda.graph`, which empties
+    it (and the pinned host cache), the next full-budget step cudaMalloc'd its activations again."""
+    path = checkpoint_factory("qwen3", max_position_embeddings=4096)  # a 4,096-token step: see the test above
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=4096, max_num_batched_tokens=4096,
+              max_num_seqs=64, gpu_memory_utilization=0.3)
+    runner = llm.engine.executor.runner
+    assert runner.persistent_decoder is not None
+    # One prefill step of the full token budget and no decode step, so the background compile
+    # (started by the first decode step) has not begun.
+    llm.generate(prompts(llm.engine.vocab_size, [4000, 96], seed=5), SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not runner.graph_runner.has_single
+    runner.finish_background_compile()  # compiles and captures the graph now, between steps
+    assert runner.graph_runner.has_single
+    adopted = torch.cuda.memory_stats()["num_device_alloc"]
+    # Other prompts (no prefix-cache hit): a full-budget step again, then decodes.
+    outs = llm.generate(prompts(llm.engine.vocab_size, [4000, 96], seed=6),
+                        SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    assert torch.cuda.memory_stats()["num_device_alloc"] == adopted
+
+
 def test_small_batches_pad_to_the_smallest_graph(checkpoint_factory):
     """Batches of 1-7 decodes replay the 8-row graph with padded rows (slot -1, length 0), or,
     with the persistent decode kernel adopted, a lone sequence replays its graph of that kernel
@@ -181,14 +204,17 @@ class CountedGraph:
 def test_start_up_leaves_the_largest_step_memory_cached(checkpoint_factory):
     """Graph capture empties the caching allocator; start-up then runs the largest step again so
     that the first full prefill step does not cudaMalloc (W1's first run paid 0.1-0.6 s for it)."""
-    path = checkpoint_factory("qwen3")
+    # 4,096 tokens: the step's projections are 2 MB tensors, from the allocator's large pool,
+    # whose free segments an empty_cache returns (a tiny model's 1,024-token step fits in the
+    # small pool's segments that the weights keep alive, and would pass either way).
+    path = checkpoint_factory("qwen3", max_position_embeddings=4096)
     # Without the persistent kernel: its graph, captured whenever its background compile is done
     # (possibly during this generate, with a warm Triton cache), allocates its LM head's output.
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=1024,
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=4096, max_num_batched_tokens=4096,
               max_num_seqs=64, gpu_memory_utilization=0.3, persistent_decode=False)
     assert llm.engine.executor.runner.graph_runner is not None
     mallocs = torch.cuda.memory_stats()["num_device_alloc"]
-    ps = prompts(llm.engine.vocab_size, [1000, 24], seed=5)  # one step of the full token budget
+    ps = prompts(llm.engine.vocab_size, [4000, 96], seed=5)  # one step of the full token budget
     outs = llm.generate(ps, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
     assert torch.cuda.memory_stats()["num_device_alloc"] == mallocs

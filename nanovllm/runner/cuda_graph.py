@@ -79,6 +79,32 @@ class SingleDecodeInputs:
         host[self.BLOCK_TABLE : self.BLOCK_TABLE + 4 * len(block_table)].view(np.int32)[:] = block_table
 
 
+def capture_graph(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream, fn: Callable[[], object]) -> object:
+    """Capture `fn()` into `graph` (memory from `pool`, None for a new one) on `stream`; returns
+    what fn returned.
+
+    `torch.cuda.graph` empties the caching allocator and the pinned host-memory cache before
+    every capture. A capture in the middle of serving (the lone-sequence graph, adopted when its
+    background compile is done) then made the next steps cudaMalloc their activations and pin
+    host memory again; this capture keeps both caches. thread_local: another thread's CUDA call
+    must not invalidate the capture (under the default global mode, a Triton kernel that a
+    background compile loaded meanwhile broke a start-up capture)."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode="thread_local")
+        try:
+            out = fn()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # the capture is invalid anyway; the first error is the one to see
+            raise
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return out
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """Graph batch sizes: 8, then every multiple of 16 up to max_batch (and max_batch itself)."""
     sizes = [MIN_GRAPH_BATCH] + list(range(16, max_batch + 1, 16))
@@ -107,7 +133,14 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None  # the graphs' shared memory pool
+        self.device = device
+        self._capture_stream: torch.cuda.Stream | None = None  # made at the first capture
         self.capture_seconds = 0.0
+
+    def _capture(self, graph: torch.cuda.CUDAGraph, fn: Callable[[], object]) -> object:
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        return capture_graph(graph, self.pool, self._capture_stream, fn)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -140,11 +173,7 @@ class CudaGraphRunner:
             self._forward(bs, meta)  # warm-up (autotune, lazy init)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA call must not invalidate this capture. Under
-            # the default (global) mode a Triton kernel that a background compile (this or
-            # another engine's persistent decode kernel) loads meanwhile broke the capture.
-            with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
-                self.outputs[bs] = self._forward(bs, meta)
+            self.outputs[bs] = self._capture(graph, lambda: self._forward(bs, meta))
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
@@ -178,10 +207,7 @@ class CudaGraphRunner:
         forward()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA call during this capture (a server thread copying
-        # results) must not invalidate it.
-        with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
-            self.outputs[1], self.single_logits = forward()
+        self.outputs[1], self.single_logits = self._capture(graph, forward)
         torch.cuda.synchronize()
         self.graphs[1] = graph
         logger.info("captured the persistent decode kernel's graph in %.2fs", time.perf_counter() - t0)

@@ -182,9 +182,10 @@ class ModelRunner:
             self.graph_runner.capture()
         t4 = time.perf_counter()
         if self.device.type == "cuda":
-            # Graph capture empties the caching allocator, so the first large step would
-            # cudaMalloc its activations again (W1's first run: 6 calls, +0.1-0.6 s, H200).
-            # Running the largest step now leaves those blocks cached.
+            # The first large step must find its activations in the caching allocator (W1's
+            # first run paid 6 cudaMallocs, +0.1-0.6 s on the H200, when `torch.cuda.graph`
+            # still emptied it at capture). Capture keeps the cache now (capture_graph), and
+            # running the largest step here makes sure of it whatever the dry passes left.
             self._run_largest_step()
             torch.cuda.synchronize(self.device)
         # The persistent decode kernel compiles off the start-up path (it alone took a first
