@@ -24,6 +24,10 @@ SHAPES = [
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
         id="llama3-rope-scaling",
     ),
+    pytest.param(
+        dict(arch="qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+        id="qwen3-yarn-rope-scaling",
+    ),
 ]
 
 

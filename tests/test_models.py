@@ -35,6 +35,9 @@ LLAMA3_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+# Qwen3's long-context recipe, scaled down: an original context of 16 positions, so that the
+# test's 10-16-token sequences sit where YaRN interpolates some frequencies and not others.
+YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 
 # Also the tensor-parallel case: one KV head (replicated over 2 ranks), a vocabulary that does not
 # split evenly, tied embeddings, and a bias on every projection.
@@ -48,6 +51,8 @@ CASES = [
     pytest.param(
         "llama", dict(tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING), id="llama3-rope-scaling"
     ),
+    pytest.param("qwen3", dict(rope_scaling=YARN_SCALING), id="qwen3-yarn-rope-scaling"),
+    pytest.param("llama", dict(rope_scaling={"rope_type": "linear", "factor": 3.0}), id="llama-linear-rope-scaling"),
 ]
 
 
@@ -215,9 +220,48 @@ def test_rope_config_v4_and_v5_styles_agree():
 def test_rope_unsupported_scaling_raises():
     from nanovllm.layers.rotary import build_rotary
 
-    config = SimpleNamespace(rope_theta=1e4, rope_scaling={"rope_type": "yarn", "factor": 4.0}, max_position_embeddings=8)
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
+    config = SimpleNamespace(rope_theta=1e4, rope_scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=8)
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'dynamic'"):
         build_rotary(config, 32)
+    config = SimpleNamespace(rope_theta=1e4, rope_scaling={"rope_type": "linear"}, max_position_embeddings=8)
+    with pytest.raises(ValueError, match="linear rope scaling is missing 'factor'"):
+        build_rotary(config, 32)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "default"},
+        {"rope_type": "linear", "factor": 2.5},
+        LLAMA3_SCALING,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2},
+        {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+         "mscale_all_dim": 0.707},
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192, "attention_factor": 1.3,
+         "truncate": False},
+    ],
+    ids=["default", "linear", "llama3", "yarn-qwen3", "yarn-betas", "yarn-mscale", "yarn-attention-factor-untruncated"],
+)
+def test_rope_frequencies_equal_transformers(scaling):
+    """Inverse frequencies and the cos/sin factor of each supported rope type, against
+    transformers' own functions on the same config (exactly: the same fp32 operations)."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nanovllm.layers.rotary import rope_frequencies, rope_parameters
+
+    config = Qwen3Config(hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=131072,
+                         rope_theta=1000000.0, rope_scaling=dict(scaling))
+    theta, ours_scaling = rope_parameters(config)
+    inv_freq, factor = rope_frequencies(128, theta, ours_scaling, config.max_position_embeddings)
+    rope_type = ours_scaling["rope_type"]
+    if rope_type == "default":
+        expected, expected_factor = 1.0 / theta ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128), 1.0
+    else:
+        expected, expected_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    assert torch.equal(inv_freq, expected.float())
+    assert factor == pytest.approx(expected_factor, rel=1e-12)
 
 
 # ---- tensor-parallel sharding (a faked 2- or 4-rank world, no processes) -----------------

@@ -9,8 +9,13 @@ products and sums as `q * cos + rotate_half(q) * sin`.
 Config reading accepts both generations of transformers: v5 puts everything in the
 `config.rope_parameters` dict; v4 has `config.rope_theta` and an optional `config.rope_scaling`
 dict (whose type key is "rope_type", or "type" in older files). Supported scaling: none /
-"default", and "llama3" (Llama 3.1's frequency-dependent interpolation). Anything else raises,
-rather than silently producing a model that degrades past the original context.
+"default"; "linear" (positions interpolated by `factor`); "llama3" (Llama 3.1's
+frequency-dependent interpolation); "yarn" (YaRN, what Qwen2.5 and Qwen3 configs name for
+contexts past their 32K: frequencies blended between interpolation and extrapolation, and
+cos/sin scaled by an attention factor, baked into the table so every kernel that reads it gets
+it). Each follows Hugging Face's formulas (tests compare them with transformers'). Anything else
+("dynamic", whose frequencies change with the sequence length, "longrope", ...) raises, rather
+than silently producing a model that degrades past the original context.
 
 Attention calls `apply_qk_norm_rope`, which also applies Qwen3's per-head q/k RMSNorm: with fused
 ops on (CUDA tensors, `fused=True`), norm and rotary for q and k are one Triton launch that rewrites
@@ -30,7 +35,7 @@ from nanovllm.layers.norm import RMSNorm
 if TYPE_CHECKING:
     from nanovllm.attention.backend import KVCacheWrite
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any]]:
@@ -70,17 +75,69 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, blended, scaled)
 
 
-def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
-    """fp32 inverse frequencies [head_dim // 2] for the given rope type."""
+def _scaling_value(scaling: dict[str, Any], key: str, rope_type: str) -> float:
+    try:
+        return float(scaling[key])
+    except KeyError:
+        raise ValueError(f"{rope_type} rope scaling is missing {key!r} (got {scaling})") from None
+
+
+def _yarn_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): frequencies that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those that turn more than
+    `beta_fast` times are kept, with a linear ramp between; cos/sin get an attention factor
+    (0.1 ln(factor) + 1 unless the config gives one, or mscale / mscale_all_dim)."""
+    original = scaling.get("original_max_position_embeddings") or max_position
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else max_position / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate it
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    """(fp32 inverse frequencies [head_dim // 2], factor applied to cos and sin) for the given
+    rope type; max_position is the model's max_position_embeddings (YaRN's fallback for a
+    missing original context)."""
     partial = scaling.get("partial_rotary_factor", 1.0)
     if partial not in (None, 1.0):
         raise ValueError(f"partial_rotary_factor={partial} is not supported (only full rotary)")
     rope_type = scaling.get("rope_type", "default")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, max_position)
     inv_freq = _default_inv_freq(head_dim, theta)
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / _scaling_value(scaling, "factor", rope_type), 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
     raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
@@ -97,10 +154,14 @@ class RotaryEmbedding(nn.Module):
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
         self.head_dim = head_dim
-        inv_freq = compute_inv_freq(head_dim, theta, scaling or {})
+        inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling or {}, max_position)
         angles = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        # [max_position, head_dim] = [cos | sin], each over head_dim // 2 frequencies.
-        self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
+        # [max_position, head_dim] = [cos | sin], each over head_dim // 2 frequencies, fp32, times
+        # YaRN's attention factor (1 otherwise), as HF scales them before casting.
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        if attention_factor != 1.0:
+            cos_sin = cos_sin * attention_factor
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
         # Device types whose tensors take the Triton kernel; tests add "cpu" to run it interpreted.
         self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
 
