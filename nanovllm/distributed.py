@@ -25,14 +25,6 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
-    """Rank 0's `x` on every rank, in place (no-op on one rank). Every rank passes a contiguous
-    tensor of the same shape and dtype; ranks other than 0 pass a buffer to receive into."""
-    if tp_size() > 1:
-        dist.broadcast(x, src=0)
-    return x
-
-
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's shard along the last dim on every rank (no-op on one rank)."""
     world = tp_size()

@@ -105,32 +105,6 @@ def test_tp2_matches_tp1_through_prefix_cache_chunking_and_preemption(checkpoint
     assert_cleaned_up(pids)
 
 
-def test_tp2_with_async_scheduling_matches_tp1(qwen3_tiny, qwen3_reference):
-    """Async scheduling under tensor parallelism (the default on CUDA): step N+1 is sent to the
-    workers and launched before step N's ids reach the host, so each rank takes its decode
-    inputs from the ids rank 0 broadcast on the device. Greedy tokens must equal TP=1's through
-    chunking, preemption and prefix-cache hits, and seeded sampling must draw the same tokens as
-    a synchronous TP=1 engine."""
-    prompts, expected = qwen3_reference
-    llm = LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2, async_scheduling=True, **STRESSED)
-    pids = llm.engine.executor.worker_pids
-    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=12, ignore_eos=True)
-               for i in range(len(prompts))]
-    try:
-        assert llm.engine.async_scheduling
-        assert tokens(llm, prompts) == expected
-        assert tokens(llm, prompts) == expected  # prefix-cache hits this time
-        assert llm.engine.scheduler.num_preemptions > 0
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)]
-        bm = llm.engine.block_manager
-        assert bm.num_free_blocks == bm.num_blocks == 40
-    finally:
-        llm.shutdown()
-    assert_cleaned_up(pids)
-    ref = LLM(str(qwen3_tiny), device="cpu", async_scheduling=False)
-    assert got == [o.outputs[0].token_ids for o in ref.generate(prompts, sampled, use_tqdm=False)]
-
-
 def test_killed_worker_raises_fast_and_a_new_engine_starts(qwen3_tiny, qwen3_reference):
     prompts, expected = qwen3_reference
     llm = LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2)

@@ -21,14 +21,11 @@ messages, and every step is acknowledged:
 Why it is correct under any timing:
 - No shared buffer: `send_bytes` copies the message into the kernel, so the driver never reuses
   memory a worker may still be reading, and each pipe delivers whole frames in FIFO order.
-- In order: every ack carries its step number (a mismatch raises), and acks are collected in
-  step order. Synchronously the driver sends step k+1 only after every worker acknowledged step
-  k. With async scheduling (`execute_async`) it sends step k+1, and launches it on rank 0, before
-  it collects step k's acks: at most two steps per pipe, the second waiting in the socket buffer
-  (a 256-sequence decode step is ~58 KB) until the worker, done with step k, reads it. Since
-  every rank runs the same steps in the same order with the same batch shape, every rank issues
-  the same collectives in the same order. The one thing step k+1 needs from step k, the sampled
-  ids that become its decode inputs, rank 0 broadcasts on the device (ModelRunner.execute_async).
+- Lockstep: the driver sends step k+1 only after every worker acknowledged step k, and every ack
+  carries its step number (a mismatch raises). At most one step is in flight per pipe, so a
+  worker is already waiting in `recv` when its next message arrives and a send never waits on
+  a worker that is busy. Since every rank runs the same steps in the same order with the same
+  batch shape, every rank issues the same collectives in the same order.
 - Self-contained messages: a step carries everything the worker needs (full block tables, no
   deltas against earlier steps), so no state can drift between the driver and a worker.
 - Small, bounded messages: only what a step needs crosses (per scheduled sequence: id, the token
@@ -463,29 +460,22 @@ class MultiprocExecutor:
         return [p.pid for p in self._workers.procs]
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        return self.execute_async(out).result()
-
-    def execute_async(self, out: SchedulerOutput) -> _PendingStep | Any:
-        """Send the step to the workers and launch it on rank 0; `.result()` on the return value
-        waits for the workers' acknowledgements, then for rank 0's sampled ids. With async
-        scheduling the engine sends step N+1 before it asks for step N's result: each worker
-        reads its steps in order, and the ids it needs for step N+1's decode inputs reach it on
-        the device (ModelRunner broadcasts rank 0's sampled ids to every rank)."""
         if self._failure is not None:
             raise TensorParallelError(f"the tensor-parallel executor was shut down after a failure: {self._failure}")
         if self._workers.closed:
             raise RuntimeError("the tensor-parallel executor is shut down")
         if out.is_empty or not self._workers.procs:
-            return self.runner.execute_async(out)
+            return self.runner.execute(out)
         self._step += 1
         try:
             self._workers.check_alive()
             self._workers.send(_dumps((self._step, encode_step(out))))
-            launched = self.runner.execute_async(out)
+            result = self.runner.execute(out)
+            self._workers.collect("ack", self._step, self.timeout_s)
         except BaseException as exc:
             self._fail(exc, f"step {self._step}")
             raise
-        return _PendingStep(self, self._step, launched)
+        return result
 
     def _fail(self, exc: BaseException, when: str) -> None:
         """Record why, shut everything down, and raise a TensorParallelError naming the cause.
@@ -510,23 +500,6 @@ class MultiprocExecutor:
 
     def shutdown(self) -> None:
         self._finalizer()
-
-
-class _PendingStep:
-    """A step launched on every rank; `result()` collects the workers' acknowledgements (in step
-    order, as the engine resolves steps) and then rank 0's output."""
-
-    def __init__(self, executor: MultiprocExecutor, step: int, launched: Any) -> None:
-        self.executor, self.step, self.launched = executor, step, launched
-
-    def result(self) -> RunnerOutput:
-        ex = self.executor
-        try:
-            ex._workers.collect("ack", self.step, ex.timeout_s)
-            return self.launched.result()
-        except BaseException as exc:
-            ex._fail(exc, f"step {self.step}")
-            raise
 
 
 def _env_number(name: str, kind: type, default: float) -> Any:

@@ -20,7 +20,6 @@ import torch
 
 from nanovllm.attention.backend import AttentionMetadata, bind_kv_cache, get_backend
 from nanovllm.config import EngineConfig
-from nanovllm.distributed import broadcast_from_first, tp_size
 from nanovllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator
@@ -488,17 +487,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         else:
             logits = self.model.compute_logits(hidden[self._to_device(logits_indices)])
-        rows = [s for s in out.seqs if s.sample]
-        self._prev_rows = {s.seq_id: i for i, s in enumerate(rows)}
         if self.rank != 0:
-            if tp_size() > 1:  # the next step's decode inputs may be these ids (async scheduling)
-                self._prev_tokens = broadcast_from_first(torch.empty(len(rows), dtype=torch.long, device=self.device))
             return _Done(RunnerOutput([]))
+        rows = [s for s in out.seqs if s.sample]
         sampled = self._sample(rows, logits)
-        # Under tensor parallelism rank 0 alone samples, and every rank gets its ids on the
-        # device: with async scheduling the next step is launched before the host has them,
-        # and each rank gathers that step's decode inputs from here (`prepare`).
-        self._prev_tokens = broadcast_from_first(sampled.token_ids.contiguous())
+        self._prev_tokens = sampled.token_ids
+        self._prev_rows = {s.seq_id: i for i, s in enumerate(rows)}
         return PendingOutput(rows, sampled, self.device)
 
     def _execute_single(self, item: ScheduledSeq) -> PendingOutput | _Done:
