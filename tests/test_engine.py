@@ -60,6 +60,21 @@ def greedy(n):
     return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
 
 
+def test_yarn_reaches_past_max_position_embeddings(tmp_path_factory, tokenizer_dir):
+    """A YaRN config with max_position_embeddings 64 and factor 4 serves 256 positions (as
+    Qwen3's 40,960 serve 131,072): a 150-token prompt plus 30 tokens equals transformers', whose
+    rotary embedding is not bounded by max_position_embeddings."""
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path_factory.mktemp("yarn"), tokenizer_dir, "qwen3", max_position_embeddings=64,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    llm = engine(path, max_model_len=256)
+    assert llm.engine.max_model_len == 256
+    prompts = random_prompts(llm.engine.vocab_size, [150], seed=3)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(30), use_tqdm=False)]
+    assert ours == hf_greedy(path, prompts, 30)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_greedy_matches_transformers(checkpoint_factory, shape):
     path = checkpoint_factory(**shape)

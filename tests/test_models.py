@@ -228,6 +228,24 @@ def test_rope_unsupported_scaling_raises():
         build_rotary(config, 32)
 
 
+def test_context_length_follows_rope_scaling():
+    """YaRN extends the original context by `factor` (Qwen3: 32,768 x 4, while its config keeps
+    max_position_embeddings at 40,960), linear extends max_position_embeddings by `factor`, and
+    the cos/sin table covers that many positions."""
+    from nanovllm.layers.rotary import build_rotary, context_length
+
+    def config(scaling):
+        return SimpleNamespace(rope_theta=1e6, rope_scaling=scaling, max_position_embeddings=40960)
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert context_length(config(yarn)) == 131072
+    assert context_length(config({"rope_type": "linear", "factor": 2.0})) == 81920
+    assert context_length(config(LLAMA3_SCALING)) == 40960
+    assert context_length(config(None)) == 40960
+    small = SimpleNamespace(rope_theta=1e4, rope_scaling={"rope_type": "yarn", "factor": 4.0}, max_position_embeddings=64)
+    assert build_rotary(small, 32).cos_sin_cache.shape == (256, 32)  # original context: the config's 64
+
+
 @pytest.mark.parametrize(
     "scaling",
     [

@@ -20,6 +20,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.executor.executor import make_executor
+from nanovllm.layers.rotary import context_length
 from nanovllm.loaders.source import resolve_model
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -81,7 +82,9 @@ class LLMEngine:
         self.eos_token_ids = [config.eos] if config.eos is not None else self.source.eos_token_ids(self.tokenizer)
         t = self._mark("tokenizer", t)
         self.vocab_size = hf.vocab_size
-        self.max_model_len = min(config.max_model_len, getattr(hf, "max_position_embeddings", config.max_model_len))
+        # The positions the model reaches (its rope scaling may extend max_position_embeddings).
+        model_len = context_length(hf) if hasattr(hf, "max_position_embeddings") else config.max_model_len
+        self.max_model_len = min(config.max_model_len, model_len)
         self.executor = make_executor(config, self.source)
         t = self._mark("executor", t)
         self.block_manager = BlockManager(

@@ -223,7 +223,27 @@ def apply_qk_norm_rope(
     return rotary_emb.rotate(positions, q, k)
 
 
+def context_length(config: Any) -> int:
+    """The longest context the config's positions reach: `max_position_embeddings`, or where rope
+    scaling extends it, the extended length, as vLLM derives it: YaRN's original context times
+    `factor` (Qwen2.5 / Qwen3 configs keep max_position_embeddings at the original ~32-40K),
+    linear scaling's max_position_embeddings times `factor`. Llama 3 configs already give
+    their extended length."""
+    base = int(config.max_position_embeddings)
+    _, scaling = rope_parameters(config)
+    rope_type = scaling["rope_type"]
+    if rope_type == "yarn" and scaling.get("factor") is not None:
+        original = scaling.get("original_max_position_embeddings") or base
+        return max(base, int(original * float(scaling["factor"])))
+    if rope_type == "linear" and scaling.get("factor") is not None:
+        return max(base, int(base * float(scaling["factor"])))
+    return base
+
+
 def build_rotary(config: Any, head_dim: int, fused: bool = False) -> RotaryEmbedding:
-    """The rotary embedding a HF decoder config asks for (theta and scaling read as above)."""
+    """The rotary embedding a HF decoder config asks for (theta and scaling read as above), with
+    a cos/sin table for every position up to context_length(config)."""
     theta, scaling = rope_parameters(config)
-    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling, fused=fused)
+    if scaling["rope_type"] == "yarn":  # its original context defaults to the config's, not the table's
+        scaling.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return RotaryEmbedding(head_dim, context_length(config), theta, scaling, fused=fused)
