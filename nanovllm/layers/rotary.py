@@ -123,8 +123,9 @@ def rope_frequencies(
     head_dim: int, theta: float, scaling: dict[str, Any], max_position: int
 ) -> tuple[torch.Tensor, float]:
     """(fp32 inverse frequencies [head_dim // 2], factor applied to cos and sin) for the given
-    rope type; max_position is the model's max_position_embeddings (YaRN's fallback for a
-    missing original context)."""
+    rope type. max_position, the positions the table covers, stands in for the model's context
+    where a YaRN config lacks its original context or its factor (build_rotary fills in the
+    original context from max_position_embeddings first)."""
     partial = scaling.get("partial_rotary_factor", 1.0)
     if partial not in (None, 1.0):
         raise ValueError(f"partial_rotary_factor={partial} is not supported (only full rotary)")
