@@ -5,7 +5,10 @@ ignored): 1,024 output tokens; tok/s over the whole set, model load excluded, me
 a warm-up. Also single-stream decode (one prompt, per token after the first).
 Run it on an idle machine: CPU timings are easily skewed by other work.
 
-    python benchmarks/cpu_bench.py
+    python benchmarks/cpu_bench.py [--dtype bfloat16]
+
+--dtype bfloat16 runs the model in bf16 (its output then differs from the fp32 reference's; worth
+it on CPUs with AVX512-BF16 or AMX, see docs/benchmarks.md, W3).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--async-scheduling", action="store_true", help="force async scheduling on (default: off on CPU)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: float32 on the CPU")
     args = ap.parse_args()
     import torch
 
@@ -36,7 +40,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from nanovllm import LLM, SamplingParams
 
-    llm = LLM(device="cpu", async_scheduling=True if args.async_scheduling else None)
+    llm = LLM(device="cpu", dtype=args.dtype, async_scheduling=True if args.async_scheduling else None)
     tok = llm.tokenizer
     prompts = [tok.encode(llm.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False) for q in QUESTIONS]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -60,7 +64,8 @@ def main() -> None:
             steps += 1
         single.append(steps / (time.perf_counter() - t))
     print(json.dumps({"batch_tok_per_s": batch, "single_decode_tok_per_s": single,
-                      "prompt_tokens": [len(p) for p in prompts], "threads": torch.get_num_threads()}))
+                      "prompt_tokens": [len(p) for p in prompts], "threads": torch.get_num_threads(),
+                      "dtype": str(llm.engine.executor.runner.dtype)}))
     print(f"W3 batch of 16: median {statistics.median(batch):.1f} tok/s; single-stream decode median "
           f"{statistics.median(single):.1f} tok/s ({1000 / statistics.median(single):.1f} ms/token)")
 
