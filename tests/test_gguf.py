@@ -277,6 +277,30 @@ def test_synthetic_rope_scaling_metadata(tmp_path, checkpoint_factory, rope):
     assert config.rope_parameters == {"rope_theta": hf_config.rope_parameters["rope_theta"], **rope}
 
 
+def test_synthetic_yarn_gguf_generates_like_its_checkpoint(tmp_path, tokenizer_dir):
+    """A GGUF file whose metadata asks for YaRN runs with it: greedy tokens past the original
+    context equal those of the HF checkpoint it was written from (same fp32 weights), which
+    tests/test_engine.py holds to transformers' own."""
+    from checkpoints import make_checkpoint
+
+    from nanovllm import LLM, SamplingParams
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    checkpoint = make_checkpoint(tmp_path / "hf", tokenizer_dir, "qwen3", rope_scaling=yarn)
+
+    def scaling(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(yarn["factor"])
+        writer.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
+
+    write_gguf(tmp_path / "m.gguf", checkpoint, Q.F32, extra_kv=scaling)
+    prompt = [[(7 * i) % 200 + 3 for i in range(90)]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
+    tokens = [LLM(str(path), device="cpu").generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+              for path in (checkpoint, tmp_path / "m.gguf")]
+    assert tokens[0] == tokens[1]
+
+
 def test_synthetic_tokenizer(tmp_path, checkpoint_factory, tokenizer_dir):
     from transformers import AutoTokenizer
 
