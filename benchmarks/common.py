@@ -4,7 +4,7 @@ No model hub is reachable, so benchmarks use the real Qwen3-0.6B shape with rand
 weights (std 0.02, norms 1), exactly as nano-vllm's bench.py measures speed: the numbers depend
 on shapes, not on weight values. A small trained BPE tokenizer is saved beside the weights so
 string prompts (nano-vllm's bench.py warm-up) work too. Also: GPU time per call from CUDA-graph
-replays (`graph_time_us`), for the kernel benchmarks.
+replays (`graph_time_us`, `replay_us`), for the kernel benchmarks.
 """
 from __future__ import annotations
 
@@ -70,7 +70,14 @@ def graph_time_us(fn, calls: int = 1, replays: int = 20) -> float:
     with torch.cuda.graph(graph):
         for i in range(calls):
             fn(i)
-    graph.replay()
+    return replay_us(graph, replays, warmup=1) / calls
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20, warmup: int = 1) -> float:
+    """GPU microseconds per replay of a captured graph: `warmup` replays, then `replays` back to
+    back between two CUDA events."""
+    for _ in range(warmup):
+        graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -78,4 +85,4 @@ def graph_time_us(fn, calls: int = 1, replays: int = 20) -> float:
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
+    return start.elapsed_time(end) * 1e3 / replays

@@ -109,6 +109,8 @@ def profile_steps(engine, steps: int) -> None:
 def graph_replay(runner, context: int) -> None:
     import torch
 
+    from common import replay_us
+
     g = runner.graph_runner
     if g is None:
         print("no CUDA graphs (eager)")
@@ -125,16 +127,8 @@ def graph_replay(runner, context: int) -> None:
         g.positions[:bs] = context - 1
         g.slot_mapping[:bs] = -1  # write nothing
         g.block_tables[:bs, :blocks] = torch.arange(blocks, dtype=torch.int32, device=g.block_tables.device) % runner.num_kvcache_blocks
-        for _ in range(3):
-            g.graphs[bs].replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        n = 50
-        start.record()
-        for _ in range(n):
-            g.graphs[bs].replay()
-        end.record()
-        end.synchronize()
-        print(f"graph batch {bs:4d} context {context}: {start.elapsed_time(end) / n * 1e3:8.1f} us/replay")
+        us = replay_us(g.graphs[bs], 50, warmup=3)
+        print(f"graph batch {bs:4d} context {context}: {us:8.1f} us/replay")
     g.seq_lens.zero_()
 
 

@@ -18,23 +18,12 @@ import argparse
 import numpy as np
 import torch
 
+from common import replay_us
 from nanovllm import LLM
 from nanovllm.attention.backend import AttentionMetadata
 
 # decode batch -> context range, W1's shape at that batch (docs/benchmarks.md, decode order)
 CONTEXTS = {256: (100, 1100), 192: (300, 1400), 128: (600, 1700), 64: (1100, 1900), 32: (1400, 2000)}
-
-
-def replay_us(graph: torch.cuda.CUDAGraph, n: int = 40) -> float:
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n * 1e3
 
 
 def main() -> None:
@@ -94,7 +83,7 @@ def main() -> None:
             tables[i, :nb] = perm[used: used + nb]
             used += nb
         fill(ctx, ids, tables)
-        one = replay_us(g.graphs[bs])
+        one = replay_us(g.graphs[bs], 40, warmup=5)
         ref = g.outputs[bs].float().clone()
         line = f"batch {bs:3d}, contexts {lo_ctx}-{hi_ctx}: one stream {one:7.1f} us"
         for k in (2, 3, 4):
@@ -103,7 +92,7 @@ def main() -> None:
             order = np.concatenate([np.arange(j, bs, k) for j in range(k)])
             fill(ctx[order], ids[order], tables[order])
             graph, outs = capture_split([j * (bs // k) for j in range(k + 1)])
-            split = replay_us(graph)
+            split = replay_us(graph, 40, warmup=5)
             got = torch.cat(outs).float()[torch.from_numpy(np.argsort(order)).cuda()]
             diff = ((got - ref).abs().max() / ref.abs().max()).item()
             line += f" | {k} streams {split:7.1f} us ({one / split:.2f}x, max diff {diff:.1e} of max |h|)"
