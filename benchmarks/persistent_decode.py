@@ -217,8 +217,9 @@ def main() -> None:
         for ctx in args.contexts:
             set_context(ctx)
             before, variant, after = persistent(), persistent(spec, **kwargs), persistent()
+            same = torch.equal(decoders[repr([])](ids, pos, meta).clone(), decoders[spec](ids, pos, meta).clone())
             print(f"context {ctx:5d}: persistent (eager launch), defaults {before:8.1f} / {after:8.1f} us, "
-                  f"{spec}: {variant:8.1f} us  [{registers()}]")
+                  f"{spec}: {variant:8.1f} us, hidden state {'identical' if same else 'DIFFERENT'}  [{registers()}]")
     set_context(args.contexts[0])  # the breakdown and the timeline run at the first context
     if args.timeline:
         timeline(dec, runner, ids, pos, meta)

@@ -46,6 +46,11 @@ def _launch_key(kernel: Any, args: tuple, kwargs: dict) -> tuple:
     return (id(kernel), tuple(map(describe, args)), tuple((k, describe(v)) for k, v in sorted(kwargs.items())))
 
 
+def compiling_only() -> bool:
+    """Whether `launch` only compiles here (inside `precompiling()` or a background dry pass)."""
+    return _dry_pass.get() is not None
+
+
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """`kernel[grid](*args, **kwargs)`, or only its compilation inside `precompiling()`."""
     seen = _dry_pass.get()

@@ -268,3 +268,33 @@ def test_cuda_bf16_close_to_model(checkpoint_factory):
     _, stepwise, *_ = decode_both(path, 40, torch.bfloat16, num_programs=sms, persistent=False)
     assert torch.equal(persistent, stepwise)
     torch.testing.assert_close(persistent, expected, atol=3e-2, rtol=3e-2)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("programs", ["one-per-sm", "8"])
+def test_cuda_weights_through_shared_memory_match_registers(checkpoint_factory, case, dtype, programs):
+    """The shared-memory weight slots (bulk copies, mbarriers, inline-PTX shared loads) give the
+    register path's results bit for bit: same values, same per-thread layout, same sums. With 8
+    programs each copies a larger slice (more rows per program)."""
+    if torch.cuda.get_device_capability(DEVICE) < (9, 0):
+        pytest.skip("bulk asynchronous copies need sm_90")
+    arch, shape = CASES[case]
+    path = checkpoint_factory(arch, **shape)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    kwargs = dict(num_programs=sms if programs == "one-per-sm" else 8, max_splits=4, split_tokens=23, block_t=16)
+    _, smem, _, smem_caches, decoder = decode_both(path, 45, dtype, smem_weights=True, **kwargs)
+    assert decoder.smem_weights and decoder._smem_off is not None
+    _, registers, _, caches, plain = decode_both(path, 45, dtype, smem_weights=False, **kwargs)
+    assert not plain.smem_weights
+    assert torch.equal(smem, registers)
+    for a, b in zip(smem_caches, caches):
+        assert torch.equal(a, b)
+
+
+def test_weights_through_shared_memory_only_on_a_persistent_cuda_launch(checkpoint_factory):
+    """The stepwise launches (the CPU reference path) never take the shared-memory slots."""
+    _, _, _, _, decoder = decode_both(checkpoint_factory("qwen3"), 5, persistent=False, num_programs=3)
+    assert not decoder.smem_weights

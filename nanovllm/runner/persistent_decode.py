@@ -88,7 +88,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.attention.backend import AttentionMetadata
-from nanovllm.precompile import launch
+from nanovllm.precompile import compiling_only, launch
 
 # Rows of the per-layer offset table: where each layer's tensors start, in elements from the
 # embedding weight (every tensor has the model's dtype, so one base pointer reaches them all).
@@ -241,11 +241,96 @@ def _first_tile(w_ptr, pid, rows_per_item, N, valid, K: tl.constexpr, BLOCK_R: t
     return _weight_tile(w_ptr, rows, rmask & valid, 0, K, BLOCK_K)
 
 
+# Weights through shared memory (SMEM_WEIGHTS, persistent launches on sm_90+): one thread per
+# program copies the program's whole slice of a weight stage (its rows are contiguous) into a
+# shared-memory slot with one bulk asynchronous copy (cp.async.bulk, the TMA unit), issued two
+# weight stages ahead of its use, across the grid barriers between; an mbarrier counts the bytes
+# in. The slots lie past Triton's own shared memory, `smem_off` bytes into the kernel's dynamic
+# shared memory (`global_smem` in the PTX Triton emits); PersistentDecoder reserves them.
 @triton.jit
-def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """K chunk k0 of an item's weight rows: `first` (loaded ahead, see _first_tile) for the
-    program's first item's first chunk, else a load."""
-    if k0 == 0:
+def _shared_address(offset):
+    """32-bit shared-memory address `offset` bytes into the kernel's dynamic shared memory."""
+    return tl.inline_asm_elementwise("mov.b32 $0, global_smem;\n\tadd.u32 $0, $0, $1;", "=r,r", [offset],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _mbarriers_init(bar_x, bar_y):
+    """Thread 0 initialises the two slots' mbarriers (one arrival per phase: the copy's issuer);
+    the CTA barrier orders that before any thread waits on them."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p mbarrier.init.shared::cta.b64 [$1], 1; @p mbarrier.init.shared::cta.b64 [$2], 1; "
+        "@p fence.mbarrier_init.release.cluster; mov.u32 $0, 0; }",
+        "=r,r,r", [bar_x, bar_y], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _bulk_copy(bar, dst, src, nbytes, dst2, src2, nbytes2):
+    """Thread 0: expect nbytes + nbytes2 at mbarrier `bar`, then copy nbytes from global `src` to
+    shared `dst` (and nbytes2 from src2 to dst2) asynchronously; an empty copy is skipped (with
+    both empty the phase completes at once). The proxy fence orders the CTA's earlier reads of
+    the slot (a CTA barrier precedes every call) before the copy's writes."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p, q, r; .reg .u32 t, n; .reg .b64 s; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "add.u32 n, $4, $7; setp.ne.and.u32 q, $4, 0, p; setp.ne.and.u32 r, $7, 0, p; "
+        "@p fence.proxy.async.shared::cta; "
+        "@p mbarrier.arrive.expect_tx.shared::cta.b64 s, [$1], n; "
+        "@q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$2], [$3], $4, [$1]; "
+        "@r cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$5], [$6], $7, [$1]; "
+        "mov.u32 $0, 0; }",
+        "=r,r,r,l,r,r,l,r", [bar, dst, src, nbytes, dst2, src2, nbytes2], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _mbarrier_test(bar, parity):
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; selp.u32 $0, 1, 0, p; }",
+        "=r,r,r", [bar, parity], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _mbarrier_wait(bar, parity):
+    """Every thread waits until the phase of parity `parity` of mbarrier `bar` has completed: its
+    copy has landed, and the completion makes the bytes visible to the threads that waited."""
+    done = _mbarrier_test(bar, parity)
+    while done == 0:
+        done = _mbarrier_test(bar, parity)
+
+
+@triton.jit
+def _slot_tile(slot, w_ptr, rmask, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0:k0 + BLOCK_K of the [BLOCK_R rows, K] slice of weight w_ptr at shared address `slot`
+    (the program's rows, row-major), read with 16-byte shared loads. Masked rows read row 0 again
+    (their results are never stored); the host keeps K a multiple of BLOCK_K. The loads are
+    inline PTX, which takes its register layout from the address tensor: Triton gives that the
+    layout of the tile's vectorized global loads, eight consecutive 16-bit columns (four fp32)
+    per thread, so that one instance's elements are one aligned 16-byte line (the GPU tests
+    compare this path with the register one, bit for bit). Not pure: the compiler must neither
+    merge two loads of one address (a slot holds another stage's rows by then) nor move them
+    before the mbarrier wait."""
+    dtype = w_ptr.dtype.element_ty
+    ESIZE: tl.constexpr = dtype.primitive_bitwidth // 8
+    local = tl.where(rmask, tl.arange(0, BLOCK_R), 0)
+    addr = slot + (local[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :]) * ESIZE
+    if ESIZE == 2:
+        return tl.inline_asm_elementwise("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                         "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [addr], dtype=dtype, is_pure=False, pack=8)
+    else:
+        return tl.inline_asm_elementwise("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                         "=r,=r,=r,=r,r,r,r,r", [addr], dtype=dtype, is_pure=False, pack=4)
+
+
+@triton.jit
+def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+           slot, SMEM: tl.constexpr):
+    """K chunk k0 of an item's weight rows. SMEM: from the program's shared-memory slot (its one
+    item's rows, copied there ahead, see _issue_weights). Else `first` (loaded ahead, see
+    _first_tile) for the program's first item's first chunk, or a load."""
+    if SMEM:
+        w = _slot_tile(slot, w_ptr, rmask, k0, K, rows.shape[0], BLOCK_K)
+    elif k0 == 0:
         if is_first_item:
             w = first
         else:
@@ -257,8 +342,9 @@ def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.con
 
 @triton.jit
 def _stage_qkv(
-    first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item,
+    first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item, slot,
     H: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SMEM: tl.constexpr,
 ):
     """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile."""
     dtype = qkv_ptr.dtype.element_ty
@@ -271,7 +357,7 @@ def _stage_qkv(
         for k0 in tl.static_range(0, H, BLOCK_K):
             offs_k = _tile_columns(rows, k0, BLOCK_K)
             x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
-            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
+            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
             acc = tl.fma(w.to(tl.float32), x, acc)
         acc = tl.sum(acc, axis=1)
         if HAS_BIAS:
@@ -491,8 +577,8 @@ def _stage_attention(
 
 @triton.jit
 def _stage_rows_residual(
-    first, w_ptr, x_ptr, resid_ptr, pid, num_programs, rows_per_item,
-    H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    first, w_ptr, x_ptr, resid_ptr, pid, num_programs, rows_per_item, slot,
+    H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
 ):
     """residual[rows] = round(round(W[rows] @ x) + residual[rows]): the o and down projections."""
     dtype = resid_ptr.dtype.element_ty
@@ -502,7 +588,7 @@ def _stage_rows_residual(
         for k0 in tl.static_range(0, K, BLOCK_K):
             offs_k = _tile_columns(rows, k0, BLOCK_K)
             x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K)
+            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K, slot, SMEM)
             acc = tl.fma(w.to(tl.float32), x, acc)
         acc = tl.sum(acc, axis=1)
         r = tl.load(resid_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -511,8 +597,8 @@ def _stage_rows_residual(
 
 @triton.jit
 def _stage_gate_up(
-    first_gate, first_up, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_per_item,
-    H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    first_gate, first_up, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_per_item, slot,
+    H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
 ):
     """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)."""
     dtype = act_ptr.dtype.element_ty
@@ -526,8 +612,9 @@ def _stage_gate_up(
         for k0 in tl.static_range(0, H, BLOCK_K):
             offs_k = _tile_columns(rows, k0, BLOCK_K)
             x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
-            wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K)
-            wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K)
+            wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
+            wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K,
+                        slot + rows_per_item * H * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), SMEM)
             gate = tl.fma(wg.to(tl.float32), x, gate)
             up = tl.fma(wu.to(tl.float32), x, up)
         gate = tl.sum(gate, axis=1)
@@ -570,22 +657,61 @@ def _prefetch(
 
 
 @triton.jit
+def _issue_weights(
+    STAGE: tl.constexpr, layer_ptr, valid, base_ptr, slot, bar, pid, rows_qkv, rows_h, rows_inter,
+    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+):
+    """SMEM_WEIGHTS: copy this program's rows of weight stage STAGE (0 qkv, 2 o, 3 gate and up,
+    4 down) of a layer into `slot`, counted at mbarrier `bar` (gate rows, then up rows
+    rows_inter rows further). valid=False copies nothing but still completes the phase."""
+    ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
+    if STAGE == 0:
+        w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
+        rows_per_item = rows_qkv
+        N: tl.constexpr = (NQ + 2 * NK) * D
+        K: tl.constexpr = H
+    elif STAGE == 2:
+        w_ptr = _at(base_ptr, layer_ptr, F_O_W)
+        rows_per_item = rows_h
+        N: tl.constexpr = H
+        K: tl.constexpr = NQ * D
+    elif STAGE == 3:
+        w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
+        rows_per_item = rows_inter
+        N: tl.constexpr = INTER
+        K: tl.constexpr = H
+    else:
+        w_ptr = _at(base_ptr, layer_ptr, F_DOWN_W)
+        rows_per_item = rows_h
+        N: tl.constexpr = H
+        K: tl.constexpr = INTER
+    row0 = pid * rows_per_item
+    nbytes = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0) * (K * ESIZE)
+    src = w_ptr + row0 * K
+    if STAGE == 3:  # the up rows: INTER rows after the gate rows in the packed weight
+        _bulk_copy(bar, slot, src, nbytes, slot + rows_per_item * (K * ESIZE), src + INTER * K, nbytes)
+    else:
+        _bulk_copy(bar, slot, src, nbytes, slot, src, 0)
+
+
+@triton.jit
 def _layer_stage(
     STAGE: tl.constexpr, first, first2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
     part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
     eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter, probe_row, probe_half,
+    slot_x, slot_y,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
-    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr,
+    BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr, SMEM: tl.constexpr,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
     `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
     its first cached K/V tile as kv1-kv4 (at _first_kv_rows)."""
     if STAGE == 0:
-        _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv,
-                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV)
+        _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
+                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM)
     elif STAGE == 1:
         _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
                          pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
@@ -593,23 +719,23 @@ def _layer_stage(
                          NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
     elif STAGE == 2:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, pid, num_programs,
-                             rows_h, H, NQ * D, BR_H, BK_O)
+                             rows_h, slot_y, H, NQ * D, BR_H, BK_O, SMEM)
     elif STAGE == 3:
         _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_inter,
-                       H, INTER, BR_INTER, BK_INTER)
+                       slot_x, H, INTER, BR_INTER, BK_INTER, SMEM)
     else:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_DOWN_W), act_ptr, resid_ptr, pid, num_programs,
-                             rows_h, H, INTER, BR_H, BK_DOWN)
+                             rows_h, slot_y, H, INTER, BR_H, BK_DOWN, SMEM)
 
 
 _STAGES_PER_LAYER = 5
 
 
-@triton.jit(do_not_specialize=("layer",))
+@triton.jit(do_not_specialize=("layer", "smem_off"))
 def _decode_kernel(
     base_ptr, table_ptr, final_norm_ptr, tok_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr, sync_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr, probe_ptr,
-    eps, qk_eps, qk_scale, stride_cb, stride_cs, num_layers, layer, rows_qkv, rows_h, rows_inter,
+    eps, qk_eps, qk_scale, stride_cb, stride_cs, num_layers, layer, rows_qkv, rows_h, rows_inter, smem_off,
     PERSISTENT: tl.constexpr, STAGE: tl.constexpr,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr,
@@ -617,6 +743,7 @@ def _decode_kernel(
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
     ONE_THREAD_BARRIER: tl.constexpr = False, STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
+    SMEM_WEIGHTS: tl.constexpr = False, SLOT_X_BYTES: tl.constexpr = 0, SLOT_Y_BYTES: tl.constexpr = 0,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -625,18 +752,32 @@ def _decode_kernel(
     per token). Otherwise: only stage STAGE (-1 embedding, 0-4 a layer's stages A-E of `layer`, 5
     the final norm), its tile loaded at its start. Benchmarks only: STAGE_MASK skips stages of
     the persistent kernel; PROBE stamps the times of each layer's PROBE_POINTS into probe_ptr
-    (see _stamp)."""
+    (see _stamp). SMEM_WEIGHTS (persistent only): weights through two shared-memory slots, X
+    (qkv, then gate and up: SLOT_X_BYTES) and Y (o, then down), at smem_off bytes into the
+    dynamic shared memory, with their mbarriers first; each weight stage's rows are copied in
+    when the stage before it in the same slot is done (for qkv: the previous layer's gate and
+    up), so that a copy has the stages between to land."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
+    slot_x = 0
+    slot_y = 0
     if PERSISTENT:
+        if SMEM_WEIGHTS:
+            bar_x = _shared_address(smem_off)
+            bar_y = bar_x + 8
+            slot_x = bar_x + 128
+            slot_y = slot_x + SLOT_X_BYTES
+            _mbarriers_init(bar_x, bar_y)
+            _issue_weights(0, table_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+            _issue_weights(2, table_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
         _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
         kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)  # placeholders: set before each use
         kv2 = kv1
         kv3 = kv1
         kv4 = kv1
         seen = _grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
-        t1, t2 = _prefetch(0, table_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+        t1, t2 = _prefetch(0, table_ptr, not SMEM_WEIGHTS, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
@@ -648,20 +789,46 @@ def _decode_kernel(
             probe_row = probe_ptr + layer_i * PROBE_POINTS * num_programs + pid
             for stage in tl.static_range(0, 5):
                 _stamp(probe_row, 3 * stage, num_programs, probe_half, PROBE)
+                if SMEM_WEIGHTS:
+                    # Slot X holds qkv (phase 0 of each layer's two) and gate/up (1); Y o (0) and down (1).
+                    if stage == 0:
+                        _mbarrier_wait(bar_x, 0)
+                    elif stage == 2:
+                        _mbarrier_wait(bar_y, 0)
+                    elif stage == 3:
+                        _mbarrier_wait(bar_x, 1)
+                    elif stage == 4:
+                        _mbarrier_wait(bar_y, 1)
                 if (STAGE_MASK >> stage) & 1:
                     _layer_stage(
                         stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
                         part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
                         eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
-                        probe_row, probe_half, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT,
-                        BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE,
+                        probe_row, probe_half, slot_x, slot_y, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS,
+                        OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
+                        BLOCK_T, PROBE, SMEM_WEIGHTS,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                 seen = _grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
                 # The first tile of the next stage with weights, loaded during this barrier:
                 # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
                 # stage 4's loads stage 0 of the next layer (nothing after the last).
-                if stage != 1:
+                if SMEM_WEIGHTS:
+                    # The slot this stage read is free (every thread passed the CTA barrier in
+                    # _grid_arrive): copy in the stage that uses it next.
+                    if stage == 0:
+                        _issue_weights(3, layer_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter,
+                                       H, NQ, NK, D, INTER)
+                    elif stage == 2:
+                        _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
+                                       H, NQ, NK, D, INTER)
+                    elif stage == 3:
+                        _issue_weights(0, layer_ptr + NUM_FIELDS, layer_i + 1 < num_layers, base_ptr, slot_x, bar_x, pid,
+                                       rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+                    elif stage == 4:
+                        _issue_weights(2, layer_ptr + NUM_FIELDS, layer_i + 1 < num_layers, base_ptr, slot_y, bar_y, pid,
+                                       rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+                elif stage != 1:
                     t1, t2 = _prefetch(
                         (stage + 1 + (stage == 0)) % 5, layer_ptr + NUM_FIELDS if stage == 4 else layer_ptr,
                         layer_i + 1 < num_layers if stage == 4 else True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
@@ -690,8 +857,8 @@ def _decode_kernel(
             STAGE, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
             part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
-            probe_ptr, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS,
-            BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False,
+            probe_ptr, 0, 0, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM,
+            HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False, False,
         )
 
 
@@ -700,6 +867,29 @@ def _tile_shape(rows: int, k: int, elements: int) -> tuple[int, int]:
     weights per chunk."""
     block_r = triton.next_power_of_2(rows)
     return block_r, max(16, min(triton.next_power_of_2(k), elements // block_r))
+
+
+def _reserve_shared_memory(kernel: Any, extra: int) -> int:
+    """Make a compiled kernel launch with `extra` bytes of dynamic shared memory past Triton's own
+    and return the offset where they start (a multiple of 128). Triton sizes a launch's dynamic
+    shared memory from the kernel's metadata, and raises the kernel's limit to the device's
+    opt-in maximum when it loads the module if that size is above 48 KB; so this has to run
+    before the kernel's first launch. Idempotent."""
+    own = getattr(kernel, "_nanovllm_own_shared", None)
+    if own is None:
+        if kernel.module is not None:
+            raise RuntimeError("persistent decode: the kernel was launched before its shared memory was reserved")
+        from triton.compiler.compiler import make_backend
+
+        own = kernel.metadata.shared
+        kernel.metadata = kernel.metadata._replace(shared=_align(own, 128) + extra)
+        kernel.packed_metadata = make_backend(kernel.metadata.target).pack_metadata(kernel.metadata)
+        kernel._nanovllm_own_shared = own
+    return _align(own, 128)
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -754,6 +944,7 @@ class PersistentDecoder:
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
         probe: bool = False, own_token_split: bool = True, one_thread_barrier: bool = True,
+        smem_weights: bool = True,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -810,6 +1001,26 @@ class PersistentDecoder:
             ONE_THREAD_BARRIER=one_thread_barrier, STAGE_MASK=stage_mask, PROBE=probe,
         )
         self.table: torch.Tensor | None = None
+        # Shared-memory weight slots (SMEM_WEIGHTS in _decode_kernel): X holds a program's qkv
+        # or gate+up rows, Y its o or down rows; 128 bytes before them hold the mbarriers.
+        item = self.dtype.itemsize
+        self.slot_x_bytes = _align(max(self.rows_qkv, 2 * self.rows_inter) * self.hidden * item, 128)
+        self.slot_y_bytes = _align(max(self.num_q * self.head_dim, self.inter) * self.rows_h * item, 128)
+        self.smem_bytes = 128 + self.slot_x_bytes + self.slot_y_bytes
+        self.smem_weights = smem_weights and self._smem_weights_fit(device, [
+            (self.hidden, bk_qkv), (self.num_q * self.head_dim, bk_o), (self.inter, bk_down), (self.hidden, bk_inter)])
+        self._smem_off: int | None = None
+
+    def _smem_weights_fit(self, device: torch.device, k_and_chunks: list[tuple[int, int]]) -> bool:
+        """Whether weights can go through shared-memory slots here: a persistent launch on an
+        sm_90+ GPU (bulk asynchronous copies), slots that leave Triton 64 KB of the opt-in
+        shared memory (it takes ~36 KB for Qwen3-0.6B), each K a multiple of its chunk (the
+        slot reads are unmasked) and of 16 bytes (the copies' granule)."""
+        if not self.persistent or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+            return False
+        optin = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+        item = self.dtype.itemsize
+        return self.smem_bytes + 64 * 1024 <= optin and all(k % bk == 0 and k * item % 16 == 0 for k, bk in k_and_chunks)
 
     def _base(self) -> torch.Tensor:
         return self.model.model.embed_tokens.weight
@@ -864,11 +1075,16 @@ class PersistentDecoder:
         common = dict(self.constexprs, KV_BLOCK_SIZE=self.kv_block_size, num_warps=self.num_warps, enable_fp_fusion=False)
         grid = (self.num_programs,)
         if self.persistent:
-            launch(_decode_kernel, grid, *args, 0, *counts, PERSISTENT=True, STAGE=0, **common)
+            common.update(PERSISTENT=True, STAGE=0, SMEM_WEIGHTS=self.smem_weights,
+                          SLOT_X_BYTES=self.slot_x_bytes, SLOT_Y_BYTES=self.slot_y_bytes)
+            if self.smem_weights and self._smem_off is None and not compiling_only():
+                kernel = _decode_kernel.warmup(*args, 0, *counts, 0, grid=grid, **common)
+                self._smem_off = _reserve_shared_memory(kernel, self.smem_bytes)
+            launch(_decode_kernel, grid, *args, 0, *counts, self._smem_off or 0, **common)
         else:
-            launch(_decode_kernel, grid, *args, 0, *counts, PERSISTENT=False, STAGE=-1, **common)
+            launch(_decode_kernel, grid, *args, 0, *counts, 0, PERSISTENT=False, STAGE=-1, **common)
             for layer in range(self.num_layers):
                 for stage in range(_STAGES_PER_LAYER):
-                    launch(_decode_kernel, grid, *args, layer, *counts, PERSISTENT=False, STAGE=stage, **common)
-            launch(_decode_kernel, grid, *args, 0, *counts, PERSISTENT=False, STAGE=5, **common)
+                    launch(_decode_kernel, grid, *args, layer, *counts, 0, PERSISTENT=False, STAGE=stage, **common)
+            launch(_decode_kernel, grid, *args, 0, *counts, 0, PERSISTENT=False, STAGE=5, **common)
         return self.out
