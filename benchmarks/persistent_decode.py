@@ -128,9 +128,13 @@ def print_timeline(stamps, total_us: float) -> None:
             leave = ns[3:num_layers - 1, 0]
         barrier = (np.median(leave, axis=1) - ns[layers, arrive].max(axis=1)) / 1e3
         span = (np.median(leave, axis=1) - np.median(ns[layers, start], axis=1)) / 1e3
+        landed = ""
+        if stage != 1 and reached[layers, 20 + stage].all():
+            waited = us_cyc(start, 20 + stage)[layers]
+            landed = f"; of the work, waiting for its weights median {np.median(waited):5.2f} / longest {np.median(waited.max(axis=1)):5.2f}"
         print(f"  {name:20s} span {np.median(span):6.2f} us = work median {np.median(work):5.2f} / slowest "
               f"{np.median(work.max(axis=1)):5.2f}, next tile {np.median(prefetch):5.2f}, barrier after the last "
-              f"arrival {np.median(barrier):5.2f}")
+              f"arrival {np.median(barrier):5.2f}{landed}")
     steps = [(3, 15, "stage start -> queries normed + rotated"), (15, 16, "-> cached positions walked"),
              (16, 17, "-> step's token attended + stored (last split)"), (16, 18, "-> split count returned"),
              (18, 19, "-> splits combined (last to finish)"), (3, 4, "whole attention work")]

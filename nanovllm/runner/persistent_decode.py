@@ -166,8 +166,9 @@ def _grid_wait(sync_ptr, seen, target):
 # Points of a layer the PROBE build stamps (benchmarks/persistent_decode.py --timeline): per stage
 # s, 3s its start (after the barrier), 3s+1 its work done, 3s+2 arrived and the next tile issued
 # (the wait follows); in attention, 15 queries rotated, 16 cached positions walked, 17 the step's token
-# attended and stored (last split), 18 the split count returned, 19 the splits combined.
-_PROBE_POINTS = 20
+# attended and stored (last split), 18 the split count returned, 19 the splits combined; with
+# SMEM_WEIGHTS, 20 + s the stage's weights landed in its slot (its mbarrier wait done).
+_PROBE_POINTS = 25
 PROBE_POINTS = tl.constexpr(_PROBE_POINTS)
 
 
@@ -799,6 +800,7 @@ def _decode_kernel(
                         _mbarrier_wait(bar_x, 1)
                     elif stage == 4:
                         _mbarrier_wait(bar_y, 1)
+                    _stamp(probe_row, 20 + stage, num_programs, probe_half, PROBE)
                 if (STAGE_MASK >> stage) & 1:
                     _layer_stage(
                         stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
