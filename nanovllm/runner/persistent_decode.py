@@ -324,26 +324,6 @@ def _slot_tile(slot, w_ptr, rmask, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, B
 
 
 @triton.jit
-def _stage_to_shared(x, offs, mask, xbuf):
-    """Store the 16-bit values x (at element offsets offs, where mask) into shared memory at xbuf:
-    a projection's input for the tensor-core path (_mma_rows). One st.shared.b16 per element
-    (pack=1: right whatever register layout Triton gives x)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $3, 0; @p st.shared.b16 [$1], $2; mov.u32 $0, 0; }",
-        "=r,r,h,r", [xbuf + offs * 2, x, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _mma_rows(MMA_ASM: tl.constexpr, slot, xbuf, red, THREADS: tl.constexpr):
-    """Run a projection slice's tensor-core program (`mma_asm` below) on every thread; returns,
-    per thread index t [THREADS] (fp32), the results of slice rows t and t + its second row
-    offset (gate_up's up rows; the others ignore it)."""
-    t = tl.arange(0, THREADS)
-    return tl.inline_asm_elementwise(MMA_ASM, "=f,=f,r,r,r,r", [slot + t * 0, xbuf, red, t],
-                                     dtype=(tl.float32, tl.float32), is_pure=False, pack=1)
-
-
-@triton.jit
 def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
            slot, SMEM: tl.constexpr):
     """K chunk k0 of an item's weight rows. SMEM: from the program's shared-memory slot (its one
@@ -362,46 +342,25 @@ def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.con
 
 
 @triton.jit
-def _fma_rows_qkv(first, item, pid, w_ptr, ln_ptr, resid_ptr, rstd, rows_per_item, slot,
-                  H: tl.constexpr, N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
-                  dtype: tl.constexpr):
-    """W[rows] @ rmsnorm(residual) with FMAs for one item's rows: a [rows, K chunk] fp32 tile
-    accumulated over the chunks and reduced once."""
-    rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
-    acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-    for k0 in tl.static_range(0, H, BLOCK_K):
-        offs_k = _tile_columns(rows, k0, BLOCK_K)
-        x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
-        w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
-        acc = tl.fma(w.to(tl.float32), x, acc)
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
 def _stage_qkv(
     first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item, slot,
     H: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SMEM: tl.constexpr, xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr,
+    SMEM: tl.constexpr,
 ):
-    """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile. MMA_ASM
-    (not empty): on tensor cores from the slot (mma_asm), the normed input staged at xbuf."""
+    """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile."""
     dtype = qkv_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN1)
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
-        if MMA_ASM != "":
-            offs = tl.arange(0, BLOCK_X)
-            _stage_to_shared(_normed(resid_ptr, ln_ptr, offs, offs < H, rstd, dtype).to(dtype), offs, offs < H, xbuf)
-            tl.debug_barrier()
-            acc, _ = _mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
-            t = tl.arange(0, THREADS)
-            rows = item * rows_per_item + t
-            rmask = (t < rows_per_item) & (rows < N)
-        else:
-            acc = _fma_rows_qkv(first, item, pid, w_ptr, ln_ptr, resid_ptr, rstd, rows_per_item, slot,
-                                H, N, BLOCK_R, BLOCK_K, SMEM, dtype)
-            rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
+        rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
+        acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_K):
+            offs_k = _tile_columns(rows, k0, BLOCK_K)
+            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
+            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
+            acc = tl.fma(w.to(tl.float32), x, acc)
+        acc = tl.sum(acc, axis=1)
         if HAS_BIAS:
             acc += tl.load(_at(base_ptr, layer_ptr, F_QKV_B) + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(qkv_ptr + rows, acc.to(dtype), mask=rmask)
@@ -621,29 +580,18 @@ def _stage_attention(
 def _stage_rows_residual(
     first, w_ptr, x_ptr, resid_ptr, pid, num_programs, rows_per_item, slot,
     H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
-    xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr,
 ):
-    """residual[rows] = round(round(W[rows] @ x) + residual[rows]): the o and down projections
-    (MMA_ASM: see _stage_qkv)."""
+    """residual[rows] = round(round(W[rows] @ x) + residual[rows]): the o and down projections."""
     dtype = resid_ptr.dtype.element_ty
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
-        if MMA_ASM != "":
-            offs = tl.arange(0, BLOCK_X)
-            _stage_to_shared(tl.load(x_ptr + offs, mask=offs < K, other=0.0), offs, offs < K, xbuf)
-            tl.debug_barrier()
-            acc, _ = _mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
-            t = tl.arange(0, THREADS)
-            rows = item * rows_per_item + t
-            rmask = (t < rows_per_item) & (rows < H)
-        else:
-            rows, rmask = _rows(item, rows_per_item, H, BLOCK_R)
-            acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-            for k0 in tl.static_range(0, K, BLOCK_K):
-                offs_k = _tile_columns(rows, k0, BLOCK_K)
-                x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K, slot, SMEM)
-                acc = tl.fma(w.to(tl.float32), x, acc)
-            acc = tl.sum(acc, axis=1)
+        rows, rmask = _rows(item, rows_per_item, H, BLOCK_R)
+        acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            offs_k = _tile_columns(rows, k0, BLOCK_K)
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K, slot, SMEM)
+            acc = tl.fma(w.to(tl.float32), x, acc)
+        acc = tl.sum(acc, axis=1)
         r = tl.load(resid_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(resid_ptr + rows, (acc.to(dtype).to(tl.float32) + r).to(dtype), mask=rmask)
 
@@ -652,37 +600,26 @@ def _stage_rows_residual(
 def _stage_gate_up(
     first_gate, first_up, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_per_item, slot,
     H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
-    xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr,
 ):
-    """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)
-    (MMA_ASM: see _stage_qkv; its slice is the gate rows then the up rows)."""
+    """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)."""
     dtype = act_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN2)
     rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(INTER, rows_per_item), num_programs):
-        if MMA_ASM != "":
-            offs = tl.arange(0, BLOCK_X)
-            _stage_to_shared(_normed(resid_ptr, ln_ptr, offs, offs < H, rstd, dtype).to(dtype), offs, offs < H, xbuf)
-            tl.debug_barrier()
-            gate, up = _mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
-            t = tl.arange(0, THREADS)
-            rows = item * rows_per_item + t
-            rmask = (t < rows_per_item) & (rows < INTER)
-        else:
-            rows, rmask = _rows(item, rows_per_item, INTER, BLOCK_R)
-            gate = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-            up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-            for k0 in tl.static_range(0, H, BLOCK_K):
-                offs_k = _tile_columns(rows, k0, BLOCK_K)
-                x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
-                wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
-                wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K,
-                            slot + rows_per_item * H * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), SMEM)
-                gate = tl.fma(wg.to(tl.float32), x, gate)
-                up = tl.fma(wu.to(tl.float32), x, up)
-            gate = tl.sum(gate, axis=1)
-            up = tl.sum(up, axis=1)
+        rows, rmask = _rows(item, rows_per_item, INTER, BLOCK_R)
+        gate = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_K):
+            offs_k = _tile_columns(rows, k0, BLOCK_K)
+            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
+            wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
+            wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K,
+                        slot + rows_per_item * H * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), SMEM)
+            gate = tl.fma(wg.to(tl.float32), x, gate)
+            up = tl.fma(wu.to(tl.float32), x, up)
+        gate = tl.sum(gate, axis=1)
+        up = tl.sum(up, axis=1)
         g = gate.to(dtype).to(tl.float32)
         silu = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dtype).to(tl.float32)
         tl.store(act_ptr + rows, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=rmask)
@@ -724,12 +661,10 @@ def _prefetch(
 def _issue_weights(
     STAGE: tl.constexpr, layer_ptr, valid, base_ptr, slot, bar, pid, rows_qkv, rows_h, rows_inter,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
-    COPY_ASM: tl.constexpr = "",
 ):
     """SMEM_WEIGHTS: copy this program's rows of weight stage STAGE (0 qkv, 2 o, 3 gate and up,
     4 down) of a layer into `slot`, counted at mbarrier `bar` (gate rows, then up rows
-    rows_inter rows further). valid=False copies nothing but still completes the phase.
-    COPY_ASM (tensor-core projections): one copy per row into padded rows (copy_rows_asm)."""
+    rows_inter rows further). valid=False copies nothing but still completes the phase."""
     ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
     if STAGE == 0:
         w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
@@ -752,13 +687,9 @@ def _issue_weights(
         N: tl.constexpr = H
         K: tl.constexpr = INTER
     row0 = pid * rows_per_item
-    nrows = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0)
-    nbytes = nrows * (K * ESIZE)
+    nbytes = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0) * (K * ESIZE)
     src = w_ptr + row0 * K
-    if COPY_ASM != "":
-        tl.inline_asm_elementwise(COPY_ASM, "=r,r,r,l,r,l", [bar, slot, src, nrows, src + INTER * K],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    elif STAGE == 3:  # the up rows: INTER rows after the gate rows in the packed weight
+    if STAGE == 3:  # the up rows: INTER rows after the gate rows in the packed weight
         _bulk_copy(bar, slot, src, nbytes, slot + rows_per_item * (K * ESIZE), src + INTER * K, nbytes)
     else:
         _bulk_copy(bar, slot, src, nbytes, slot, src, 0)
@@ -775,15 +706,13 @@ def _layer_stage(
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
     BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr, SMEM: tl.constexpr,
-    xbuf, red, MMA_QKV: tl.constexpr, MMA_O: tl.constexpr, MMA_GU: tl.constexpr, MMA_DOWN: tl.constexpr,
-    BK_H: tl.constexpr, BX_O: tl.constexpr, BX_DOWN: tl.constexpr, THREADS: tl.constexpr,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
     `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
     its first cached K/V tile as kv1-kv4 (at _first_kv_rows)."""
     if STAGE == 0:
         _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
-                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS)
+                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM)
     elif STAGE == 1:
         _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
                          pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
@@ -791,13 +720,13 @@ def _layer_stage(
                          NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
     elif STAGE == 2:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, pid, num_programs,
-                             rows_h, slot_y, H, NQ * D, BR_H, BK_O, SMEM, xbuf, red, MMA_O, BX_O, THREADS)
+                             rows_h, slot_y, H, NQ * D, BR_H, BK_O, SMEM)
     elif STAGE == 3:
         _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_inter,
-                       slot_x, H, INTER, BR_INTER, BK_INTER, SMEM, xbuf, red, MMA_GU, BK_H, THREADS)
+                       slot_x, H, INTER, BR_INTER, BK_INTER, SMEM)
     else:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_DOWN_W), act_ptr, resid_ptr, pid, num_programs,
-                             rows_h, slot_y, H, INTER, BR_H, BK_DOWN, SMEM, xbuf, red, MMA_DOWN, BX_DOWN, THREADS)
+                             rows_h, slot_y, H, INTER, BR_H, BK_DOWN, SMEM)
 
 
 _STAGES_PER_LAYER = 5
@@ -816,9 +745,6 @@ def _decode_kernel(
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
     ONE_THREAD_BARRIER: tl.constexpr = False, STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
     SMEM_WEIGHTS: tl.constexpr = False, SLOT_X_BYTES: tl.constexpr = 0, SLOT_Y_BYTES: tl.constexpr = 0,
-    XBUF_BYTES: tl.constexpr = 0, MMA_QKV: tl.constexpr = "", MMA_O: tl.constexpr = "", MMA_GU: tl.constexpr = "",
-    MMA_DOWN: tl.constexpr = "", BX_O: tl.constexpr = 16, BX_DOWN: tl.constexpr = 16, THREADS: tl.constexpr = 256,
-    COPY_QKV: tl.constexpr = "", COPY_O: tl.constexpr = "", COPY_GU: tl.constexpr = "", COPY_DOWN: tl.constexpr = "",
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -837,21 +763,15 @@ def _decode_kernel(
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
     slot_x = 0
     slot_y = 0
-    xbuf = 0
-    red = 0
     if PERSISTENT:
         if SMEM_WEIGHTS:
             bar_x = _shared_address(smem_off)
             bar_y = bar_x + 8
             slot_x = bar_x + 128
             slot_y = slot_x + SLOT_X_BYTES
-            xbuf = slot_y + SLOT_Y_BYTES
-            red = xbuf + XBUF_BYTES
             _mbarriers_init(bar_x, bar_y)
-            _issue_weights(0, table_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER,
-                           COPY_QKV)
-            _issue_weights(2, table_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER,
-                           COPY_O)
+            _issue_weights(0, table_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+            _issue_weights(2, table_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
         _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
         kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)  # placeholders: set before each use
         kv2 = kv1
@@ -888,8 +808,7 @@ def _decode_kernel(
                         eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
                         probe_row, probe_half, slot_x, slot_y, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS,
                         OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
-                        BLOCK_T, PROBE, SMEM_WEIGHTS, xbuf, red, MMA_QKV, MMA_O, MMA_GU, MMA_DOWN, BK_H, BX_O, BX_DOWN,
-                        THREADS,
+                        BLOCK_T, PROBE, SMEM_WEIGHTS,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                 seen = _grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
@@ -901,16 +820,16 @@ def _decode_kernel(
                     # _grid_arrive): copy in the stage that uses it next.
                     if stage == 0:
                         _issue_weights(3, layer_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter,
-                                       H, NQ, NK, D, INTER, COPY_GU)
+                                       H, NQ, NK, D, INTER)
                     elif stage == 2:
                         _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
-                                       H, NQ, NK, D, INTER, COPY_DOWN)
+                                       H, NQ, NK, D, INTER)
                     elif stage == 3:
                         _issue_weights(0, layer_ptr + NUM_FIELDS, layer_i + 1 < num_layers, base_ptr, slot_x, bar_x, pid,
-                                       rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER, COPY_QKV)
+                                       rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
                     elif stage == 4:
                         _issue_weights(2, layer_ptr + NUM_FIELDS, layer_i + 1 < num_layers, base_ptr, slot_y, bar_y, pid,
-                                       rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER, COPY_O)
+                                       rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
                 elif stage != 1:
                     t1, t2 = _prefetch(
                         (stage + 1 + (stage == 0)) % 5, layer_ptr + NUM_FIELDS if stage == 4 else layer_ptr,
@@ -942,7 +861,6 @@ def _decode_kernel(
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
             probe_ptr, 0, 0, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM,
             HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False, False,
-            0, 0, "", "", "", "", BK_H, BX_O, BX_DOWN, THREADS,
         )
 
 
@@ -974,100 +892,6 @@ def _reserve_shared_memory(kernel: Any, extra: int) -> int:
 
 def _align(n: int, to: int) -> int:
     return -(-n // to) * to
-
-
-def padded_row_bytes(k: int, itemsize: int) -> int:
-    """Bytes between rows of a slot that tensor-core projections read: 16 more than a row, so
-    that ldmatrix's 8 row addresses fall in 8 different bank groups (a row of 1,024 bf16, 2 KB,
-    puts them all in one: 8-way conflicts, measured 811 against 615 us per token on the H200)."""
-    return k * itemsize + 16
-
-
-def copy_rows_asm(rows: int, row_bytes: int, second: bool) -> str:
-    """PTX for thread 0 to copy a program's weight rows into a slot one bulk copy per row, at
-    padded_row_bytes strides ($1 mbarrier, $2 slot, $3 first row, $4 valid rows, $5 the first
-    up row for gate_up (`second`: its rows follow the gate rows in the slot)); expects all the
-    bytes at the mbarrier first. Copies past the valid rows are skipped."""
-    stride = row_bytes + 16
-    out = ["{", ".reg .pred p, q;", ".reg .u32 t, n;", ".reg .b64 st;",
-           "mov.u32 t, %tid.x;", "setp.eq.u32 p, t, 0;",
-           f"mul.lo.u32 n, $4, {row_bytes * (2 if second else 1)};",
-           "@p fence.proxy.async.shared::cta;",
-           "@p mbarrier.arrive.expect_tx.shared::cta.b64 st, [$1], n;"]
-    for r in range(rows):
-        out.append(f"setp.gt.and.u32 q, $4, {r}, p;")
-        out.append(f"@q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$2+{r * stride}], "
-                   f"[$3+{r * row_bytes}], {row_bytes}, [$1];")
-        if second:
-            out.append(f"@q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$2+{(rows + r) * stride}], "
-                       f"[$5+{r * row_bytes}], {row_bytes}, [$1];")
-    out += ["mov.u32 $0, 0;", "}"]
-    return "\n\t".join(out)
-
-
-def mma_asm(rows: int, k: int, warps: int, row2: int, dtype: torch.dtype) -> str:
-    """PTX for one program's slice of a projection on tensor cores (MMA_* of _decode_kernel):
-    y[r] = sum_k W[r, k] x[k] for the `rows` rows of a shared-memory slot (16-bit, K = k, rows
-    padded_row_bytes apart: copy_rows_asm) and the input x in shared memory at xbuf (16-bit, [k]).
-
-    Each warp takes a contiguous share of the k/16 steps; per step and per 16-row block it loads
-    the weights with ldmatrix.x4 straight from the slot and multiplies with mma.m16n8k16 (fp32
-    accumulation), x being every column of the 16x8 operand (so the product's columns are equal).
-    Lanes of thread-group 0 write their warp's partial rows to `red` ([warps, blocks * 16] fp32);
-    after a CTA barrier, thread t sums row t (and row t + row2) over the warps, in warp order.
-    Rows past `rows` in the last block read the last row again (their results are not used).
-    Operands: $0 $1 results, $2 slot, $3 xbuf, $4 red, $5 t (the thread's element index).
-    Every thread must run it exactly as often as the others (mma.sync, bar.sync): _mma_rows
-    hands it a [threads] tensor, one element per thread."""
-    if k % 16:
-        raise ValueError(f"tensor-core projections need K % 16 == 0, got {k}")
-    ty = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
-    blocks = -(-rows // 16)
-    steps = k // 16
-    per_warp = -(-steps // warps)
-    width = blocks * 16
-    row_bytes = padded_row_bytes(k, 2)
-    out = ["{",
-           ".reg .u32 tid, lane, warp, grp, tig, kst, xa, rr, wa, t;",
-           ".reg .b32 a0, a1, a2, a3, b0, b1;",
-           ".reg .f32 s, v, " + ", ".join(f"c{b}_{i}" for b in range(blocks) for i in range(4)) + ";",
-           ".reg .pred p, q;",
-           ".reg .u32 " + ", ".join(f"r{b}" for b in range(blocks)) + ";",
-           "mov.u32 tid, %tid.x;", "and.b32 lane, tid, 31;", "shr.u32 warp, tid, 5;",
-           "shr.u32 grp, lane, 2;", "and.b32 tig, lane, 3;",
-           f"mul.lo.u32 kst, warp, {per_warp};",
-           # x operand: xbuf + (kst * 16 + tig * 2) * 2 bytes
-           "shl.b32 xa, kst, 5;", "add.u32 xa, xa, $3;", "shl.b32 t, tig, 2;", "add.u32 xa, xa, t;",
-           # ldmatrix row of this lane: block row (lane % 16), k offset (lane / 16) * 8
-           "and.b32 rr, lane, 15;", "shr.u32 t, lane, 4;", "shl.b32 t, t, 4;",
-           "shl.b32 wa, kst, 5;", "add.u32 wa, wa, t;", "add.u32 wa, wa, $2;"]
-    for b in range(blocks):
-        out += [f"add.u32 t, rr, {b * 16};", f"min.u32 t, t, {rows - 1};", f"mad.lo.u32 r{b}, t, {row_bytes}, wa;"]
-        out += [f"mov.f32 c{b}_{i}, 0f00000000;" for i in range(4)]
-    for j in range(per_warp):
-        out.append(f"add.u32 t, kst, {j};")
-        out.append(f"setp.lt.u32 p, t, {steps};")
-        out.append(f"@p ld.shared.b32 b0, [xa+{j * 32}];")
-        out.append(f"@p ld.shared.b32 b1, [xa+{j * 32 + 16}];")
-        for b in range(blocks):
-            c = ", ".join(f"c{b}_{i}" for i in range(4))
-            out.append(f"@p ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{a0, a1, a2, a3}}, [r{b}+{j * 32}];")
-            out.append(f"@p mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{c}}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{{c}}};")
-    # partial rows: red[warp][block * 16 + grp (+ 8)] from thread-group 0 of each row group
-    out += ["setp.eq.u32 q, tig, 0;", f"mul.lo.u32 t, warp, {width};", "add.u32 t, t, grp;", "shl.b32 t, t, 2;",
-            "add.u32 t, t, $4;"]
-    for b in range(blocks):
-        out.append(f"@q st.shared.f32 [t+{b * 64}], c{b}_0;")
-        out.append(f"@q st.shared.f32 [t+{b * 64 + 32}], c{b}_2;")
-    out.append("bar.sync 0;")
-    for dst, offset in (("$0", 0), ("$1", row2)):
-        out += [f"add.u32 t, $5, {offset};", f"min.u32 t, t, {width - 1};", "shl.b32 t, t, 2;", "add.u32 t, t, $4;",
-                "mov.f32 s, 0f00000000;"]
-        for w in range(warps):
-            out += [f"ld.shared.f32 v, [t+{w * width * 4}];", "add.f32 s, s, v;"]
-        out.append(f"mov.f32 {dst}, s;")
-    out.append("}")
-    return "\n\t".join(out)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -1122,7 +946,7 @@ class PersistentDecoder:
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
         probe: bool = False, own_token_split: bool = True, one_thread_barrier: bool = True,
-        smem_weights: bool = True, mma_projections: bool = True,
+        smem_weights: bool = True,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -1182,35 +1006,12 @@ class PersistentDecoder:
         # Shared-memory weight slots (SMEM_WEIGHTS in _decode_kernel): X holds a program's qkv
         # or gate+up rows, Y its o or down rows; 128 bytes before them hold the mbarriers.
         item = self.dtype.itemsize
-        q, h = self.num_q * self.head_dim, self.hidden
-        self.mma = (smem_weights and mma_projections and self.dtype in (torch.bfloat16, torch.float16)
-                    and all(k % 16 == 0 for k in (h, q, self.inter)) and h <= 8192)
-        # Tensor-core projections read rows padded_row_bytes apart.
-        row = (lambda k: padded_row_bytes(k, item)) if self.mma else (lambda k: k * item)  # noqa: E731
-        self.slot_x_bytes = _align(max(self.rows_qkv, 2 * self.rows_inter) * row(h), 128)
-        self.slot_y_bytes = _align(max(self.rows_h * row(q), self.rows_h * row(self.inter)), 128)
-        # Tensor-core projections (mma_asm): the input staged at xbuf, the warps' partial rows at red.
-        self.xbuf_bytes = _align(max(self.hidden, self.num_q * self.head_dim, self.inter) * item, 128)
-        widest = max(-(-r // 16) * 16 for r in (self.rows_qkv, self.rows_h, 2 * self.rows_inter))
-        red_bytes = num_warps * widest * 4
-        self.smem_bytes = 128 + self.slot_x_bytes + self.slot_y_bytes + self.xbuf_bytes + red_bytes
+        self.slot_x_bytes = _align(max(self.rows_qkv, 2 * self.rows_inter) * self.hidden * item, 128)
+        self.slot_y_bytes = _align(max(self.num_q * self.head_dim, self.inter) * self.rows_h * item, 128)
+        self.smem_bytes = 128 + self.slot_x_bytes + self.slot_y_bytes
         self.smem_weights = smem_weights and self._smem_weights_fit(device, [
             (self.hidden, bk_qkv), (self.num_q * self.head_dim, bk_o), (self.inter, bk_down), (self.hidden, bk_inter)])
         self._smem_off: int | None = None
-        self.mma = self.mma and self.smem_weights
-        if self.mma:
-            self.constexprs.update(
-                XBUF_BYTES=self.xbuf_bytes, THREADS=num_warps * 32,
-                BX_O=triton.next_power_of_2(q), BX_DOWN=triton.next_power_of_2(self.inter),
-                MMA_QKV=mma_asm(self.rows_qkv, h, num_warps, 0, self.dtype),
-                MMA_O=mma_asm(self.rows_h, q, num_warps, 0, self.dtype),
-                MMA_GU=mma_asm(2 * self.rows_inter, h, num_warps, self.rows_inter, self.dtype),
-                MMA_DOWN=mma_asm(self.rows_h, self.inter, num_warps, 0, self.dtype),
-                COPY_QKV=copy_rows_asm(self.rows_qkv, h * item, False),
-                COPY_O=copy_rows_asm(self.rows_h, q * item, False),
-                COPY_GU=copy_rows_asm(self.rows_inter, h * item, True),
-                COPY_DOWN=copy_rows_asm(self.rows_h, self.inter * item, False),
-            )
 
     def _smem_weights_fit(self, device: torch.device, k_and_chunks: list[tuple[int, int]]) -> bool:
         """Whether weights can go through shared-memory slots here: a persistent launch on an
