@@ -298,3 +298,31 @@ def test_weights_through_shared_memory_only_on_a_persistent_cuda_launch(checkpoi
     """The stepwise launches (the CPU reference path) never take the shared-memory slots."""
     _, _, _, _, decoder = decode_both(checkpoint_factory("qwen3"), 5, persistent=False, num_programs=3)
     assert not decoder.smem_weights
+
+
+def test_reserving_shared_memory_patches_the_launch_size_once():
+    """The slots' shared memory is added to the compiled kernel's launch size (metadata and the
+    packed tuple its launcher reads), past Triton's own rounded to 128 bytes; a second call
+    changes nothing; a kernel already loaded (launched) is refused rather than run short."""
+    from collections import namedtuple
+
+    from triton.backends.compiler import GPUTarget
+
+    from nanovllm.runner.persistent_decode import _reserve_shared_memory
+
+    Meta = namedtuple("Meta", "num_warps num_ctas shared target")
+
+    class FakeKernel:
+        module = None
+        metadata = Meta(8, 1, 36_900, GPUTarget("cuda", 90, 32))
+
+    kernel = FakeKernel()
+    assert _reserve_shared_memory(kernel, 10_000) == 36_992
+    assert kernel.metadata.shared == 46_992
+    assert kernel.packed_metadata[:3] == (8, 1, 46_992)
+    assert _reserve_shared_memory(kernel, 10_000) == 36_992
+    assert kernel.metadata.shared == 46_992
+    loaded = FakeKernel()
+    loaded.module = object()
+    with pytest.raises(RuntimeError, match="before its shared memory was reserved"):
+        _reserve_shared_memory(loaded, 10_000)

@@ -7,14 +7,23 @@ costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of lay
 one program per SM loops over the layers, splits each stage's work between the programs, and
 waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
 output. A barrier costs 0.86-0.93 us on an H200, less than a kernel boundary. Measured result
-(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.68-0.70 ms per token (graph replay of the
-model forward; the LM head and the sampler follow) at contexts up to 640 against the per-op
-graph's 1.12-1.19 ms, and faster than it at every context measured (1.84 vs 2.89 ms at 16,384);
-still far from the weight-read floor (~0.3 ms for the whole step). Per layer (`--timeline`, 28
-per token): A 4.6 us, B 6.1, C 3.1, D 6.7, E 3.8, each from a stage's start to the next's; while
-working, the median program of a weight stage reads at ~2.6 TB/s.
+(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.61 ms per token (the model forward; the LM
+head and the sampler follow) at contexts up to 640 against the per-op graph's 1.12-1.19 ms, and
+faster than it at every context measured (1.77 vs 2.89 ms at 16,384); still far from the
+weight-read floor (~0.3 ms for the whole step). Per layer (`--timeline`, 28 per token): A 4.5
+us, B 7.2, C 2.1, D 4.9, E 3.6, each from a stage's start to the next's; no stage waits for its
+weights (they are in shared memory by then, below).
 
 Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`, then the H200):
+- Weights through shared memory (SMEM_WEIGHTS; sm_90+, where the slices fit): a program's
+  rows of a weight stage are one contiguous range, so thread 0 copies them into a shared-memory
+  slot with one bulk asynchronous copy (TMA, inline PTX: cp.async.bulk counted in by an
+  mbarrier), issued when the stage before it in that slot is done, two weight stages ahead of
+  its use and across the barriers between. Through registers, ptxas kept only ~1 chunk of loads
+  in flight (255 registers, spills): 669 -> 611 us per token at context 640 (H200, session 12),
+  bit-identical results. Reading the slots with tensor cores (ldmatrix + mma) was slower: 8-way
+  bank conflicts on the 2 KB row stride, or, with one copy per padded row, ~1.2 us more per
+  stage to issue the copies (commits aa1fe56, a8d7997).
 - Projections accumulate a [rows, K chunk] fp32 tile across K chunks and reduce it once, and load
   the input vector broadcast to the tile's shape: a 1-D input made Triton convert its layout
   through shared memory with a CTA barrier per chunk, and a per-chunk row sum did too, which
@@ -75,7 +84,8 @@ stepwise one and with the per-op CUDA graph (tests/test_persistent_decode.py).
 
 Scope: Llama-family decoders (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norm) without o/MLP
 biases, one rank, a power-of-two head_dim of at least 32, every weight and the KV cache in one
-dtype. The runner (model_runner.py) compiles it in the background after start-up and from then
+dtype. The shared-memory slots need each program's slices to fit beside Triton's own shared
+memory (Qwen3-0.6B on 132 SMs: 144 KB of 227 KB); larger models load weights into registers. The runner (model_runner.py) compiles it in the background after start-up and from then
 on replays a CUDA graph of it for every decode step of exactly one sequence; anything else
 takes the per-op path.
 """
@@ -757,7 +767,8 @@ def _decode_kernel(
     (qkv, then gate and up: SLOT_X_BYTES) and Y (o, then down), at smem_off bytes into the
     dynamic shared memory, with their mbarriers first; each weight stage's rows are copied in
     when the stage before it in the same slot is done (for qkv: the previous layer's gate and
-    up), so that a copy has the stages between to land."""
+    up), so that a copy has the stages between to land. SLOT_Y_BYTES is not read here: it only
+    makes the slots' total size part of the compiled variant, whose launch reserves it."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
@@ -935,7 +946,9 @@ class PersistentDecoder:
     launches; an earlier rule that always added the part was slower past ~1,000 positions),
     warps, weights per register tile (gate_up_tile_elements: the gate and up tiles together,
     default tile_elements), one_thread_barrier (thread 0 alone arrives and polls, see
-    _grid_arrive; False: every thread takes the arrival's answer, 14-25 us per token slower), and
+    _grid_arrive; False: every thread takes the arrival's answer, 14-25 us per token slower),
+    smem_weights (weights through shared-memory slots where the GPU and the slices allow: see
+    _smem_weights_fit; False: straight into registers, 58 us per token slower at context 640), and
     two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
     (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small ones so that
