@@ -5,10 +5,11 @@ ignored): 1,024 output tokens; tok/s over the whole set, model load excluded, me
 a warm-up. Also single-stream decode (one prompt, per token after the first).
 Run it on an idle machine: CPU timings are easily skewed by other work.
 
-    python benchmarks/cpu_bench.py [--dtype bfloat16]
+    python benchmarks/cpu_bench.py [--dtype bfloat16 | --quantization int4]
 
 --dtype bfloat16 runs the model in bf16 (its output then differs from the fp32 reference's; worth
-it on CPUs with AVX512-BF16 or AMX, see docs/benchmarks.md, W3).
+it on CPUs with AVX512-BF16 or AMX, see docs/benchmarks.md, W3). --quantization int4 keeps the
+projections' and the LM head's weights as int4 codes (layers/int4_linear.py), also in bf16.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--async-scheduling", action="store_true", help="force async scheduling on (default: off on CPU)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: float32 on the CPU")
+    ap.add_argument("--quantization", default=None, choices=["int4"], help="int4 weights, bf16 activations")
     args = ap.parse_args()
     import torch
 
@@ -40,7 +42,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from nanovllm import LLM, SamplingParams
 
-    llm = LLM(device="cpu", dtype=args.dtype, async_scheduling=True if args.async_scheduling else None)
+    llm = LLM(device="cpu", dtype=args.dtype, quantization=args.quantization,
+              async_scheduling=True if args.async_scheduling else None)
     tok = llm.tokenizer
     prompts = [tok.encode(llm.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False) for q in QUESTIONS]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -65,7 +68,7 @@ def main() -> None:
         single.append(steps / (time.perf_counter() - t))
     print(json.dumps({"batch_tok_per_s": batch, "single_decode_tok_per_s": single,
                       "prompt_tokens": [len(p) for p in prompts], "threads": torch.get_num_threads(),
-                      "dtype": str(llm.engine.executor.runner.dtype)}))
+                      "dtype": str(llm.engine.executor.runner.dtype), "quantization": args.quantization}))
     print(f"W3 batch of 16: median {statistics.median(batch):.1f} tok/s; single-stream decode median "
           f"{statistics.median(single):.1f} tok/s ({1000 / statistics.median(single):.1f} ms/token)")
 

@@ -16,6 +16,8 @@ import platform
 import torch
 import torch.nn.functional as F
 
+from nanovllm.layers.int4_linear import Int4Weight, int4_linear
+
 
 def _onednn_linear_available() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -28,8 +30,11 @@ def _onednn_linear_available() -> bool:
 ONEDNN_LINEAR = _onednn_linear_available()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias` for x [tokens, in] (F.linear's contract)."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` for x [tokens, in] (F.linear's contract); an Int4Weight (weights of
+    `LLM(quantization="int4")`, layers/int4_linear.py) goes to torch's CPU int4 kernel."""
+    if isinstance(weight, Int4Weight):
+        return int4_linear(x, weight, bias)
     if ONEDNN_LINEAR and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] and weight.is_contiguous():
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -123,7 +123,10 @@ class ModelRunner:
         self.rank = rank
         self.hf_config = source.hf_config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, source.hf_config, self.device)
+        if config.quantization == "int4" and self.device.type != "cpu":
+            raise ValueError("LLM(quantization='int4') runs on the CPU only (torch's int4 CPU kernel); "
+                             f"this machine resolved device={config.device!r} to {self.device}: pass device='cpu'")
+        self.dtype = resolve_dtype("bfloat16" if config.quantization == "int4" else config.dtype, source.hf_config, self.device)
         self.block_size = config.kvcache_block_size
         torch.manual_seed(config.seed)
 
@@ -138,6 +141,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(source.weights())
         self.model.eval()
+        if config.quantization == "int4":
+            self._quantize_int4()
         self.load_seconds = time.perf_counter() - t0
 
         self.backend = get_backend(config.attention_backend, self.device)
@@ -220,6 +225,15 @@ class ModelRunner:
             type(self.model).__name__, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
             self.backend.name, self.num_kvcache_blocks, self.block_size,
         )
+
+    def _quantize_int4(self) -> None:
+        from nanovllm.layers import int4_linear
+
+        if not int4_linear.available():
+            raise ValueError(f"LLM(quantization='int4') needs torch's CPU int4 kernels, which torch {torch.__version__} lacks")
+        done, kept = int4_linear.quantize_model(self.model)
+        logger.info("int4 weights: %d layers quantized, %d kept dense (in-features not a multiple of %d)",
+                    done, kept, int4_linear.GROUP_SIZE)
 
     def _build_persistent_decoder(self):
         """The one-sequence decode kernel (runner/persistent_decode.py), or None where it is

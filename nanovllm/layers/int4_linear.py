@@ -1,0 +1,111 @@
+"""Weight-only int4 linears for the CPU: `LLM(..., quantization="int4")`.
+
+Why: decoding one sequence on a CPU reads every weight once per token, so it runs at the
+memory's pace. On the 2-vCPU machine of W3 (docs/benchmarks.md), streaming the 120 projections
+of SmolLM2-135M for one token took 25.7 ms in fp32, 17.5 ms in bf16 and 4.0 ms as int4 codes;
+at 16 rows (W3's batch) int4 costs what bf16 does (23.1 against 24.7 ms).
+
+How: each weight row is cut into groups of GROUP_SIZE along K, stored as 4-bit codes q with one
+scale and one offset per group: w ~ (q - 8) * scale + zero, the layout that torch's CPU kernel
+`_weight_int4pack_mm_for_cpu` multiplies (the op torch's own int4 weight-only quantization
+calls on CPUs). The codes come from each group's minimum and maximum. For GGUF Q4_1 weights
+(the embedded default model) that gives back the file's own codes: Q4_1 quantizes every block of
+32 from its minimum and maximum, so each block holds codes 0 and 15. What changes is the scale
+and offset, rounded to bf16 (the kernel takes them in the activations' dtype, and it needs bf16
+activations to be fast: 0.93 ms against 0.03 for one qkv projection in fp32). So the model runs
+in bf16 and its output differs from the fp32 reference path (tests/test_int4_linear.py
+compares it with the same weights dequantized).
+
+A linear whose K is not a multiple of GROUP_SIZE keeps its dense weight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+GROUP_SIZE = 32
+
+
+def available() -> bool:
+    """Whether this torch has the CPU int4 kernels."""
+    ops = torch.ops.aten
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+@dataclass
+class Int4Weight:
+    """A [out, in] weight as int4 codes (packed by torch, [out, in / 2] uint8) and per-group
+    (scale, zero) pairs [in / group_size, out, 2] in bf16."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    group_size: int
+    shape: torch.Size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+
+def _codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [out, in] int32 in 0..15, scale [out, groups], zero [out, groups]) from each group's
+    minimum and maximum, scale and zero already rounded to bf16 and the codes chosen for them."""
+    out_features, in_features = weight.shape
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    low = groups.amin(-1)
+    high = groups.amax(-1)
+    scale = ((high - low) / 15).to(torch.bfloat16).float()
+    zero = (low + 8 * scale).to(torch.bfloat16).float()
+    safe = torch.where(scale > 0, scale, 1.0)
+    codes = ((groups - zero[..., None]) / safe[..., None] + 8).round().clamp(0, 15)
+    codes = torch.where(scale[..., None] > 0, codes, 8.0)  # a constant group: the offset alone
+    return codes.reshape(out_features, in_features).to(torch.int32), scale, zero
+
+
+def quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Weight:
+    """Int4Weight of a 2-D weight whose in-dimension is a multiple of group_size."""
+    if weight.dim() != 2 or weight.shape[1] % group_size:
+        raise ValueError(f"int4 weights need a 2-D weight with in-features a multiple of {group_size}, got {list(weight.shape)}")
+    codes, scale, zero = _codes(weight, group_size)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
+    pairs = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return Int4Weight(packed, pairs, group_size, weight.shape)
+
+
+def dequantize(weight: Int4Weight) -> torch.Tensor:
+    """The fp32 weight an Int4Weight stands for (tests compare the kernel with it). Needs the
+    codes, which torch's packing does not give back, so it multiplies the identity instead."""
+    eye = torch.eye(weight.shape[1], dtype=torch.bfloat16)
+    return int4_linear(eye, weight).float().t().contiguous()
+
+
+def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W.T + bias` for 2-D bf16 x."""
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, weight.group_size, weight.scales_and_zeros)
+    return y if bias is None else y + bias
+
+
+def quantize_model(model: nn.Module, group_size: int = GROUP_SIZE) -> tuple[int, int]:
+    """Replace the weight of every projection and of the LM head whose in-features divide into
+    groups by its Int4Weight (a tied LM head gets its own; the embedding keeps the dense one).
+    Returns (layers quantized, layers kept dense)."""
+    from nanovllm.layers.embedding import ParallelLMHead
+    from nanovllm.layers.linear import LinearBase
+
+    done = kept = 0
+    for module in model.modules():
+        if not isinstance(module, (LinearBase, ParallelLMHead)):
+            continue
+        weight = module.weight
+        if not isinstance(weight, torch.Tensor):
+            continue  # quantized already
+        if weight.shape[1] % group_size:
+            kept += 1
+            continue
+        int4 = quantize(weight.data, group_size)
+        del module._parameters["weight"]
+        module.weight = int4
+        done += 1
+    return done, kept

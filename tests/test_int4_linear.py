@@ -1,0 +1,130 @@
+"""Weight-only int4 linears on the CPU (layers/int4_linear.py, `LLM(quantization="int4")`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import load_model
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.attention.backend import AttentionMetadata, bind_kv_cache
+from nanovllm.attention.torch_backend import TorchAttentionBackend
+from nanovllm.layers import int4_linear
+from nanovllm.layers.int4_linear import GROUP_SIZE, Int4Weight, _codes, dequantize, quantize, quantize_model
+
+pytestmark = pytest.mark.skipif(not int4_linear.available(), reason="this torch has no CPU int4 kernels")
+
+
+def q4_1_weight(rows: int, cols: int, seed: int = 0):
+    """A weight made as GGUF Q4_1 makes one: per block of 32 along a row, codes 0..15 (both ends
+    present, as min/max quantization gives), a scale and a minimum (bf16-exact here)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = cols // GROUP_SIZE
+    codes = torch.randint(0, 16, (rows, blocks, GROUP_SIZE), generator=gen)
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = 2.0 ** -torch.randint(3, 7, (rows, blocks), generator=gen).float()
+    low = torch.randint(-40, 0, (rows, blocks), generator=gen).float() * scale
+    weight = codes * scale[..., None] + low[..., None]
+    return weight.reshape(rows, cols), codes.reshape(rows, cols), scale, low
+
+
+def reference(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """(q - 8) * scale + zero, per group: the kernel's definition, computed here in fp32."""
+    expand = lambda t: t.repeat_interleave(GROUP_SIZE, dim=1)  # noqa: E731
+    return (codes.float() - 8) * expand(scale) + expand(zero)
+
+
+def test_q4_1_blocks_give_back_their_codes_exactly():
+    weight, codes, scale, low = q4_1_weight(24, 96)
+    got_codes, got_scale, got_zero = _codes(weight, GROUP_SIZE)
+    assert torch.equal(got_codes, codes.to(torch.int32))
+    assert torch.equal(got_scale, scale)
+    assert torch.equal(got_zero, low + 8 * scale)
+    assert torch.equal(reference(got_codes, got_scale, got_zero), weight)
+
+
+def test_any_weight_is_within_half_a_step():
+    weight = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
+    codes, scale, zero = _codes(weight, GROUP_SIZE)
+    assert int(codes.min()) >= 0 and int(codes.max()) <= 15
+    error = (reference(codes, scale, zero) - weight).abs()
+    step = scale.repeat_interleave(GROUP_SIZE, dim=1)
+    assert bool((error <= step * 0.5 + 1e-2 * step + 1e-6).all())  # bf16 rounding of scale/zero aside
+    constant = torch.full((2, 32), 0.75)
+    codes, scale, zero = _codes(constant, GROUP_SIZE)
+    assert torch.equal(reference(codes, scale, zero), constant)
+
+
+def test_kernel_multiplies_the_codes_it_was_given():
+    weight, *_ = q4_1_weight(48, 64, seed=2)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    packed = quantize(weight)
+    assert isinstance(packed, Int4Weight) and packed.shape == weight.shape
+    expected = x.float() @ weight.t()
+    got = int4_linear.int4_linear(x, packed)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(dequantize(packed), weight, atol=0, rtol=2 ** -8)  # bf16 output rounding
+    bias = torch.randn(48).to(torch.bfloat16)
+    torch.testing.assert_close(int4_linear.int4_linear(x, packed, bias).float(), (got + bias).float())
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(8, 48))
+
+
+def test_model_with_int4_weights_computes_with_its_dequantized_weights(checkpoint_factory):
+    """The quantized model's logits equal, to bf16 rounding, those of the same model whose
+    projections and LM head hold the dequantized weights as dense bf16 tensors."""
+    path = checkpoint_factory("qwen3")
+    models = []
+    for _ in range(2):
+        model, config = load_model(path, torch.bfloat16, torch.device("cpu"))
+        attn = model.model.layers[0].self_attn
+        shape = (8, 16, attn.num_kv_heads, attn.head_dim)
+        caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(config.num_hidden_layers)]
+        bind_kv_cache(model, caches, [c.clone() for c in caches], TorchAttentionBackend())
+        models.append(model)
+    quantized, dense = models
+    done, kept = quantize_model(quantized)
+    assert done == 4 * config.num_hidden_layers + 1 and kept == 0  # qkv, o, gate_up, down per layer; LM head
+    assert isinstance(quantized.lm_head.weight, Int4Weight)
+    assert isinstance(quantized.model.embed_tokens.weight, torch.Tensor)  # lookups stay dense
+    for (name, q), (_, d) in zip(quantized.named_modules(), dense.named_modules()):
+        if isinstance(getattr(q, "weight", None), Int4Weight):
+            if name == "lm_head" and d.weight is dense.model.embed_tokens.weight:
+                d.weight = torch.nn.Parameter(d.weight.data.clone(), requires_grad=False)  # untie
+            d.weight.data.copy_(dequantize(q.weight))
+    tokens = torch.randint(config.vocab_size, (12,), generator=torch.Generator().manual_seed(4))
+    meta = AttentionMetadata(
+        num_decodes=0, slot_mapping=torch.arange(12),
+        query_start_loc=torch.tensor([0, 12], dtype=torch.int32), seq_lens=torch.tensor([12], dtype=torch.int32),
+        block_tables=torch.tensor([[0]], dtype=torch.int32), max_query_len=12, max_seq_len=12,
+        query_lens_cpu=[12], seq_lens_cpu=[12],
+    )
+    with torch.inference_mode():
+        got = quantized.compute_logits(quantized(tokens, torch.arange(12), meta)).float()
+        expected = dense.compute_logits(dense(tokens, torch.arange(12), meta)).float()
+    torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+
+
+def test_llm_generates_with_int4_weights(checkpoint_factory):
+    llm = LLM(checkpoint_factory("llama"), device="cpu", quantization="int4", num_kvcache_blocks=16)
+    runner = llm.engine.executor.runner
+    assert runner.dtype == torch.bfloat16
+    assert isinstance(runner.model.lm_head.weight, Int4Weight)
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 6
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(quantization="int8"), "must be one of"),
+    (dict(quantization="int4", dtype="float32"), "runs the model in bfloat16"),
+    (dict(quantization="int4", device="cuda"), "CPU only"),
+    (dict(quantization="int4", tensor_parallel_size=2), "one process"),
+])
+def test_bad_quantization_settings_are_refused(kwargs, message):
+    from nanovllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=None, **kwargs)
