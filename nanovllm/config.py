@@ -75,8 +75,8 @@ class EngineConfig:
         if self.quantization == "int4":
             if self.device == "cuda":
                 raise bad("quantization", "'int4' runs on the CPU only (torch's int4 CPU kernel); use device='cpu'")
-            if self.dtype == "float32":
-                raise ValueError("LLM(quantization='int4') runs the model in bfloat16 (or float16); got dtype='float32'")
+            if self.dtype not in ("auto", "bfloat16"):
+                raise ValueError(f"LLM(quantization='int4') runs the model in bfloat16; got dtype={self.dtype!r}")
             if self.tensor_parallel_size != 1:
                 raise ValueError("LLM(quantization='int4') runs on one process; got tensor_parallel_size="
                                  f"{self.tensor_parallel_size}")

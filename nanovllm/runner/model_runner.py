@@ -126,8 +126,7 @@ class ModelRunner:
         if config.quantization == "int4" and self.device.type != "cpu":
             raise ValueError("LLM(quantization='int4') runs on the CPU only (torch's int4 CPU kernel); "
                              f"this machine resolved device={config.device!r} to {self.device}: pass device='cpu'")
-        self.dtype = resolve_dtype("bfloat16" if config.quantization == "int4" and config.dtype == "auto" else config.dtype,
-                                   source.hf_config, self.device)
+        self.dtype = resolve_dtype("bfloat16" if config.quantization == "int4" else config.dtype, source.hf_config, self.device)
         self.block_size = config.kvcache_block_size
         torch.manual_seed(config.seed)
 
