@@ -54,7 +54,8 @@ class Int4Weight:
 
 
 def _neighbours(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two values of `dtype` around x (fp32 in, fp32 out; equal where x is one)."""
+    """Two values of `dtype` around x, as fp32: the nearest, and its neighbour on x's other side
+    (the next one up where x is a value of `dtype`)."""
     near = x.to(dtype)
     other = torch.where(near.float() > x, torch.nextafter(near, torch.full_like(near, -float("inf"))),
                         torch.nextafter(near, torch.full_like(near, float("inf"))))
