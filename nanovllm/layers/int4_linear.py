@@ -62,7 +62,9 @@ def _neighbours(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return near.float(), other.float()
 
 
-def _codes(weight: torch.Tensor, group_size: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _codes(
+    weight: torch.Tensor, group_size: int, dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes [out, in] int32 in 0..15, scale [out, groups], zero [out, groups]; scale and zero
     are values of `dtype`). Codes from each group's minimum and maximum, in fp32; then, of the
     two `dtype` values around the scale, the one that with its best `dtype` offset (the rounded

@@ -85,7 +85,8 @@ stepwise one and with the per-op CUDA graph (tests/test_persistent_decode.py).
 Scope: Llama-family decoders (Llama, Qwen2 with q/k/v bias, Qwen3 with q/k norm) without o/MLP
 biases, one rank, a power-of-two head_dim of at least 32, every weight and the KV cache in one
 dtype. The shared-memory slots need each program's slices to fit beside Triton's own shared
-memory (Qwen3-0.6B on 132 SMs: 144 KB of 227 KB); larger models load weights into registers. The runner (model_runner.py) compiles it in the background after start-up and from then
+memory (Qwen3-0.6B on 132 SMs: 144 KB of 227 KB); larger models load weights into registers.
+The runner (model_runner.py) compiles it in the background after start-up and from then
 on replays a CUDA graph of it for every decode step of exactly one sequence; anything else
 takes the per-op path.
 """
