@@ -204,13 +204,17 @@ def main() -> None:
                     out.append(f"regs {k.n_regs} spills {k.n_spills}")
         return "; ".join(out)
 
-    def persistent(spec: str = "", **kwargs) -> float:
-        """Microseconds per eager launch of the kernel built with these keywords (compiled and bound once per spec)."""
+    def decoder(spec: str = "", **kwargs) -> pd.PersistentDecoder:
+        """The kernel built with these keywords (compiled and bound once per spec)."""
         key = spec or repr(sorted(kwargs.items()))
         if key not in decoders:
             decoders[key] = pd.PersistentDecoder(dec.model, num_programs=sms, **kwargs)
             decoders[key].bind(runner.k_caches, runner.v_caches)
-        d = decoders[key]
+        return decoders[key]
+
+    def persistent(spec: str = "", **kwargs) -> float:
+        """Microseconds per eager launch of decoder(spec, **kwargs)."""
+        d = decoder(spec, **kwargs)
         return timed(lambda: d(ids, pos, meta))
 
     for spec in args.compare:
@@ -221,7 +225,7 @@ def main() -> None:
         for ctx in args.contexts:
             set_context(ctx)
             before, variant, after = persistent(), persistent(spec, **kwargs), persistent()
-            same = torch.equal(decoders[repr([])](ids, pos, meta).clone(), decoders[spec](ids, pos, meta).clone())
+            same = torch.equal(decoder()(ids, pos, meta).clone(), decoder(spec, **kwargs)(ids, pos, meta).clone())
             print(f"context {ctx:5d}: persistent (eager launch), defaults {before:8.1f} / {after:8.1f} us, "
                   f"{spec}: {variant:8.1f} us, hidden state {'identical' if same else 'DIFFERENT'}  [{registers()}]")
     set_context(args.contexts[0])  # the breakdown and the timeline run at the first context

@@ -40,9 +40,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # CPU only: memory for the KV pool when num_kvcache_blocks is not given.
     cpu_kvcache_space_gib: float = 1.0
-    # CPU only: "int4" keeps the projections' and the LM head's weights as 4-bit codes with a
-    # bf16 scale and offset per 32 weights, multiplied by torch's CPU int4 kernel, the model in
-    # bf16 (layers/int4_linear.py): single-stream decode reads ~8x fewer bytes than in fp32.
+    # CPU only: "int4" keeps the projections' weights as 4-bit codes with a bf16 scale and
+    # offset per 32 weights, multiplied by torch's CPU int4 kernel, the model in bf16 and the LM
+    # head dense (layers/int4_linear.py): the projections read ~8x fewer bytes than in fp32.
     quantization: str | None = None
     # Accepted for nano-vllm compatibility: a preloaded HF config and an EOS override.
     hf_config: Any = field(default=None, repr=False)

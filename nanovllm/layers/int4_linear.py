@@ -62,6 +62,14 @@ def _neighbours(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return near.float(), other.float()
 
 
+def _round_codes(groups: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, centre: int) -> torch.Tensor:
+    """Codes in 0..15 (as floats) for groups [out, groups, size] under w = (q - centre) * scale +
+    offset; a constant group (scale 0) gets code 8, so that the offset alone stands for it."""
+    safe = torch.where(scale > 0, scale, 1.0)
+    codes = ((groups - offset[..., None]) / safe[..., None] + centre).round().clamp(0, 15)
+    return torch.where(scale[..., None] > 0, codes, 8.0)
+
+
 def _codes(
     weight: torch.Tensor, group_size: int, dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,9 +84,7 @@ def _codes(
     groups = weight.float().reshape(out_features, in_features // group_size, group_size)
     low = groups.amin(-1)
     scale = (groups.amax(-1) - low) / 15
-    safe = torch.where(scale > 0, scale, 1.0)
-    codes = ((groups - low[..., None]) / safe[..., None]).round().clamp(0, 15)
-    codes = torch.where(scale[..., None] > 0, codes, 8.0)  # a constant group: the offset alone
+    codes = _round_codes(groups, scale, low, 0)
     centred = codes - 8
     best_err = best_scale = best_zero = None
     for s in _neighbours(scale, dtype):
@@ -94,9 +100,7 @@ def _codes(
                 best_scale = torch.where(better, s, best_scale)
                 best_zero = torch.where(better, z, best_zero)
     # The codes again for the scale and offset chosen (the same for Q4_1 blocks).
-    safe = torch.where(best_scale > 0, best_scale, 1.0)
-    codes = ((groups - best_zero[..., None]) / safe[..., None] + 8).round().clamp(0, 15)
-    codes = torch.where(best_scale[..., None] > 0, codes, 8.0)
+    codes = _round_codes(groups, best_scale, best_zero, 8)
     return codes.reshape(out_features, in_features).to(torch.int32), best_scale, best_zero
 
 
@@ -111,8 +115,9 @@ def quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE, dtype: torch.dt
 
 
 def dequantize(weight: Int4Weight) -> torch.Tensor:
-    """The fp32 weight an Int4Weight stands for (tests compare the kernel with it). Needs the
-    codes, which torch's packing does not give back, so it multiplies the identity instead."""
+    """The weight an Int4Weight stands for, as the kernel computes it (rounded to the weight's
+    dtype, returned as fp32; tests compare it with dense references). Needs the codes, which
+    torch's packing does not give back, so it multiplies the identity instead."""
     eye = torch.eye(weight.shape[1], dtype=weight.dtype)
     return int4_linear(eye, weight).float().t().contiguous()
 
