@@ -120,11 +120,56 @@ _TILE_ELEMENTS = 8192
 
 
 @triton.jit
-def _at(base_ptr, layer_ptr, FIELD: tl.constexpr):
-    """Pointer to a layer's tensor. Its offset is a multiple of 16 elements (bind() checks), and
-    saying so lets Triton vectorize the loads: without it every bf16 weight was read 2 bytes at a
-    time, with a 64-bit address per element in registers."""
-    return base_ptr + tl.multiple_of(tl.load(layer_ptr + FIELD), 16)
+def _at(base_ptr, layer, FIELD: tl.constexpr):
+    """Pointer to a layer's tensor. `layer` is the layer's row of the offset table: a pointer into
+    the table in global memory, or (an int32) the 32-bit address of its copy in shared memory
+    (SMEM_WEIGHTS). The copy matters: every acquire at a grid barrier invalidates the SM's L1, so
+    a table entry read from global memory after the barrier costs an L2 round trip before the
+    loads that need it (a layer's norm weights, its KV cache) can even be issued. Offsets are a
+    multiple of 16 elements (bind() checks), and saying so lets Triton vectorize the loads:
+    without it every bf16 weight was read 2 bytes at a time, with a 64-bit address per element
+    in registers."""
+    if layer.dtype == tl.int32:
+        offset = tl.inline_asm_elementwise("ld.shared.b64 $0, [$1];", "=l,r", [layer + FIELD * 8], dtype=tl.int64,
+                                           is_pure=True, pack=1)
+    else:
+        offset = tl.load(layer + FIELD)
+    return base_ptr + tl.multiple_of(offset, 16)
+
+
+@triton.jit
+def _next_layer(layer):
+    """The next layer's row of the offset table (see _at)."""
+    if layer.dtype == tl.int32:
+        return layer + NUM_FIELDS * 8
+    else:
+        return layer + NUM_FIELDS
+
+
+@triton.jit
+def _table_to_shared(table_ptr, table_sh, entries, BLOCK: tl.constexpr):
+    """Copy the offset table (`entries` int64) into shared memory at table_sh (see _at); the
+    caller's CTA barrier orders the copy before any read."""
+    for i0 in range(0, entries, BLOCK):
+        offs = i0 + tl.arange(0, BLOCK)
+        safe = tl.where(offs < entries, offs, 0)  # past the end: entry 0 again, to its own place
+        tl.inline_asm_elementwise("st.shared.b64 [$1], $2; mov.u32 $0, 0;", "=r,r,l",
+                                  [table_sh + safe * 8, tl.load(table_ptr + safe)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _step_values(pos_ptr, slot_ptr, seq_len_ptr, cos_sin_ptr, D: tl.constexpr, dtype: tl.constexpr):
+    """What attention needs of the step in every layer: the rotary cos and sin of the token's
+    position ([D // 2] each, rounded to the activation dtype), its cache slot and the context
+    length (cached positions plus this token). The persistent kernel loads them once per step:
+    per layer, after a barrier, the position's load and then the cos/sin loads were two
+    dependent L2 round trips."""
+    HALF: tl.constexpr = D // 2
+    offs_d = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * D + offs_d).to(dtype).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * D + HALF + offs_d).to(dtype).to(tl.float32)
+    return cos, sin, tl.load(slot_ptr).to(tl.int64), tl.load(seq_len_ptr)
 
 
 @triton.jit
@@ -452,7 +497,7 @@ def _first_kv_rows(
 @triton.jit
 def _stage_attention(
     first_k1, first_k2, first_v1, first_v2, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
-    pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+    cos, sin, slot, ctx, block_table_ptr,
     qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, probe_row, probe_half,
     NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -465,9 +510,7 @@ def _stage_attention(
     v_cache_ptr = _at(base_ptr, layer_ptr, F_V_CACHE)
     q_norm_ptr = _at(base_ptr, layer_ptr, F_Q_NORM)
     k_norm_ptr = _at(base_ptr, layer_ptr, F_K_NORM)
-    pos = tl.load(pos_ptr).to(tl.int64)
-    slot = tl.load(slot_ptr).to(tl.int64)
-    ctx = tl.load(seq_len_ptr)  # cached positions plus this step's token
+    # cos, sin, slot, ctx (cached positions plus this step's token): see _step_values
     parts, per_split = _splits(ctx, num_programs, NK, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT)
     offs_d = tl.arange(0, HALF)
     BLOCK_M: tl.constexpr = 16 if BLOCK_G < 16 else BLOCK_G
@@ -476,8 +519,6 @@ def _stage_attention(
     offs_m = tl.arange(0, BLOCK_M)
     mmask = offs_m < GROUP
     offs_t = tl.arange(0, BLOCK_T)
-    cos = tl.load(cos_sin_ptr + pos * D + offs_d).to(dtype).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * D + HALF + offs_d).to(dtype).to(tl.float32)
     for item in range(pid, NK * parts, num_programs):
         kvh = item // parts
         split = item % parts
@@ -709,7 +750,7 @@ def _issue_weights(
 @triton.jit
 def _layer_stage(
     STAGE: tl.constexpr, first, first2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
-    part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+    part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
     eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter, probe_row, probe_half,
     slot_x, slot_y,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
@@ -726,7 +767,7 @@ def _layer_stage(
                    H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM)
     elif STAGE == 1:
         _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
-                         pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+                         cos, sin, step_slot, ctx, block_table_ptr,
                          qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, probe_row, probe_half,
                          NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
     elif STAGE == 2:
@@ -755,7 +796,8 @@ def _decode_kernel(
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_H: tl.constexpr, BK_O: tl.constexpr,
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
     ONE_THREAD_BARRIER: tl.constexpr = False, STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
-    SMEM_WEIGHTS: tl.constexpr = False, SLOT_X_BYTES: tl.constexpr = 0, SLOT_Y_BYTES: tl.constexpr = 0,
+    SMEM_WEIGHTS: tl.constexpr = False, TABLE_BYTES: tl.constexpr = 0, SLOT_X_BYTES: tl.constexpr = 0,
+    SLOT_Y_BYTES: tl.constexpr = 0,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -766,7 +808,8 @@ def _decode_kernel(
     the persistent kernel; PROBE stamps the times of each layer's PROBE_POINTS into probe_ptr
     (see _stamp). SMEM_WEIGHTS (persistent only): weights through two shared-memory slots, X
     (qkv, then gate and up: SLOT_X_BYTES) and Y (o, then down), at smem_off bytes into the
-    dynamic shared memory, with their mbarriers first; each weight stage's rows are copied in
+    dynamic shared memory, after their mbarriers and a copy of the offset table (TABLE_BYTES,
+    see _at); each weight stage's rows are copied in
     when the stage before it in the same slot is done (for qkv: the previous layer's gate and
     up), so that a copy has the stages between to land. SLOT_Y_BYTES is not read here: it only
     makes the slots' total size part of the compiled variant, whose launch reserves it."""
@@ -779,11 +822,13 @@ def _decode_kernel(
         if SMEM_WEIGHTS:
             bar_x = _shared_address(smem_off)
             bar_y = bar_x + 8
-            slot_x = bar_x + 128
+            table = bar_x + 128
+            slot_x = table + TABLE_BYTES
             slot_y = slot_x + SLOT_X_BYTES
-            _mbarriers_init(bar_x, bar_y)
-            _issue_weights(0, table_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
-            _issue_weights(2, table_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+            _table_to_shared(table_ptr, table, NUM_FIELDS * num_layers, 256)
+            _mbarriers_init(bar_x, bar_y)  # its CTA barrier also orders the table's copy before its reads
+            _issue_weights(0, table, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+            _issue_weights(2, table, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
         _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
         kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)  # placeholders: set before each use
         kv2 = kv1
@@ -794,11 +839,15 @@ def _decode_kernel(
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
+        cos, sin, step_slot, ctx = _step_values(pos_ptr, slot_ptr, seq_len_ptr, cos_sin_ptr, D, qkv_ptr.dtype.element_ty)
         arrivals = num_programs
         _grid_wait(sync_ptr, seen, arrivals)
         probe_half = num_layers * PROBE_POINTS * num_programs
         for layer_i in range(0, num_layers):
-            layer_ptr = table_ptr + layer_i * NUM_FIELDS
+            if SMEM_WEIGHTS:
+                layer_ptr = table + layer_i * (NUM_FIELDS * 8)
+            else:
+                layer_ptr = table_ptr + layer_i * NUM_FIELDS
             probe_row = probe_ptr + layer_i * PROBE_POINTS * num_programs + pid
             for stage in tl.static_range(0, 5):
                 _stamp(probe_row, 3 * stage, num_programs, probe_half, PROBE)
@@ -816,7 +865,7 @@ def _decode_kernel(
                 if (STAGE_MASK >> stage) & 1:
                     _layer_stage(
                         stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
-                        part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+                        part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
                         eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
                         probe_row, probe_half, slot_x, slot_y, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS,
                         OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
@@ -837,14 +886,14 @@ def _decode_kernel(
                         _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
                                        H, NQ, NK, D, INTER)
                     elif stage == 3:
-                        _issue_weights(0, layer_ptr + NUM_FIELDS, layer_i + 1 < num_layers, base_ptr, slot_x, bar_x, pid,
+                        _issue_weights(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_x, bar_x, pid,
                                        rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
                     elif stage == 4:
-                        _issue_weights(2, layer_ptr + NUM_FIELDS, layer_i + 1 < num_layers, base_ptr, slot_y, bar_y, pid,
+                        _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y, bar_y, pid,
                                        rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
                 elif stage != 1:
                     t1, t2 = _prefetch(
-                        (stage + 1 + (stage == 0)) % 5, layer_ptr + NUM_FIELDS if stage == 4 else layer_ptr,
+                        (stage + 1 + (stage == 0)) % 5, _next_layer(layer_ptr) if stage == 4 else layer_ptr,
                         layer_i + 1 < num_layers if stage == 4 else True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                         H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
                     )
@@ -867,9 +916,10 @@ def _decode_kernel(
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
         kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
                                       kv_rows, kv_valid, D // 2)
+        cos, sin, step_slot, ctx = _step_values(pos_ptr, slot_ptr, seq_len_ptr, cos_sin_ptr, D, qkv_ptr.dtype.element_ty)
         _layer_stage(
             STAGE, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
-            part_acc_ptr, part_ml_ptr, count_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr,
+            part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
             probe_ptr, 0, 0, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM,
             HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False, False,
@@ -1018,11 +1068,13 @@ class PersistentDecoder:
         )
         self.table: torch.Tensor | None = None
         # Shared-memory weight slots (SMEM_WEIGHTS in _decode_kernel): X holds a program's qkv
-        # or gate+up rows, Y its o or down rows; 128 bytes before them hold the mbarriers.
+        # or gate+up rows, Y its o or down rows; before them, 128 bytes hold the mbarriers and
+        # table_bytes a copy of the offset table.
         item = self.dtype.itemsize
+        self.table_bytes = _align(self.num_layers * _NUM_FIELDS * 8, 128)
         self.slot_x_bytes = _align(max(self.rows_qkv, 2 * self.rows_inter) * self.hidden * item, 128)
         self.slot_y_bytes = _align(max(self.num_q * self.head_dim, self.inter) * self.rows_h * item, 128)
-        self.smem_bytes = 128 + self.slot_x_bytes + self.slot_y_bytes
+        self.smem_bytes = 128 + self.table_bytes + self.slot_x_bytes + self.slot_y_bytes
         self.smem_weights = smem_weights and self._smem_weights_fit(device, [
             (self.hidden, bk_qkv), (self.num_q * self.head_dim, bk_o), (self.inter, bk_down), (self.hidden, bk_inter)])
         self._smem_off: int | None = None
@@ -1092,7 +1144,7 @@ class PersistentDecoder:
         grid = (self.num_programs,)
         if self.persistent:
             common.update(PERSISTENT=True, STAGE=0, SMEM_WEIGHTS=self.smem_weights,
-                          SLOT_X_BYTES=self.slot_x_bytes, SLOT_Y_BYTES=self.slot_y_bytes)
+                          TABLE_BYTES=self.table_bytes, SLOT_X_BYTES=self.slot_x_bytes, SLOT_Y_BYTES=self.slot_y_bytes)
             if self.smem_weights and self._smem_off is None and not compiling_only():
                 kernel = _decode_kernel.warmup(*args, 0, *counts, 0, grid=grid, **common)
                 self._smem_off = _reserve_shared_memory(kernel, self.smem_bytes)
