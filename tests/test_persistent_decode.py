@@ -261,10 +261,11 @@ def test_cuda_persistent_matches_stepwise_and_model(checkpoint_factory, case, sp
 @pytest.mark.gpu
 def test_cuda_bf16_close_to_model(checkpoint_factory):
     """bf16: the same roundings as the per-op path, but fp32 sums in another order than cuBLAS,
-    so logits agree to a few bf16 units; persistent and stepwise stay bit-identical."""
+    so logits agree to a few bf16 units; persistent and stepwise stay bit-identical (with FMA
+    projections; the tensor-core ones are tested below)."""
     path = checkpoint_factory("qwen3")
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    expected, persistent, *_ = decode_both(path, 40, torch.bfloat16, num_programs=sms)
+    expected, persistent, *_ = decode_both(path, 40, torch.bfloat16, num_programs=sms, mma_projections=False)
     _, stepwise, *_ = decode_both(path, 40, torch.bfloat16, num_programs=sms, persistent=False)
     assert torch.equal(persistent, stepwise)
     torch.testing.assert_close(persistent, expected, atol=3e-2, rtol=3e-2)
@@ -285,13 +286,70 @@ def test_cuda_weights_through_shared_memory_match_registers(checkpoint_factory, 
     path = checkpoint_factory(arch, **shape)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     kwargs = dict(num_programs=sms if programs == "one-per-sm" else 8, max_splits=4, split_tokens=23, block_t=16)
-    _, smem, _, smem_caches, decoder = decode_both(path, 45, dtype, smem_weights=True, **kwargs)
+    _, smem, _, smem_caches, decoder = decode_both(path, 45, dtype, smem_weights=True, mma_projections=False, **kwargs)
     assert decoder.smem_weights and decoder._smem_off is not None
     _, registers, _, caches, plain = decode_both(path, 45, dtype, smem_weights=False, **kwargs)
     assert not plain.smem_weights
     assert torch.equal(smem, registers)
     for a, b in zip(smem_caches, caches):
         assert torch.equal(a, b)
+
+
+# Shapes whose every K (hidden, query width, intermediate) is a multiple of mma_asm's 128-column
+# step, so that the tensor-core projections apply; 8 programs give them 16-48 rows each.
+MMA_CASES = {
+    "qwen3-qk-norm": ("qwen3", dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)),
+    "qwen2-qkv-bias": ("qwen2", dict(hidden_size=128, intermediate_size=512, num_heads=4, num_kv_heads=1, head_dim=32)),
+    "llama-group-4": ("llama", dict(hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=1, head_dim=64)),
+}
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(MMA_CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("programs", ["one-per-sm", "8", "3"])
+def test_cuda_tensor_core_projections_close_to_model(checkpoint_factory, case, dtype, programs):
+    """16-bit weights: projections on tensor cores straight from the shared-memory slots
+    (ldmatrix + mma on the diagonal mapping, mma_asm). Their fp32 sums run in another order than
+    the FMA path's, so logits agree with the model's and with the FMA path's to a few units of
+    the dtype, where a wrong fragment, chunk or row mapping would not; the step's K/V land in the
+    cache as the model's do. One program per SM gives pairs shared by several warps, 8 and 3
+    programs several pairs per warp (and an odd row count)."""
+    if torch.cuda.get_device_capability(DEVICE) < (9, 0):
+        pytest.skip("bulk asynchronous copies need sm_90")
+    arch, shape = MMA_CASES[case]
+    path = checkpoint_factory(arch, **shape)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    count = {"one-per-sm": sms, "8": 8, "3": 3}[programs]
+    kwargs = dict(num_programs=count, max_splits=4, split_tokens=23, block_t=16)
+    expected, mma, expected_caches, caches, decoder = decode_both(path, 45, dtype, **kwargs)
+    assert decoder.mma
+    _, fma, _, _, plain = decode_both(path, 45, dtype, mma_projections=False, **kwargs)
+    assert not plain.mma
+    # The tensor cores' fp32 accumulation is not rounded as FMAs round it: within twice the FMA
+    # path's own distance from the model (plus a bf16 unit), where a wrong mapping is far off.
+    mma_error, fma_error = (mma - expected).abs().max().item(), (fma - expected).abs().max().item()
+    assert mma_error <= 2 * fma_error + 1e-2, (mma_error, fma_error)
+    torch.testing.assert_close(mma, fma, atol=5e-2, rtol=5e-2)
+    assert mma.std() > 0.1  # a wrong mapping that zeroed the projections would give flat logits
+    for c, e in zip(caches, expected_caches):
+        torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+
+
+def test_tensor_core_program_shape():
+    """mma_asm's PTX: one mma per row pair and 128-column step, split among the warps (whole
+    pairs per warp, or warps sharing a pair's steps), and K that is not a multiple of the step
+    refused."""
+    from nanovllm.runner.persistent_decode import mma_asm
+
+    # 32 rows (16 pairs) over 8 warps: 2 pairs per warp, 8 steps of K = 1,024 each.
+    assert mma_asm(32, 1024, 8, 0, torch.bfloat16).count("mma.sync") == 16
+    # 8 rows (4 pairs): 2 warps per pair, 16 steps of K = 2,048 split between them.
+    ptx = mma_asm(8, 2048, 8, 0, torch.float16)
+    assert ptx.count("mma.sync") == 8 and "f16.f16.f32" in ptx and "div.u32 kp, warp, 4" in ptx
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mma_asm(8, 1000, 8, 0, torch.bfloat16)
 
 
 def test_weights_through_shared_memory_only_on_a_persistent_cuda_launch(checkpoint_factory):

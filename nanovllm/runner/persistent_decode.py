@@ -380,6 +380,41 @@ def _slot_tile(slot, w_ptr, rmask, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, B
 
 
 @triton.jit
+def _stage_to_shared(x, offs, mask, xbuf):
+    """Store the 16-bit values x (at element offsets offs, where mask) into shared memory at xbuf:
+    a projection's input for the tensor-core path (_mma_rows). One st.shared.b16 per element
+    (pack=1: right whatever register layout Triton gives x)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $3, 0; @p st.shared.b16 [$1], $2; mov.u32 $0, 0; }",
+        "=r,r,h,r", [xbuf + offs * 2, x, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _normed_to_shared(resid_ptr, ln_ptr, eps, xbuf, H: tl.constexpr, BLOCK_X: tl.constexpr, dtype: tl.constexpr):
+    """RMSNorm(residual) * weight, rounded as _normed rounds it, staged at xbuf for the tensor-core
+    path. The residual and the norm weights are loaded together, at once: with _rstd and then
+    _normed, the weights' load waited for the sum of squares, a second L2 round trip after the
+    barrier (every acquire empties the L1). The caller's CTA barrier orders the stores before the
+    tensor-core program's reads."""
+    offs = tl.arange(0, BLOCK_X)
+    mask = offs < H
+    x = tl.load(resid_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(ln_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) * (1.0 / H) + eps)
+    _stage_to_shared(((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), offs, mask, xbuf)
+
+
+@triton.jit
+def _mma_rows(MMA_ASM: tl.constexpr, slot, xbuf, red, THREADS: tl.constexpr):
+    """Run a projection slice's tensor-core program (`mma_asm` below) on every thread; returns,
+    per thread index t [THREADS] (fp32), the results of slice rows t and t + its second row
+    offset (gate_up's up rows; the others ignore it)."""
+    t = tl.arange(0, THREADS)
+    return tl.inline_asm_elementwise(MMA_ASM, "=f,=f,r,r,r,r", [slot + t * 0, xbuf, red, t],
+                                     dtype=(tl.float32, tl.float32), is_pure=False, pack=1)
+
+
+@triton.jit
 def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
            slot, SMEM: tl.constexpr):
     """K chunk k0 of an item's weight rows. SMEM: from the program's shared-memory slot (its one
@@ -401,24 +436,39 @@ def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.con
 def _stage_qkv(
     first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item, slot,
     H: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SMEM: tl.constexpr,
+    SMEM: tl.constexpr, xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr,
 ):
-    """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile."""
+    """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile. MMA_ASM
+    (not empty): on tensor cores from the slot (mma_asm), the normed input staged at xbuf."""
     dtype = qkv_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN1)
-    rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
+    if MMA_ASM != "":
+        _normed_to_shared(resid_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype)
+    else:
+        rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
-        rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
-        acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-        for k0 in tl.static_range(0, H, BLOCK_K):
-            offs_k = _tile_columns(rows, k0, BLOCK_K)
-            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
-            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
-            acc = tl.fma(w.to(tl.float32), x, acc)
-        acc = tl.sum(acc, axis=1)
+        if MMA_ASM != "":
+            t = tl.arange(0, THREADS)
+            rows = item * rows_per_item + t
+            rmask = (t < rows_per_item) & (rows < N)
+        else:
+            rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
+        if HAS_BIAS:  # loaded before the projection, so that its round trip overlaps it
+            bias = tl.load(_at(base_ptr, layer_ptr, F_QKV_B) + rows, mask=rmask, other=0.0).to(tl.float32)
+        if MMA_ASM != "":
+            tl.debug_barrier()  # the staged input (or the previous item's reads of `red`)
+            acc, _ = _mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
+        else:
+            acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+            for k0 in tl.static_range(0, H, BLOCK_K):
+                offs_k = _tile_columns(rows, k0, BLOCK_K)
+                x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
+                w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
+                acc = tl.fma(w.to(tl.float32), x, acc)
+            acc = tl.sum(acc, axis=1)
         if HAS_BIAS:
-            acc += tl.load(_at(base_ptr, layer_ptr, F_QKV_B) + rows, mask=rmask, other=0.0).to(tl.float32)
+            acc += bias
         tl.store(qkv_ptr + rows, acc.to(dtype), mask=rmask)
 
 
@@ -466,14 +516,21 @@ def _kv_row_starts(
 
 
 @triton.jit
-def _kv_load(k_cache_ptr, v_cache_ptr, row_start, valid, HALF: tl.constexpr):
-    """K and V rows at row_start as halves [BLOCK_T, HALF] in the cache dtype (invalid rows read nothing)."""
+def _kv_load(k_cache_ptr, v_cache_ptr, row_start, valid, HALF: tl.constexpr, BYPASS_L1: tl.constexpr = False):
+    """K and V rows at row_start as halves [BLOCK_T, HALF] in the cache dtype (invalid rows read
+    nothing). BYPASS_L1: read through the L2 only (.cg)."""
     row = row_start[:, None] + tl.arange(0, HALF)[None, :]
     m = valid[:, None]
-    k1 = tl.load(k_cache_ptr + row, mask=m, other=0.0)
-    k2 = tl.load(k_cache_ptr + row + HALF, mask=m, other=0.0)
-    v1 = tl.load(v_cache_ptr + row, mask=m, other=0.0)
-    v2 = tl.load(v_cache_ptr + row + HALF, mask=m, other=0.0)
+    if BYPASS_L1:
+        k1 = tl.load(k_cache_ptr + row, mask=m, other=0.0, cache_modifier=".cg")
+        k2 = tl.load(k_cache_ptr + row + HALF, mask=m, other=0.0, cache_modifier=".cg")
+        v1 = tl.load(v_cache_ptr + row, mask=m, other=0.0, cache_modifier=".cg")
+        v2 = tl.load(v_cache_ptr + row + HALF, mask=m, other=0.0, cache_modifier=".cg")
+    else:
+        k1 = tl.load(k_cache_ptr + row, mask=m, other=0.0)
+        k2 = tl.load(k_cache_ptr + row + HALF, mask=m, other=0.0)
+        v1 = tl.load(v_cache_ptr + row, mask=m, other=0.0)
+        v2 = tl.load(v_cache_ptr + row + HALF, mask=m, other=0.0)
     return k1, k2, v1, v2
 
 
@@ -632,19 +689,34 @@ def _stage_attention(
 def _stage_rows_residual(
     first, w_ptr, x_ptr, resid_ptr, pid, num_programs, rows_per_item, slot,
     H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
+    xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr,
 ):
-    """residual[rows] = round(round(W[rows] @ x) + residual[rows]): the o and down projections."""
+    """residual[rows] = round(round(W[rows] @ x) + residual[rows]): the o and down projections
+    (MMA_ASM: see _stage_qkv)."""
     dtype = resid_ptr.dtype.element_ty
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
-        rows, rmask = _rows(item, rows_per_item, H, BLOCK_R)
-        acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            offs_k = _tile_columns(rows, k0, BLOCK_K)
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K, slot, SMEM)
-            acc = tl.fma(w.to(tl.float32), x, acc)
-        acc = tl.sum(acc, axis=1)
+        if MMA_ASM != "":
+            t = tl.arange(0, THREADS)
+            rows = item * rows_per_item + t
+            rmask = (t < rows_per_item) & (rows < H)
+        else:
+            rows, rmask = _rows(item, rows_per_item, H, BLOCK_R)
+        # The residual rows are loaded before the projection, so that their round trip overlaps
+        # the input's (after it, they cost one more L2 round trip at the end of the stage).
         r = tl.load(resid_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        if MMA_ASM != "":
+            offs = tl.arange(0, BLOCK_X)
+            _stage_to_shared(tl.load(x_ptr + offs, mask=offs < K, other=0.0), offs, offs < K, xbuf)
+            tl.debug_barrier()
+            acc, _ = _mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
+        else:
+            acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                offs_k = _tile_columns(rows, k0, BLOCK_K)
+                x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, K, BLOCK_K, slot, SMEM)
+                acc = tl.fma(w.to(tl.float32), x, acc)
+            acc = tl.sum(acc, axis=1)
         tl.store(resid_ptr + rows, (acc.to(dtype).to(tl.float32) + r).to(dtype), mask=rmask)
 
 
@@ -652,26 +724,38 @@ def _stage_rows_residual(
 def _stage_gate_up(
     first_gate, first_up, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_per_item, slot,
     H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
+    xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr,
 ):
-    """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)."""
+    """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)
+    (MMA_ASM: see _stage_qkv; its slice is the gate rows then the up rows)."""
     dtype = act_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN2)
-    rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
+    if MMA_ASM != "":
+        _normed_to_shared(resid_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype)
+    else:
+        rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(INTER, rows_per_item), num_programs):
-        rows, rmask = _rows(item, rows_per_item, INTER, BLOCK_R)
-        gate = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-        up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-        for k0 in tl.static_range(0, H, BLOCK_K):
-            offs_k = _tile_columns(rows, k0, BLOCK_K)
-            x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
-            wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
-            wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K,
-                        slot + rows_per_item * H * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), SMEM)
-            gate = tl.fma(wg.to(tl.float32), x, gate)
-            up = tl.fma(wu.to(tl.float32), x, up)
-        gate = tl.sum(gate, axis=1)
-        up = tl.sum(up, axis=1)
+        if MMA_ASM != "":
+            tl.debug_barrier()  # the staged input (or the previous item's reads of `red`)
+            gate, up = _mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
+            t = tl.arange(0, THREADS)
+            rows = item * rows_per_item + t
+            rmask = (t < rows_per_item) & (rows < INTER)
+        else:
+            rows, rmask = _rows(item, rows_per_item, INTER, BLOCK_R)
+            gate = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+            up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+            for k0 in tl.static_range(0, H, BLOCK_K):
+                offs_k = _tile_columns(rows, k0, BLOCK_K)
+                x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
+                wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
+                wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K,
+                            slot + rows_per_item * H * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), SMEM)
+                gate = tl.fma(wg.to(tl.float32), x, gate)
+                up = tl.fma(wu.to(tl.float32), x, up)
+            gate = tl.sum(gate, axis=1)
+            up = tl.sum(up, axis=1)
         g = gate.to(dtype).to(tl.float32)
         silu = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dtype).to(tl.float32)
         tl.store(act_ptr + rows, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=rmask)
@@ -758,13 +842,15 @@ def _layer_stage(
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
     BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr, SMEM: tl.constexpr,
+    xbuf, red, MMA_QKV: tl.constexpr, MMA_O: tl.constexpr, MMA_GU: tl.constexpr, MMA_DOWN: tl.constexpr,
+    BK_H: tl.constexpr, BX_O: tl.constexpr, BX_DOWN: tl.constexpr, THREADS: tl.constexpr,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
     `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
     its first cached K/V tile as kv1-kv4 (at _first_kv_rows)."""
     if STAGE == 0:
         _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
-                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM)
+                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS)
     elif STAGE == 1:
         _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
                          cos, sin, step_slot, ctx, block_table_ptr,
@@ -772,13 +858,13 @@ def _layer_stage(
                          NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
     elif STAGE == 2:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, pid, num_programs,
-                             rows_h, slot_y, H, NQ * D, BR_H, BK_O, SMEM)
+                             rows_h, slot_y, H, NQ * D, BR_H, BK_O, SMEM, xbuf, red, MMA_O, BX_O, THREADS)
     elif STAGE == 3:
         _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_inter,
-                       slot_x, H, INTER, BR_INTER, BK_INTER, SMEM)
+                       slot_x, H, INTER, BR_INTER, BK_INTER, SMEM, xbuf, red, MMA_GU, BK_H, THREADS)
     else:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_DOWN_W), act_ptr, resid_ptr, pid, num_programs,
-                             rows_h, slot_y, H, INTER, BR_H, BK_DOWN, SMEM)
+                             rows_h, slot_y, H, INTER, BR_H, BK_DOWN, SMEM, xbuf, red, MMA_DOWN, BX_DOWN, THREADS)
 
 
 _STAGES_PER_LAYER = 5
@@ -797,7 +883,9 @@ def _decode_kernel(
     BK_DOWN: tl.constexpr, BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
     ONE_THREAD_BARRIER: tl.constexpr = False, STAGE_MASK: tl.constexpr = 31, PROBE: tl.constexpr = False,
     SMEM_WEIGHTS: tl.constexpr = False, TABLE_BYTES: tl.constexpr = 0, SLOT_X_BYTES: tl.constexpr = 0,
-    SLOT_Y_BYTES: tl.constexpr = 0,
+    SLOT_Y_BYTES: tl.constexpr = 0, XBUF_BYTES: tl.constexpr = 0, MMA_QKV: tl.constexpr = "", MMA_O: tl.constexpr = "",
+    MMA_GU: tl.constexpr = "", MMA_DOWN: tl.constexpr = "", BX_O: tl.constexpr = 16, BX_DOWN: tl.constexpr = 16,
+    THREADS: tl.constexpr = 256, KV_PREFETCH_CG: tl.constexpr = False,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -818,6 +906,8 @@ def _decode_kernel(
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
     slot_x = 0
     slot_y = 0
+    xbuf = 0
+    red = 0
     if PERSISTENT:
         if SMEM_WEIGHTS:
             bar_x = _shared_address(smem_off)
@@ -825,6 +915,8 @@ def _decode_kernel(
             table = bar_x + 128
             slot_x = table + TABLE_BYTES
             slot_y = slot_x + SLOT_X_BYTES
+            xbuf = slot_y + SLOT_Y_BYTES
+            red = xbuf + XBUF_BYTES
             _table_to_shared(table_ptr, table, NUM_FIELDS * num_layers, 256)
             _mbarriers_init(bar_x, bar_y)  # its CTA barrier also orders the table's copy before its reads
             _issue_weights(0, table, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
@@ -869,7 +961,8 @@ def _decode_kernel(
                         eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
                         probe_row, probe_half, slot_x, slot_y, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS,
                         OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
-                        BLOCK_T, PROBE, SMEM_WEIGHTS,
+                        BLOCK_T, PROBE, SMEM_WEIGHTS, xbuf, red, MMA_QKV, MMA_O, MMA_GU, MMA_DOWN, BK_H, BX_O, BX_DOWN,
+                        THREADS,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                 seen = _grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
@@ -899,7 +992,7 @@ def _decode_kernel(
                     )
                 if stage == 0:
                     kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
-                                                  kv_rows, kv_valid, D // 2)
+                                                  kv_rows, kv_valid, D // 2, KV_PREFETCH_CG)
                 _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
                 arrivals += num_programs
                 _grid_wait(sync_ptr, seen, arrivals)
@@ -923,6 +1016,7 @@ def _decode_kernel(
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
             probe_ptr, 0, 0, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM,
             HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False, False,
+            0, 0, "", "", "", "", BK_H, BX_O, BX_DOWN, THREADS,
         )
 
 
@@ -954,6 +1048,109 @@ def _reserve_shared_memory(kernel: Any, extra: int) -> int:
 
 def _align(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+# Elements of K one tensor-core step of mma_asm covers: 16 chunks of 8.
+MMA_K_STEP = 128
+
+
+def mma_asm(rows: int, k: int, warps: int, row2: int, dtype: torch.dtype) -> str:
+    """PTX for one program's slice of a projection on tensor cores (MMA_* of _decode_kernel):
+    y[r] = sum_k W[r, k] x[k] for the `rows` rows of a shared-memory slot (16-bit, row-major
+    [rows, k], as the bulk copy left them) and x in shared memory at xbuf (16-bit, [k]).
+
+    The weights are the mma's A operand without any re-layout, by a change of what its rows mean:
+    one mma.m16n8k16 takes two weight rows r and r' (a pair) over 128 columns, A's row m (m < 8)
+    being chunk m of row r (8 columns) and its k the columns within the chunk (chunk m + 8 for k
+    >= 8; rows 8-15 the same chunks of r'), and B's column n the input's chunks n and n + 8. The
+    product's diagonal D[m][m] (D[8 + m][m] for r') is chunk m's share of the dot product; the
+    rest is discarded. ldmatrix.x4's eight row addresses per matrix are then eight consecutive
+    16-byte chunks of one row, in eight different bank groups: no conflicts (rows 2 KB apart, the
+    plain mapping, hit one bank group 8 times: 811 against 615 us per token, H200, commit
+    aa1fe56; padding rows cost a bulk copy per row). Eight of the 64 products per row pair count,
+    which the tensor cores do in far fewer instructions than the FMA path's conversions and FMAs.
+
+    Warps take whole pairs (each accumulates its pairs over all of K) while there are at least as
+    many pairs as warps; else warps // pairs warps share a pair, each taking every
+    (warps // pairs)-th 128-column step. A warp sums each pair's diagonal with butterfly shuffles
+    and lane 0 writes the pair's two sums to `red` ([k-parts, 2 * pairs] fp32); after a CTA
+    barrier, thread t adds row t's k-parts in order (and row t + row2's: gate_up's up rows).
+    Rows past `rows` (an odd count's last pair) repeat the last row; their results are not used.
+    Operands: $0 $1 results, $2 slot, $3 xbuf, $4 red, $5 t (the thread's element index). Every
+    thread must run it as often as the others (mma.sync, shfl.sync, bar.sync): _mma_rows hands it
+    a [threads] tensor, one element per thread."""
+    if k % MMA_K_STEP:
+        raise ValueError(f"tensor-core projections need K a multiple of {MMA_K_STEP}, got {k}")
+    ty = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    pairs = -(-rows // 2)
+    steps = k // MMA_K_STEP
+    step_bytes = MMA_K_STEP * 2
+    row_bytes = k * 2
+    split = 1 if pairs >= warps else warps // pairs
+    pair_slots = -(-pairs // warps) if split == 1 else 1
+    steps_per_warp = -(-steps // split)
+    width = 2 * pairs
+    acc = [[f"c{j}_{i}" for i in range(4)] for j in range(pair_slots)]
+    out = ["{",
+           ".reg .u32 tid, lane, warp, grp, tig, kp, lo, sel, xa, t, u, pr, r1, r2;",
+           ".reg .b32 a0, a1, a2, a3, b0, b1;",
+           ".reg .f32 s, v, w, x, " + ", ".join(c for slot in acc for c in slot) + ";",
+           ".reg .pred act, d0, d1, q, sp, " + ", ".join(f"v{j}" for j in range(pair_slots)) + ";",
+           ".reg .u32 " + ", ".join(f"wa{j}" for j in range(pair_slots)) + ";",
+           "mov.u32 tid, %tid.x;", "and.b32 lane, tid, 31;", "shr.u32 warp, tid, 5;",
+           "shr.u32 grp, lane, 2;", "and.b32 tig, lane, 3;",
+           # ldmatrix: lane l gives row (l & 7) of matrix l >> 3: chunk (l & 7) + 8 * (l >> 4) of row r or r'
+           "and.b32 lo, lane, 7;", "shl.b32 lo, lo, 4;", "shr.u32 t, lane, 4;", "shl.b32 t, t, 7;", "add.u32 lo, lo, t;",
+           "shr.u32 sel, lane, 3;", "and.b32 sel, sel, 1;",
+           # the diagonal: D[grp][2 tig] (c0, c2) or D[grp][2 tig + 1] (c1, c3)
+           "shl.b32 t, tig, 1;", "setp.eq.u32 d0, grp, t;", "add.u32 t, t, 1;", "setp.eq.u32 d1, grp, t;"]
+    if split == 1:
+        out += ["mov.u32 kp, 0;", "setp.eq.u32 act, kp, 0;"]
+    else:
+        out += [f"rem.u32 pr, warp, {pairs};", f"div.u32 kp, warp, {pairs};", f"setp.lt.u32 act, kp, {split};"]
+    # x operand: chunk grp (b0) and grp + 8 (b1) of the step, 2 elements at tig * 2
+    out += ["shl.b32 xa, grp, 4;", "shl.b32 t, tig, 2;", "add.u32 xa, xa, t;", "add.u32 xa, xa, $3;",
+            f"mad.lo.u32 xa, kp, {step_bytes}, xa;"]
+    for j in range(pair_slots):
+        if split == 1:
+            out.append(f"add.u32 pr, warp, {j * warps};")
+        out += [f"setp.lt.and.u32 v{j}, pr, {pairs}, act;",
+                "shl.b32 r1, pr, 1;", f"min.u32 r1, r1, {rows - 1};", "shl.b32 r2, pr, 1;", "add.u32 r2, r2, 1;",
+                f"min.u32 r2, r2, {rows - 1};", "setp.ne.u32 q, sel, 0;", "selp.u32 t, r2, r1, q;",
+                f"mad.lo.u32 wa{j}, t, {row_bytes}, lo;", f"add.u32 wa{j}, wa{j}, $2;",
+                f"mad.lo.u32 wa{j}, kp, {step_bytes}, wa{j};"]
+        out += [f"mov.f32 {c}, 0f00000000;" for c in acc[j]]
+    for i in range(steps_per_warp):
+        offset = i * split * step_bytes
+        out += [f"add.u32 t, kp, {i * split};", f"setp.lt.and.u32 sp, t, {steps}, act;",
+                f"@sp ld.shared.b32 b0, [xa+{offset}];", f"@sp ld.shared.b32 b1, [xa+{offset + 128}];"]
+        for j in range(pair_slots):
+            c = ", ".join(acc[j])
+            out += [f"setp.lt.and.u32 q, t, {steps}, v{j};",
+                    f"@q ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{a0, a1, a2, a3}}, [wa{j}+{offset}];",
+                    f"@q mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{c}}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{{c}}};"]
+    # each pair's diagonal summed over the warp; lane 0 writes red[kp][2 pr (+1)]
+    out += ["setp.eq.u32 q, lane, 0;"]
+    for j in range(pair_slots):
+        c0, c1, c2, c3 = acc[j]
+        if split == 1:
+            out.append(f"add.u32 pr, warp, {j * warps};")
+        out += ["mov.f32 v, 0f00000000;", "mov.f32 w, 0f00000000;",
+                f"@d0 mov.f32 v, {c0};", f"@d1 mov.f32 v, {c1};", f"@d0 mov.f32 w, {c2};", f"@d1 mov.f32 w, {c3};"]
+        for off in (16, 8, 4, 2, 1):
+            out += [f"shfl.sync.bfly.b32 x, v, {off}, 31, -1;", "add.f32 v, v, x;",
+                    f"shfl.sync.bfly.b32 x, w, {off}, 31, -1;", "add.f32 w, w, x;"]
+        out += [f"mad.lo.u32 t, kp, {width}, pr;", "add.u32 t, t, pr;", "shl.b32 t, t, 2;", "add.u32 t, t, $4;",
+                f"and.pred sp, q, v{j};", "@sp st.shared.f32 [t], v;", "@sp st.shared.f32 [t+4], w;"]
+    out.append("bar.sync 0;")
+    for dst, offset in (("$0", 0), ("$1", row2)):
+        out += [f"add.u32 t, $5, {offset};", f"min.u32 t, t, {width - 1};", "shl.b32 t, t, 2;", "add.u32 t, t, $4;",
+                "mov.f32 s, 0f00000000;"]
+        for kp in range(split):
+            out += [f"ld.shared.f32 x, [t+{kp * width * 4}];", "add.f32 s, s, x;"]
+        out.append(f"mov.f32 {dst}, s;")
+    out.append("}")
+    return "\n\t".join(out)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -1010,7 +1207,7 @@ class PersistentDecoder:
         max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
         probe: bool = False, own_token_split: bool = True, one_thread_barrier: bool = True,
-        smem_weights: bool = True,
+        smem_weights: bool = True, mma_projections: bool = True, kv_prefetch_cg: bool = True,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -1064,7 +1261,7 @@ class PersistentDecoder:
             HAS_NORM=self.has_norm, HAS_BIAS=self.has_bias,
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
             BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
-            ONE_THREAD_BARRIER=one_thread_barrier, STAGE_MASK=stage_mask, PROBE=probe,
+            ONE_THREAD_BARRIER=one_thread_barrier, STAGE_MASK=stage_mask, PROBE=probe, KV_PREFETCH_CG=kv_prefetch_cg,
         )
         self.table: torch.Tensor | None = None
         # Shared-memory weight slots (SMEM_WEIGHTS in _decode_kernel): X holds a program's qkv
@@ -1074,10 +1271,26 @@ class PersistentDecoder:
         self.table_bytes = _align(self.num_layers * _NUM_FIELDS * 8, 128)
         self.slot_x_bytes = _align(max(self.rows_qkv, 2 * self.rows_inter) * self.hidden * item, 128)
         self.slot_y_bytes = _align(max(self.num_q * self.head_dim, self.inter) * self.rows_h * item, 128)
-        self.smem_bytes = 128 + self.table_bytes + self.slot_x_bytes + self.slot_y_bytes
+        # Tensor-core projections (mma_asm): the input staged at xbuf, the warps' sums at red.
+        q, h = self.num_q * self.head_dim, self.hidden
+        self.xbuf_bytes = _align(max(h, q, self.inter) * item, 128)
+        red_bytes = _align(num_warps * max(self.rows_qkv + 1, self.rows_h + 1, 2 * self.rows_inter + 1) * 4, 128)
+        self.smem_bytes = 128 + self.table_bytes + self.slot_x_bytes + self.slot_y_bytes + self.xbuf_bytes + red_bytes
         self.smem_weights = smem_weights and self._smem_weights_fit(device, [
             (self.hidden, bk_qkv), (self.num_q * self.head_dim, bk_o), (self.inter, bk_down), (self.hidden, bk_inter)])
         self._smem_off: int | None = None
+        self.mma = (self.smem_weights and mma_projections and self.dtype in (torch.bfloat16, torch.float16)
+                    and all(k % MMA_K_STEP == 0 for k in (h, q, self.inter))
+                    and max(self.rows_qkv, self.rows_h, self.rows_inter) <= num_warps * 32)
+        if self.mma:
+            self.constexprs.update(
+                XBUF_BYTES=self.xbuf_bytes, THREADS=num_warps * 32,
+                BX_O=triton.next_power_of_2(q), BX_DOWN=triton.next_power_of_2(self.inter),
+                MMA_QKV=mma_asm(self.rows_qkv, h, num_warps, 0, self.dtype),
+                MMA_O=mma_asm(self.rows_h, q, num_warps, 0, self.dtype),
+                MMA_GU=mma_asm(2 * self.rows_inter, h, num_warps, self.rows_inter, self.dtype),
+                MMA_DOWN=mma_asm(self.rows_h, self.inter, num_warps, 0, self.dtype),
+            )
 
     def _smem_weights_fit(self, device: torch.device, k_and_chunks: list[tuple[int, int]]) -> bool:
         """Whether weights can go through shared-memory slots here: a persistent launch on an
