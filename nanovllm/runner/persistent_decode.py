@@ -7,12 +7,12 @@ costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of lay
 one program per SM loops over the layers, splits each stage's work between the programs, and
 waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
 output. A barrier costs 0.86-0.93 us on an H200, less than a kernel boundary. Measured result
-(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.61 ms per token (the model forward; the LM
-head and the sampler follow) at contexts up to 640 against the per-op graph's 1.12-1.19 ms, and
-faster than it at every context measured (1.77 vs 2.89 ms at 16,384); still far from the
-weight-read floor (~0.3 ms for the whole step). Per layer (`--timeline`, 28 per token): A 4.5
-us, B 7.2, C 2.1, D 4.9, E 3.6, each from a stage's start to the next's; no stage waits for its
-weights (they are in shared memory by then, below).
+(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.56 ms per token (the model forward; the LM
+head and the sampler follow) at context 640 against the per-op graph's 1.12-1.19 ms, and faster
+than it at every context measured (1.77 vs 2.89 ms at 16,384, session 12); still far from the
+weight-read floor (~0.3 ms for the whole step). Per layer (`--timeline`, 28 per token, session
+13): A 4.4 us, B 5.9, C 2.1, D 3.8, E 3.8, each from a stage's start to the next's; no stage
+waits for its weights (they are in shared memory by then, below).
 
 Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`, then the H200):
 - Weights through shared memory (SMEM_WEIGHTS; sm_90+, where the slices fit): a program's
@@ -21,9 +21,23 @@ Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`,
   mbarrier), issued when the stage before it in that slot is done, two weight stages ahead of
   its use and across the barriers between. Through registers, ptxas kept only ~1 chunk of loads
   in flight (255 registers, spills): 669 -> 611 us per token at context 640 (H200, session 12),
-  bit-identical results. Reading the slots with tensor cores (ldmatrix + mma) was slower: 8-way
-  bank conflicts on the 2 KB row stride, or, with one copy per padded row, ~1.2 us more per
-  stage to issue the copies (commits aa1fe56, a8d7997).
+  bit-identical results.
+- 16-bit projections on tensor cores, straight from the slots (mma_asm: a row pair per mma, A's
+  rows being 8-column chunks of a row, so ldmatrix meets no bank conflicts; the diagonal of
+  the product is kept): 573 -> 567 us at context 640 (session 13), ~3,400 SASS instructions
+  instead of ~5,800; results within rounding of the FMA path, which fp32 weights, K not a
+  multiple of 128 and `mma_projections=False` keep. The plain mapping (rows 2 KB apart) was
+  slower, 8-way bank conflicts, and padded rows cost a bulk copy per row (commits aa1fe56,
+  a8d7997).
+- After a barrier a stage issues every load it needs at once: every acquire empties the SM's L1,
+  so a load whose address came from another load cost a second L2 round trip. The offset table
+  lives in shared memory (_at), the step's rotary cos/sin, slot and context are loaded once per
+  step (_step_values), and the norm weights, the bias and the residual rows are loaded with the
+  stage's input: 617 -> 587 us (the table and the step values) and the rest part of the 587 ->
+  567 above (session 13).
+- The first cached K/V tile, loaded during the barrier before attention, goes through the L2
+  only (.cg, kv_prefetch_cg): loaded into the L1, its fills held the acquire that ends that
+  barrier (1.0 us after the last arrival there, 0.26 at the others): 567 -> 559 us (session 13).
 - Projections accumulate a [rows, K chunk] fp32 tile across K chunks and reduce it once, and load
   the input vector broadcast to the tile's shape: a 1-D input made Triton convert its layout
   through shared memory with a CTA barrier per chunk, and a per-chunk row sum did too, which
@@ -266,6 +280,19 @@ def _rows(item, rows_per_item, N, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def _item_rows(item, rows_per_item, N, BLOCK_R: tl.constexpr, THREADS: tl.constexpr, MMA: tl.constexpr):
+    """_rows, in the layout the item's projection returns its rows in: one row per thread with
+    tensor cores (MMA, _mma_rows), else a [BLOCK_R] vector."""
+    if MMA:
+        t = tl.arange(0, THREADS)
+        rows = item * rows_per_item + t
+        rmask = (t < rows_per_item) & (rows < N)
+    else:
+        rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
+    return rows, rmask
+
+
+@triton.jit
 def _tile_columns(rows, k0, BLOCK_K: tl.constexpr):
     """Column indices k0 + [0, BLOCK_K) broadcast to a weight tile's shape [BLOCK_R, BLOCK_K].
     Loading a projection's input with these gives it the tile's register layout (each thread
@@ -448,12 +475,7 @@ def _stage_qkv(
     else:
         rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
-        if MMA_ASM != "":
-            t = tl.arange(0, THREADS)
-            rows = item * rows_per_item + t
-            rmask = (t < rows_per_item) & (rows < N)
-        else:
-            rows, rmask = _rows(item, rows_per_item, N, BLOCK_R)
+        rows, rmask = _item_rows(item, rows_per_item, N, BLOCK_R, THREADS, MMA_ASM != "")
         if HAS_BIAS:  # loaded before the projection, so that its round trip overlaps it
             bias = tl.load(_at(base_ptr, layer_ptr, F_QKV_B) + rows, mask=rmask, other=0.0).to(tl.float32)
         if MMA_ASM != "":
@@ -695,12 +717,7 @@ def _stage_rows_residual(
     (MMA_ASM: see _stage_qkv)."""
     dtype = resid_ptr.dtype.element_ty
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
-        if MMA_ASM != "":
-            t = tl.arange(0, THREADS)
-            rows = item * rows_per_item + t
-            rmask = (t < rows_per_item) & (rows < H)
-        else:
-            rows, rmask = _rows(item, rows_per_item, H, BLOCK_R)
+        rows, rmask = _item_rows(item, rows_per_item, H, BLOCK_R, THREADS, MMA_ASM != "")
         # The residual rows are loaded before the projection, so that their round trip overlaps
         # the input's (after it, they cost one more L2 round trip at the end of the stage).
         r = tl.load(resid_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -736,14 +753,11 @@ def _stage_gate_up(
     else:
         rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(INTER, rows_per_item), num_programs):
+        rows, rmask = _item_rows(item, rows_per_item, INTER, BLOCK_R, THREADS, MMA_ASM != "")
         if MMA_ASM != "":
             tl.debug_barrier()  # the staged input (or the previous item's reads of `red`)
             gate, up = _mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
-            t = tl.arange(0, THREADS)
-            rows = item * rows_per_item + t
-            rmask = (t < rows_per_item) & (rows < INTER)
         else:
-            rows, rmask = _rows(item, rows_per_item, INTER, BLOCK_R)
             gate = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
             up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
             for k0 in tl.static_range(0, H, BLOCK_K):
@@ -900,7 +914,11 @@ def _decode_kernel(
     see _at); each weight stage's rows are copied in
     when the stage before it in the same slot is done (for qkv: the previous layer's gate and
     up), so that a copy has the stages between to land. SLOT_Y_BYTES is not read here: it only
-    makes the slots' total size part of the compiled variant, whose launch reserves it."""
+    makes the slots' total size part of the compiled variant, whose launch reserves it. MMA_QKV,
+    MMA_O, MMA_GU, MMA_DOWN (SMEM_WEIGHTS, 16-bit; "" for FMAs): each projection's tensor-core
+    program (mma_asm), its input staged at XBUF_BYTES of shared memory after the slots and its
+    warps' sums after that; BX_O and BX_DOWN the staged inputs' block widths, THREADS the
+    program's threads. KV_PREFETCH_CG: see PersistentDecoder."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
@@ -1196,8 +1214,10 @@ class PersistentDecoder:
     default tile_elements), one_thread_barrier (thread 0 alone arrives and polls, see
     _grid_arrive; False: every thread takes the arrival's answer, 14-25 us per token slower),
     smem_weights (weights through shared-memory slots where the GPU and the slices allow: see
-    _smem_weights_fit; False: straight into registers, 58 us per token slower at context 640), and
-    two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
+    _smem_weights_fit; False: straight into registers, 58 us per token slower at context 640),
+    mma_projections (16-bit weights in the slots: projections on tensor cores, mma_asm; False:
+    FMAs, bit-identical to the stepwise launches; 6 us slower), kv_prefetch_cg (the first cached
+    K/V tile read through the L2 only; 8 us faster), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
     (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small ones so that
     programs take several items and contexts several splits."""
