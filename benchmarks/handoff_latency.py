@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.runner.persistent_decode import _grid_arrive, _grid_wait
+from nanovllm.runner.ptx import grid_arrive, grid_wait
 
 
 @triton.jit
@@ -35,9 +35,9 @@ def _barrier_chain(vec_ptr, sync_ptr, out_ptr, rounds, N: tl.constexpr, ROWS: tl
     for r in range(rounds):
         buf = vec_ptr + (r % 2) * N
         tl.store(buf + rows, (acc + rows).to(tl.bfloat16), mask=rows < N)
-        seen = _grid_arrive(sync_ptr, True)
+        seen = grid_arrive(sync_ptr, True)
         target += P
-        _grid_wait(sync_ptr, seen, target)
+        grid_wait(sync_ptr, seen, target)
         x = tl.load(buf + offs, mask=offs < N, other=0.0).to(tl.float32)
         acc = tl.sum(x) * 1e-6
     tl.store(out_ptr + pid, acc)

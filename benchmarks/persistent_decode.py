@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.runner.persistent_decode import _grid_arrive, _grid_wait
+from nanovllm.runner.ptx import grid_arrive, grid_wait
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -68,7 +68,7 @@ def _volatile_poll_barrier(sync_ptr, target):
 
 @triton.jit
 def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
-    """n grid barriers in a row. POLL 0: the counter of _grid_arrive, _grid_wait with every
+    """n grid barriers in a row. POLL 0: the counter of grid_arrive, grid_wait with every
     thread taking the arrival's answer (one_thread_barrier=False; acquire-load polling); 1: the
     first version's (atomics); 2: the second's (volatile loads); 3: the kernel's default
     (one_thread_barrier: thread 0 adds and polls).
@@ -84,7 +84,7 @@ def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
         elif POLL == 2:
             _volatile_poll_barrier(sync_ptr, arrivals)
         else:
-            _grid_wait(sync_ptr, _grid_arrive(sync_ptr, POLL == 3), arrivals)
+            grid_wait(sync_ptr, grid_arrive(sync_ptr, POLL == 3), arrivals)
 
 
 def timeline(dec, runner, ids, pos, meta) -> None:

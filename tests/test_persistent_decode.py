@@ -341,7 +341,7 @@ def test_tensor_core_program_shape():
     """mma_asm's PTX: one mma per row pair and 128-column step, split among the warps (whole
     pairs per warp, or warps sharing a pair's steps), and K that is not a multiple of the step
     refused."""
-    from nanovllm.runner.persistent_decode import mma_asm
+    from nanovllm.runner.ptx import mma_asm
 
     # 32 rows (16 pairs) over 8 warps: 2 pairs per warp, 8 steps of K = 1,024 each.
     assert mma_asm(32, 1024, 8, 0, torch.bfloat16).count("mma.sync") == 16
@@ -366,7 +366,7 @@ def test_reserving_shared_memory_patches_the_launch_size_once():
 
     from triton.backends.compiler import GPUTarget
 
-    from nanovllm.runner.persistent_decode import _reserve_shared_memory
+    from nanovllm.runner.ptx import reserve_shared_memory
 
     Meta = namedtuple("Meta", "num_warps num_ctas shared target")
 
@@ -375,12 +375,12 @@ def test_reserving_shared_memory_patches_the_launch_size_once():
         metadata = Meta(8, 1, 36_900, GPUTarget("cuda", 90, 32))
 
     kernel = FakeKernel()
-    assert _reserve_shared_memory(kernel, 10_000) == 36_992
+    assert reserve_shared_memory(kernel, 10_000) == 36_992
     assert kernel.metadata.shared == 46_992
     assert kernel.packed_metadata[:3] == (8, 1, 46_992)
-    assert _reserve_shared_memory(kernel, 10_000) == 36_992
+    assert reserve_shared_memory(kernel, 10_000) == 36_992
     assert kernel.metadata.shared == 46_992
     loaded = FakeKernel()
     loaded.module = object()
     with pytest.raises(RuntimeError, match="before its shared memory was reserved"):
-        _reserve_shared_memory(loaded, 10_000)
+        reserve_shared_memory(loaded, 10_000)

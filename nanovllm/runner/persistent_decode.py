@@ -114,6 +114,10 @@ import triton.language as tl
 
 from nanovllm.attention.backend import AttentionMetadata
 from nanovllm.precompile import compiling_only, launch
+from nanovllm.runner.ptx import (
+    MMA_K_STEP, align_up, bulk_copy, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm, mma_rows,
+    reserve_shared_memory, shared_address, slot_tile, stage_to_shared,
+)
 
 # Rows of the per-layer offset table: where each layer's tensors start, in elements from the
 # embedding weight (every tensor has the model's dtype, so one base pointer reaches them all).
@@ -186,53 +190,6 @@ def _step_values(pos_ptr, slot_ptr, seq_len_ptr, cos_sin_ptr, D: tl.constexpr, d
     return cos, sin, tl.load(slot_ptr).to(tl.int64), tl.load(seq_len_ptr)
 
 
-@triton.jit
-def _load_acquire(ptr):
-    """An int32 load with acquire semantics at GPU scope (inline PTX: Triton has no acquire load)."""
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _grid_arrive(sync_ptr, ONE_THREAD: tl.constexpr = False):
-    """Arrive at a grid barrier: count this program at sync_ptr and return the count seen (the
-    counter only grows within a launch: barrier n waits for n * num_programs). The CTA barrier
-    makes every thread's stores precede the release. What does not depend on the other programs
-    (the next stage's weight tiles) is issued between this and _grid_wait, so that it overlaps
-    the barrier's latency instead of delaying the arrival (786 -> 747 us per token, H200).
-
-    With tl.atomic_add those loads still wait for the add's answer: Triton hands a scalar
-    atomic's result to every thread through shared memory and a CTA barrier. An add whose result
-    is unused compiles to a reduction that does not wait, but then the last program to arrive
-    must poll once more (761 us). ONE_THREAD: thread 0 adds in inline PTX and keeps the answer in
-    its own register, the other threads get 2**31 - 1 (above any target: they do not poll), so
-    nothing waits for the answer until thread 0 polls in _grid_wait: 702 -> 688 us per token at
-    context 640, 14-25 us less at every context measured (64 to 16,384; H200, eager launches);
-    the barrier alone 0.91 -> 0.87 us (PersistentDecoder's one_thread_barrier, on by default)."""
-    tl.debug_barrier()
-    if ONE_THREAD:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.u32 $0, 2147483647; "
-            "@p atom.acq_rel.gpu.global.add.u32 $0, [$1], 1; @p add.u32 $0, $0, 1; }",
-            "=r,l", [sync_ptr], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        return tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
-
-
-@triton.jit
-def _grid_wait(sync_ptr, seen, target):
-    """Wait until `target` arrivals have been counted. Polls with acquire loads, so the load that
-    sees the count orders this program's later reads after the other programs' released stores
-    (the arrival's acq_rel does it for the last program to arrive). With _grid_arrive's
-    ONE_THREAD only thread 0 polls, and the CTA barrier after the loop passes its acquire on to
-    the other threads, as a cooperative grid sync does. Polling with atomics queues every SM's
-    polls behind each other at one L2 address: 0.94 against 0.93 us per barrier (H200,
-    benchmarks/persistent_decode.py); volatile loads measured 0.92 but order nothing."""
-    while seen < target:
-        seen = _load_acquire(sync_ptr)
-    tl.debug_barrier()
-
-
 # Points of a layer the PROBE build stamps (benchmarks/persistent_decode.py --timeline): per stage
 # s, 3s its start (after the barrier), 3s+1 its work done, 3s+2 arrived and the next tile issued
 # (the wait follows); in attention, 15 queries rotated, 16 cached positions walked, 17 the step's token
@@ -282,7 +239,7 @@ def _rows(item, rows_per_item, N, BLOCK_R: tl.constexpr):
 @triton.jit
 def _item_rows(item, rows_per_item, N, BLOCK_R: tl.constexpr, THREADS: tl.constexpr, MMA: tl.constexpr):
     """_rows, in the layout the item's projection returns its rows in: one row per thread with
-    tensor cores (MMA, _mma_rows), else a [BLOCK_R] vector."""
+    tensor cores (MMA, mma_rows), else a [BLOCK_R] vector."""
     if MMA:
         t = tl.arange(0, THREADS)
         rows = item * rows_per_item + t
@@ -325,97 +282,6 @@ def _first_tile(w_ptr, pid, rows_per_item, N, valid, K: tl.constexpr, BLOCK_R: t
     return _weight_tile(w_ptr, rows, rmask & valid, 0, K, BLOCK_K)
 
 
-# Weights through shared memory (SMEM_WEIGHTS, persistent launches on sm_90+): one thread per
-# program copies the program's whole slice of a weight stage (its rows are contiguous) into a
-# shared-memory slot with one bulk asynchronous copy (cp.async.bulk, the TMA unit), issued two
-# weight stages ahead of its use, across the grid barriers between; an mbarrier counts the bytes
-# in. The slots lie past Triton's own shared memory, `smem_off` bytes into the kernel's dynamic
-# shared memory (`global_smem` in the PTX Triton emits); PersistentDecoder reserves them.
-@triton.jit
-def _shared_address(offset):
-    """32-bit shared-memory address `offset` bytes into the kernel's dynamic shared memory."""
-    return tl.inline_asm_elementwise("mov.b32 $0, global_smem;\n\tadd.u32 $0, $0, $1;", "=r,r", [offset],
-                                     dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _mbarriers_init(bar_x, bar_y):
-    """Thread 0 initialises the two slots' mbarriers (one arrival per phase: the copy's issuer);
-    the CTA barrier orders that before any thread waits on them."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p mbarrier.init.shared::cta.b64 [$1], 1; @p mbarrier.init.shared::cta.b64 [$2], 1; "
-        "@p fence.mbarrier_init.release.cluster; mov.u32 $0, 0; }",
-        "=r,r,r", [bar_x, bar_y], dtype=tl.int32, is_pure=False, pack=1)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _bulk_copy(bar, dst, src, nbytes, dst2, src2, nbytes2):
-    """Thread 0: expect nbytes + nbytes2 at mbarrier `bar`, then copy nbytes from global `src` to
-    shared `dst` (and nbytes2 from src2 to dst2) asynchronously; an empty copy is skipped (with
-    both empty the phase completes at once). The proxy fence orders the CTA's earlier reads of
-    the slot (a CTA barrier precedes every call) before the copy's writes."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p, q, r; .reg .u32 t, n; .reg .b64 s; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "add.u32 n, $4, $7; setp.ne.and.u32 q, $4, 0, p; setp.ne.and.u32 r, $7, 0, p; "
-        "@p fence.proxy.async.shared::cta; "
-        "@p mbarrier.arrive.expect_tx.shared::cta.b64 s, [$1], n; "
-        "@q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$2], [$3], $4, [$1]; "
-        "@r cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$5], [$6], $7, [$1]; "
-        "mov.u32 $0, 0; }",
-        "=r,r,r,l,r,r,l,r", [bar, dst, src, nbytes, dst2, src2, nbytes2], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _mbarrier_test(bar, parity):
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; selp.u32 $0, 1, 0, p; }",
-        "=r,r,r", [bar, parity], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _mbarrier_wait(bar, parity):
-    """Every thread waits until the phase of parity `parity` of mbarrier `bar` has completed: its
-    copy has landed, and the completion makes the bytes visible to the threads that waited."""
-    done = _mbarrier_test(bar, parity)
-    while done == 0:
-        done = _mbarrier_test(bar, parity)
-
-
-@triton.jit
-def _slot_tile(slot, w_ptr, rmask, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns k0:k0 + BLOCK_K of the [BLOCK_R rows, K] slice of weight w_ptr at shared address `slot`
-    (the program's rows, row-major), read with 16-byte shared loads. Masked rows read row 0 again
-    (their results are never stored); the host keeps K a multiple of BLOCK_K. The loads are
-    inline PTX, which takes its register layout from the address tensor: Triton gives that the
-    layout of the tile's vectorized global loads, eight consecutive 16-bit columns (four fp32)
-    per thread, so that one instance's elements are one aligned 16-byte line (the GPU tests
-    compare this path with the register one, bit for bit). Not pure: the compiler must neither
-    merge two loads of one address (a slot holds another stage's rows by then) nor move them
-    before the mbarrier wait."""
-    dtype = w_ptr.dtype.element_ty
-    ESIZE: tl.constexpr = dtype.primitive_bitwidth // 8
-    local = tl.where(rmask, tl.arange(0, BLOCK_R), 0)
-    addr = slot + (local[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :]) * ESIZE
-    if ESIZE == 2:
-        return tl.inline_asm_elementwise("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-                                         "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [addr], dtype=dtype, is_pure=False, pack=8)
-    else:
-        return tl.inline_asm_elementwise("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-                                         "=r,=r,=r,=r,r,r,r,r", [addr], dtype=dtype, is_pure=False, pack=4)
-
-
-@triton.jit
-def _stage_to_shared(x, offs, mask, xbuf):
-    """Store the 16-bit values x (at element offsets offs, where mask) into shared memory at xbuf:
-    a projection's input for the tensor-core path (_mma_rows). One st.shared.b16 per element
-    (pack=1: right whatever register layout Triton gives x)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $3, 0; @p st.shared.b16 [$1], $2; mov.u32 $0, 0; }",
-        "=r,r,h,r", [xbuf + offs * 2, x, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _normed_to_shared(resid_ptr, ln_ptr, eps, xbuf, H: tl.constexpr, BLOCK_X: tl.constexpr, dtype: tl.constexpr):
     """RMSNorm(residual) * weight, rounded as _normed rounds it, staged at xbuf for the tensor-core
@@ -428,17 +294,7 @@ def _normed_to_shared(resid_ptr, ln_ptr, eps, xbuf, H: tl.constexpr, BLOCK_X: tl
     x = tl.load(resid_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(ln_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) * (1.0 / H) + eps)
-    _stage_to_shared(((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), offs, mask, xbuf)
-
-
-@triton.jit
-def _mma_rows(MMA_ASM: tl.constexpr, slot, xbuf, red, THREADS: tl.constexpr):
-    """Run a projection slice's tensor-core program (`mma_asm` below) on every thread; returns,
-    per thread index t [THREADS] (fp32), the results of slice rows t and t + its second row
-    offset (gate_up's up rows; the others ignore it)."""
-    t = tl.arange(0, THREADS)
-    return tl.inline_asm_elementwise(MMA_ASM, "=f,=f,r,r,r,r", [slot + t * 0, xbuf, red, t],
-                                     dtype=(tl.float32, tl.float32), is_pure=False, pack=1)
+    stage_to_shared(((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), offs, mask, xbuf)
 
 
 @triton.jit
@@ -448,7 +304,7 @@ def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.con
     item's rows, copied there ahead, see _issue_weights). Else `first` (loaded ahead, see
     _first_tile) for the program's first item's first chunk, or a load."""
     if SMEM:
-        w = _slot_tile(slot, w_ptr, rmask, k0, K, rows.shape[0], BLOCK_K)
+        w = slot_tile(slot, w_ptr, rmask, k0, K, rows.shape[0], BLOCK_K)
     elif k0 == 0:
         if is_first_item:
             w = first
@@ -480,7 +336,7 @@ def _stage_qkv(
             bias = tl.load(_at(base_ptr, layer_ptr, F_QKV_B) + rows, mask=rmask, other=0.0).to(tl.float32)
         if MMA_ASM != "":
             tl.debug_barrier()  # the staged input (or the previous item's reads of `red`)
-            acc, _ = _mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
+            acc, _ = mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
         else:
             acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
             for k0 in tl.static_range(0, H, BLOCK_K):
@@ -723,9 +579,9 @@ def _stage_rows_residual(
         r = tl.load(resid_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         if MMA_ASM != "":
             offs = tl.arange(0, BLOCK_X)
-            _stage_to_shared(tl.load(x_ptr + offs, mask=offs < K, other=0.0), offs, offs < K, xbuf)
+            stage_to_shared(tl.load(x_ptr + offs, mask=offs < K, other=0.0), offs, offs < K, xbuf)
             tl.debug_barrier()
-            acc, _ = _mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
+            acc, _ = mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
         else:
             acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
             for k0 in tl.static_range(0, K, BLOCK_K):
@@ -756,7 +612,7 @@ def _stage_gate_up(
         rows, rmask = _item_rows(item, rows_per_item, INTER, BLOCK_R, THREADS, MMA_ASM != "")
         if MMA_ASM != "":
             tl.debug_barrier()  # the staged input (or the previous item's reads of `red`)
-            gate, up = _mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
+            gate, up = mma_rows(MMA_ASM, slot, xbuf, red, THREADS)
         else:
             gate = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
             up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
@@ -840,9 +696,9 @@ def _issue_weights(
     nbytes = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0) * (K * ESIZE)
     src = w_ptr + row0 * K
     if STAGE == 3:  # the up rows: INTER rows after the gate rows in the packed weight
-        _bulk_copy(bar, slot, src, nbytes, slot + rows_per_item * (K * ESIZE), src + INTER * K, nbytes)
+        bulk_copy(bar, slot, src, nbytes, slot + rows_per_item * (K * ESIZE), src + INTER * K, nbytes)
     else:
-        _bulk_copy(bar, slot, src, nbytes, slot, src, 0)
+        bulk_copy(bar, slot, src, nbytes, slot, src, 0)
 
 
 @triton.jit
@@ -928,7 +784,7 @@ def _decode_kernel(
     red = 0
     if PERSISTENT:
         if SMEM_WEIGHTS:
-            bar_x = _shared_address(smem_off)
+            bar_x = shared_address(smem_off)
             bar_y = bar_x + 8
             table = bar_x + 128
             slot_x = table + TABLE_BYTES
@@ -936,7 +792,7 @@ def _decode_kernel(
             xbuf = slot_y + SLOT_Y_BYTES
             red = xbuf + XBUF_BYTES
             _table_to_shared(table_ptr, table, NUM_FIELDS * num_layers, 256)
-            _mbarriers_init(bar_x, bar_y)  # its CTA barrier also orders the table's copy before its reads
+            mbarriers_init(bar_x, bar_y)  # its CTA barrier also orders the table's copy before its reads
             _issue_weights(0, table, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
             _issue_weights(2, table, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
         _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
@@ -944,14 +800,14 @@ def _decode_kernel(
         kv2 = kv1
         kv3 = kv1
         kv4 = kv1
-        seen = _grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
+        seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
         t1, t2 = _prefetch(0, table_ptr, not SMEM_WEIGHTS, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
         kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
                                            NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
         cos, sin, step_slot, ctx = _step_values(pos_ptr, slot_ptr, seq_len_ptr, cos_sin_ptr, D, qkv_ptr.dtype.element_ty)
         arrivals = num_programs
-        _grid_wait(sync_ptr, seen, arrivals)
+        grid_wait(sync_ptr, seen, arrivals)
         probe_half = num_layers * PROBE_POINTS * num_programs
         for layer_i in range(0, num_layers):
             if SMEM_WEIGHTS:
@@ -964,13 +820,13 @@ def _decode_kernel(
                 if SMEM_WEIGHTS:
                     # Slot X holds qkv (phase 0 of each layer's two) and gate/up (1); Y o (0) and down (1).
                     if stage == 0:
-                        _mbarrier_wait(bar_x, 0)
+                        mbarrier_wait(bar_x, 0)
                     elif stage == 2:
-                        _mbarrier_wait(bar_y, 0)
+                        mbarrier_wait(bar_y, 0)
                     elif stage == 3:
-                        _mbarrier_wait(bar_x, 1)
+                        mbarrier_wait(bar_x, 1)
                     elif stage == 4:
-                        _mbarrier_wait(bar_y, 1)
+                        mbarrier_wait(bar_y, 1)
                     _stamp(probe_row, 20 + stage, num_programs, probe_half, PROBE)
                 if (STAGE_MASK >> stage) & 1:
                     _layer_stage(
@@ -983,13 +839,13 @@ def _decode_kernel(
                         THREADS,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
-                seen = _grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
+                seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
                 # The first tile of the next stage with weights, loaded during this barrier:
                 # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
                 # stage 4's loads stage 0 of the next layer (nothing after the last).
                 if SMEM_WEIGHTS:
                     # The slot this stage read is free (every thread passed the CTA barrier in
-                    # _grid_arrive): copy in the stage that uses it next.
+                    # grid_arrive): copy in the stage that uses it next.
                     if stage == 0:
                         _issue_weights(3, layer_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter,
                                        H, NQ, NK, D, INTER)
@@ -1013,7 +869,7 @@ def _decode_kernel(
                                                   kv_rows, kv_valid, D // 2, KV_PREFETCH_CG)
                 _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
                 arrivals += num_programs
-                _grid_wait(sync_ptr, seen, arrivals)
+                grid_wait(sync_ptr, seen, arrivals)
         _stage_final_norm(resid_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H)
     elif STAGE == -1:
         _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
@@ -1043,132 +899,6 @@ def _tile_shape(rows: int, k: int, elements: int) -> tuple[int, int]:
     weights per chunk."""
     block_r = triton.next_power_of_2(rows)
     return block_r, max(16, min(triton.next_power_of_2(k), elements // block_r))
-
-
-def _reserve_shared_memory(kernel: Any, extra: int) -> int:
-    """Make a compiled kernel launch with `extra` bytes of dynamic shared memory past Triton's own
-    and return the offset where they start (a multiple of 128). Triton sizes a launch's dynamic
-    shared memory from the kernel's metadata, and raises the kernel's limit to the device's
-    opt-in maximum when it loads the module if that size is above 48 KB; so this has to run
-    before the kernel's first launch. Idempotent."""
-    own = getattr(kernel, "_nanovllm_own_shared", None)
-    if own is None:
-        if kernel.module is not None:
-            raise RuntimeError("persistent decode: the kernel was launched before its shared memory was reserved")
-        from triton.compiler.compiler import make_backend
-
-        own = kernel.metadata.shared
-        kernel.metadata = kernel.metadata._replace(shared=_align(own, 128) + extra)
-        kernel.packed_metadata = make_backend(kernel.metadata.target).pack_metadata(kernel.metadata)
-        kernel._nanovllm_own_shared = own
-    return _align(own, 128)
-
-
-def _align(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-# Elements of K one tensor-core step of mma_asm covers: 16 chunks of 8.
-MMA_K_STEP = 128
-
-
-def mma_asm(rows: int, k: int, warps: int, row2: int, dtype: torch.dtype) -> str:
-    """PTX for one program's slice of a projection on tensor cores (MMA_* of _decode_kernel):
-    y[r] = sum_k W[r, k] x[k] for the `rows` rows of a shared-memory slot (16-bit, row-major
-    [rows, k], as the bulk copy left them) and x in shared memory at xbuf (16-bit, [k]).
-
-    The weights are the mma's A operand without any re-layout, by a change of what its rows mean:
-    one mma.m16n8k16 takes two weight rows r and r' (a pair) over 128 columns, A's row m (m < 8)
-    being chunk m of row r (8 columns) and its k the columns within the chunk (chunk m + 8 for k
-    >= 8; rows 8-15 the same chunks of r'), and B's column n the input's chunks n and n + 8. The
-    product's diagonal D[m][m] (D[8 + m][m] for r') is chunk m's share of the dot product; the
-    rest is discarded. ldmatrix.x4's eight row addresses per matrix are then eight consecutive
-    16-byte chunks of one row, in eight different bank groups: no conflicts (rows 2 KB apart, the
-    plain mapping, hit one bank group 8 times: 811 against 615 us per token, H200, commit
-    aa1fe56; padding rows cost a bulk copy per row). Eight of the 64 products per row pair count,
-    which the tensor cores do in far fewer instructions than the FMA path's conversions and FMAs.
-
-    Warps take whole pairs (each accumulates its pairs over all of K) while there are at least as
-    many pairs as warps; else warps // pairs warps share a pair, each taking every
-    (warps // pairs)-th 128-column step. A warp sums each pair's diagonal with butterfly shuffles
-    and lane 0 writes the pair's two sums to `red` ([k-parts, 2 * pairs] fp32); after a CTA
-    barrier, thread t adds row t's k-parts in order (and row t + row2's: gate_up's up rows).
-    Rows past `rows` (an odd count's last pair) repeat the last row; their results are not used.
-    Operands: $0 $1 results, $2 slot, $3 xbuf, $4 red, $5 t (the thread's element index). Every
-    thread must run it as often as the others (mma.sync, shfl.sync, bar.sync): _mma_rows hands it
-    a [threads] tensor, one element per thread."""
-    if k % MMA_K_STEP:
-        raise ValueError(f"tensor-core projections need K a multiple of {MMA_K_STEP}, got {k}")
-    ty = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
-    pairs = -(-rows // 2)
-    steps = k // MMA_K_STEP
-    step_bytes = MMA_K_STEP * 2
-    row_bytes = k * 2
-    split = 1 if pairs >= warps else warps // pairs
-    pair_slots = -(-pairs // warps) if split == 1 else 1
-    steps_per_warp = -(-steps // split)
-    width = 2 * pairs
-    acc = [[f"c{j}_{i}" for i in range(4)] for j in range(pair_slots)]
-    out = ["{",
-           ".reg .u32 tid, lane, warp, grp, tig, kp, lo, sel, xa, t, u, pr, r1, r2;",
-           ".reg .b32 a0, a1, a2, a3, b0, b1;",
-           ".reg .f32 s, v, w, x, " + ", ".join(c for slot in acc for c in slot) + ";",
-           ".reg .pred act, d0, d1, q, sp, " + ", ".join(f"v{j}" for j in range(pair_slots)) + ";",
-           ".reg .u32 " + ", ".join(f"wa{j}" for j in range(pair_slots)) + ";",
-           "mov.u32 tid, %tid.x;", "and.b32 lane, tid, 31;", "shr.u32 warp, tid, 5;",
-           "shr.u32 grp, lane, 2;", "and.b32 tig, lane, 3;",
-           # ldmatrix: lane l gives row (l & 7) of matrix l >> 3: chunk (l & 7) + 8 * (l >> 4) of row r or r'
-           "and.b32 lo, lane, 7;", "shl.b32 lo, lo, 4;", "shr.u32 t, lane, 4;", "shl.b32 t, t, 7;", "add.u32 lo, lo, t;",
-           "shr.u32 sel, lane, 3;", "and.b32 sel, sel, 1;",
-           # the diagonal: D[grp][2 tig] (c0, c2) or D[grp][2 tig + 1] (c1, c3)
-           "shl.b32 t, tig, 1;", "setp.eq.u32 d0, grp, t;", "add.u32 t, t, 1;", "setp.eq.u32 d1, grp, t;"]
-    if split == 1:
-        out += ["mov.u32 kp, 0;", "setp.eq.u32 act, kp, 0;"]
-    else:
-        out += [f"rem.u32 pr, warp, {pairs};", f"div.u32 kp, warp, {pairs};", f"setp.lt.u32 act, kp, {split};"]
-    # x operand: chunk grp (b0) and grp + 8 (b1) of the step, 2 elements at tig * 2
-    out += ["shl.b32 xa, grp, 4;", "shl.b32 t, tig, 2;", "add.u32 xa, xa, t;", "add.u32 xa, xa, $3;",
-            f"mad.lo.u32 xa, kp, {step_bytes}, xa;"]
-    for j in range(pair_slots):
-        if split == 1:
-            out.append(f"add.u32 pr, warp, {j * warps};")
-        out += [f"setp.lt.and.u32 v{j}, pr, {pairs}, act;",
-                "shl.b32 r1, pr, 1;", f"min.u32 r1, r1, {rows - 1};", "shl.b32 r2, pr, 1;", "add.u32 r2, r2, 1;",
-                f"min.u32 r2, r2, {rows - 1};", "setp.ne.u32 q, sel, 0;", "selp.u32 t, r2, r1, q;",
-                f"mad.lo.u32 wa{j}, t, {row_bytes}, lo;", f"add.u32 wa{j}, wa{j}, $2;",
-                f"mad.lo.u32 wa{j}, kp, {step_bytes}, wa{j};"]
-        out += [f"mov.f32 {c}, 0f00000000;" for c in acc[j]]
-    for i in range(steps_per_warp):
-        offset = i * split * step_bytes
-        out += [f"add.u32 t, kp, {i * split};", f"setp.lt.and.u32 sp, t, {steps}, act;",
-                f"@sp ld.shared.b32 b0, [xa+{offset}];", f"@sp ld.shared.b32 b1, [xa+{offset + 128}];"]
-        for j in range(pair_slots):
-            c = ", ".join(acc[j])
-            out += [f"setp.lt.and.u32 q, t, {steps}, v{j};",
-                    f"@q ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{a0, a1, a2, a3}}, [wa{j}+{offset}];",
-                    f"@q mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{c}}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{{c}}};"]
-    # each pair's diagonal summed over the warp; lane 0 writes red[kp][2 pr (+1)]
-    out += ["setp.eq.u32 q, lane, 0;"]
-    for j in range(pair_slots):
-        c0, c1, c2, c3 = acc[j]
-        if split == 1:
-            out.append(f"add.u32 pr, warp, {j * warps};")
-        out += ["mov.f32 v, 0f00000000;", "mov.f32 w, 0f00000000;",
-                f"@d0 mov.f32 v, {c0};", f"@d1 mov.f32 v, {c1};", f"@d0 mov.f32 w, {c2};", f"@d1 mov.f32 w, {c3};"]
-        for off in (16, 8, 4, 2, 1):
-            out += [f"shfl.sync.bfly.b32 x, v, {off}, 31, -1;", "add.f32 v, v, x;",
-                    f"shfl.sync.bfly.b32 x, w, {off}, 31, -1;", "add.f32 w, w, x;"]
-        out += [f"mad.lo.u32 t, kp, {width}, pr;", "add.u32 t, t, pr;", "shl.b32 t, t, 2;", "add.u32 t, t, $4;",
-                f"and.pred sp, q, v{j};", "@sp st.shared.f32 [t], v;", "@sp st.shared.f32 [t+4], w;"]
-    out.append("bar.sync 0;")
-    for dst, offset in (("$0", 0), ("$1", row2)):
-        out += [f"add.u32 t, $5, {offset};", f"min.u32 t, t, {width - 1};", "shl.b32 t, t, 2;", "add.u32 t, t, $4;",
-                "mov.f32 s, 0f00000000;"]
-        for kp in range(split):
-            out += [f"ld.shared.f32 x, [t+{kp * width * 4}];", "add.f32 s, s, x;"]
-        out.append(f"mov.f32 {dst}, s;")
-    out.append("}")
-    return "\n\t".join(out)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -1212,7 +942,7 @@ class PersistentDecoder:
     launches; an earlier rule that always added the part was slower past ~1,000 positions),
     warps, weights per register tile (gate_up_tile_elements: the gate and up tiles together,
     default tile_elements), one_thread_barrier (thread 0 alone arrives and polls, see
-    _grid_arrive; False: every thread takes the arrival's answer, 14-25 us per token slower),
+    grid_arrive; False: every thread takes the arrival's answer, 14-25 us per token slower),
     smem_weights (weights through shared-memory slots where the GPU and the slices allow: see
     _smem_weights_fit; False: straight into registers, 58 us per token slower at context 640),
     mma_projections (16-bit weights in the slots: projections on tensor cores, mma_asm; False:
@@ -1288,13 +1018,13 @@ class PersistentDecoder:
         # or gate+up rows, Y its o or down rows; before them, 128 bytes hold the mbarriers and
         # table_bytes a copy of the offset table.
         item = self.dtype.itemsize
-        self.table_bytes = _align(self.num_layers * _NUM_FIELDS * 8, 128)
-        self.slot_x_bytes = _align(max(self.rows_qkv, 2 * self.rows_inter) * self.hidden * item, 128)
-        self.slot_y_bytes = _align(max(self.num_q * self.head_dim, self.inter) * self.rows_h * item, 128)
+        self.table_bytes = align_up(self.num_layers * _NUM_FIELDS * 8, 128)
+        self.slot_x_bytes = align_up(max(self.rows_qkv, 2 * self.rows_inter) * self.hidden * item, 128)
+        self.slot_y_bytes = align_up(max(self.num_q * self.head_dim, self.inter) * self.rows_h * item, 128)
         # Tensor-core projections (mma_asm): the input staged at xbuf, the warps' sums at red.
         q, h = self.num_q * self.head_dim, self.hidden
-        self.xbuf_bytes = _align(max(h, q, self.inter) * item, 128)
-        red_bytes = _align(num_warps * max(self.rows_qkv + 1, self.rows_h + 1, 2 * self.rows_inter + 1) * 4, 128)
+        self.xbuf_bytes = align_up(max(h, q, self.inter) * item, 128)
+        red_bytes = align_up(num_warps * max(self.rows_qkv + 1, self.rows_h + 1, 2 * self.rows_inter + 1) * 4, 128)
         self.smem_bytes = 128 + self.table_bytes + self.slot_x_bytes + self.slot_y_bytes + self.xbuf_bytes + red_bytes
         self.smem_weights = smem_weights and self._smem_weights_fit(device, [
             (self.hidden, bk_qkv), (self.num_q * self.head_dim, bk_o), (self.inter, bk_down), (self.hidden, bk_inter)])
@@ -1380,7 +1110,7 @@ class PersistentDecoder:
                           TABLE_BYTES=self.table_bytes, SLOT_X_BYTES=self.slot_x_bytes, SLOT_Y_BYTES=self.slot_y_bytes)
             if self.smem_weights and self._smem_off is None and not compiling_only():
                 kernel = _decode_kernel.warmup(*args, 0, *counts, 0, grid=grid, **common)
-                self._smem_off = _reserve_shared_memory(kernel, self.smem_bytes)
+                self._smem_off = reserve_shared_memory(kernel, self.smem_bytes)
             launch(_decode_kernel, grid, *args, 0, *counts, self._smem_off or 0, **common)
         else:
             launch(_decode_kernel, grid, *args, 0, *counts, 0, PERSISTENT=False, STAGE=-1, **common)
