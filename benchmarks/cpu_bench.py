@@ -9,7 +9,7 @@ Run it on an idle machine: CPU timings are easily skewed by other work.
 
 --dtype bfloat16 runs the model in bf16 (its output then differs from the fp32 reference's; worth
 it on CPUs with AVX512-BF16 or AMX, see docs/benchmarks.md, W3). --quantization int4 keeps the
-projections' and the LM head's weights as int4 codes (layers/int4_linear.py), also in bf16.
+projections' weights as int4 codes (layers/int4_linear.py; the LM head stays dense), also in bf16.
 """
 from __future__ import annotations
 

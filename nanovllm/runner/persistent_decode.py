@@ -148,8 +148,10 @@ def _at(base_ptr, layer, FIELD: tl.constexpr):
     without it every bf16 weight was read 2 bytes at a time, with a 64-bit address per element
     in registers."""
     if layer.dtype == tl.int32:
+        # Not pure: a pure asm "reads no memory", so the compiler could move it before the
+        # table's copy (and the CTA barrier after it).
         offset = tl.inline_asm_elementwise("ld.shared.b64 $0, [$1];", "=l,r", [layer + FIELD * 8], dtype=tl.int64,
-                                           is_pure=True, pack=1)
+                                           is_pure=False, pack=1)
     else:
         offset = tl.load(layer + FIELD)
     return base_ptr + tl.multiple_of(offset, 16)

@@ -5,8 +5,9 @@ Why a module of their own: Triton has no grid barrier, no acquire load, no bulk 
 the kernel needs all of them; each is a small `tl.inline_asm_elementwise` wrapper whose PTX and
 memory-ordering argument can be read on its own. Host-side helpers sit here too: the tensor-core
 projection program's PTX generator (mma_asm) and the patch that reserves the kernel's extra
-shared memory. Everything here runs on NVIDIA GPUs only (inline PTX does not run under
-TRITON_INTERPRET=1); the kernel's stepwise launches, which the CPU tests run, use none of it.
+shared memory. The jit functions run on NVIDIA GPUs only (inline PTX does not run under
+TRITON_INTERPRET=1), so the kernel's stepwise launches, which the CPU tests run, use none of
+them; the host helpers are tested on the CPU too.
 """
 from __future__ import annotations
 
