@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.runner.ptx import grid_arrive, grid_wait
+from persistent_decode import timed  # benchmarks/ is the script's directory, first on sys.path
 
 
 @triton.jit
@@ -77,19 +78,6 @@ def _tagged_chain(vec_ptr, out_ptr, rounds, epoch, N: tl.constexpr, ROWS: tl.con
         x = tl.where(offs < N, x, 0.0)
         acc = tl.sum(x) * 1e-6
     tl.store(out_ptr + pid, acc)
-
-
-def timed(fn, reps: int = 5) -> float:
-    """Mean microseconds per call of fn (CUDA events, after one warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / reps * 1e3
 
 
 def main() -> None:
