@@ -1033,7 +1033,9 @@ class PersistentDecoder:
         self._smem_off: int | None = None
         self.mma = (self.smem_weights and mma_projections and self.dtype in (torch.bfloat16, torch.float16)
                     and all(k % MMA_K_STEP == 0 for k in (h, q, self.inter))
-                    and max(self.rows_qkv, self.rows_h, self.rows_inter) <= num_warps * 32)
+                    and max(self.rows_qkv, self.rows_h, self.rows_inter) <= num_warps * 32
+                    # the staged inputs are one block each (BK_H stops at 8,192)
+                    and h <= 8192 and max(q, self.inter) <= 16384)
         if self.mma:
             self.constexprs.update(
                 XBUF_BYTES=self.xbuf_bytes, THREADS=num_warps * 32,
