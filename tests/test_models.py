@@ -152,6 +152,69 @@ def test_prefill_then_decode_matches_hf(build_checkpoint, arch, shape):
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
+@torch.inference_mode()
+def test_cpu_step_derives_attention_plan_and_rotary_once(checkpoint_factory, monkeypatch):
+    """On the CPU a decode step's attention plan (slot check, block ids, mask) is built by the
+    first layer and kept in the metadata, and the rotary cos/sin are gathered once, where every
+    layer used to build its own; the HF comparison above runs this path."""
+    import nanovllm.attention.torch_backend as torch_backend
+    from nanovllm.layers.rotary import RotaryEmbedding
+
+    path = checkpoint_factory("qwen3", num_layers=3)
+    ours, _ = load_both(path)
+    plans, gathers = [], []
+    real_plan, real_cos_sin = torch_backend._StepPlan.__init__, RotaryEmbedding._cos_sin
+
+    def counting_plan(self, *args):
+        plans.append(1)
+        real_plan(self, *args)
+
+    def counting_cos_sin(self, positions, dtype):
+        before = self._last
+        result = real_cos_sin(self, positions, dtype)
+        gathers.append(self._last is not before)
+        return result
+
+    monkeypatch.setattr(torch_backend._StepPlan, "__init__", counting_plan)
+    monkeypatch.setattr(RotaryEmbedding, "_cos_sin", counting_cos_sin)
+    for step in range(2):  # a second step: new metadata and positions, so a new plan and gather
+        positions, meta = make_metadata(BLOCK_TABLES, [5 + step, 3 + step], [1, 1], num_decodes=2)
+        ours(torch.tensor([7, 9]), positions, meta)
+        assert len(plans) == step + 1 and list(meta.derived) == [f"torch_step_plan:{BLOCK_SIZE}"]
+        assert gathers[3 * step:] == [True, False, False]
+
+
+def test_rotary_reuses_cos_sin_only_for_equal_positions():
+    """The CPU cos/sin reuse compares the positions' values and the dtype, so positions changed
+    in place or another dtype get their own; results equal a fresh embedding's each time."""
+    from nanovllm.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 16, generator=gen), torch.randn(3, 8, generator=gen)
+    rotary = RotaryEmbedding(8, 64)
+    positions = torch.tensor([1, 2, 3])
+
+    def fresh(pos, x, y):
+        return RotaryEmbedding(8, 64).rotate(pos, x, y)
+
+    first = rotary.rotate(positions, q, k)
+    cached = rotary._last
+    again = rotary.rotate(torch.tensor([1, 2, 3]), q, k)  # equal values, another tensor: reused
+    assert rotary._last is cached
+    for got, want in zip(again, first):
+        assert torch.equal(got, want)
+    positions.add_(5)  # changed in place: gathered again
+    moved = rotary.rotate(positions, q, k)
+    assert rotary._last is not cached
+    for got, want, old in zip(moved, fresh(positions, q, k), first):
+        assert torch.equal(got, want) and not torch.equal(got, old)
+    half = rotary.rotate(positions, q.bfloat16(), k.bfloat16())  # another dtype: gathered again
+    for got, want in zip(half, fresh(positions, q.bfloat16(), k.bfloat16())):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="q is"):
+        rotary.rotate(positions, q, k.bfloat16())
+
+
 def _fresh_model(path):
     from transformers import AutoConfig
 

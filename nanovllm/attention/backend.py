@@ -15,8 +15,8 @@ Layout (all backends):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -37,6 +37,10 @@ class AttentionMetadata:
     # Host copies (Python ints) so a backend never has to sync to learn shapes.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # What a backend derives from this metadata once and every layer reuses (the torch
+    # backend's decode plan on the CPU). The metadata describes one step: its tensors are not
+    # changed after the first layer has read them.
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

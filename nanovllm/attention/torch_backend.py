@@ -4,6 +4,12 @@ tested against.
 Decodes (one query each) are done together in one batched gather over their block tables;
 each prefill chunk is done on its own with a causal mask offset by its cached prefix. The loop
 is over sequences, never over tokens.
+
+On the CPU, what every layer would derive again from the step's metadata (whether every slot is
+real, the decodes' block ids and padding mask) is derived by the first layer and kept in
+`meta.derived` (_step_plan): each of those small ops costs its dispatch (~3 us on the CPU),
+several per layer. Not on CUDA, where this path may run under graph capture, which must record
+every op of every layer.
 """
 from __future__ import annotations
 
@@ -13,11 +19,17 @@ import torch.nn.functional as F
 from nanovllm.attention.backend import AttentionMetadata
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write new K/V rows into their cache slots (slot -1 = padding, skipped)."""
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    all_valid: bool | None = None,
+) -> None:
+    """Write new K/V rows into their cache slots (slot -1 = padding, skipped). all_valid: whether
+    no slot is -1, if the caller knows (else it is checked)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    if all_valid is None:
+        all_valid = bool((slot_mapping >= 0).all())
+    if not all_valid:
+        valid = slot_mapping >= 0
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -31,13 +43,52 @@ def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tenso
     return rows.view(n, nblocks * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
+class _StepPlan:
+    """What attention derives from one step's metadata, the same in every layer: whether every
+    slot is real, and for the decodes their block ids ([decodes, blocks] int64) and the mask of
+    their real positions ([decodes, 1, 1, blocks * block_size])."""
+
+    def __init__(self, meta: AttentionMetadata, block_size: int) -> None:
+        self._slot_mapping = meta.slot_mapping
+        self._all_valid: bool | None = None
+        nd = meta.num_decodes
+        self.block_ids = self.mask = None
+        if nd:
+            max_len = max(meta.seq_lens_cpu[:nd])
+            nblocks = (max_len + block_size - 1) // block_size
+            self.block_ids = meta.block_tables[:nd, :nblocks].long()
+            pos = torch.arange(nblocks * block_size, device=meta.seq_lens.device)
+            self.mask = (pos[None, :] < meta.seq_lens[:nd, None].to(pos.dtype))[:, None, None, :]
+
+    @property
+    def all_valid(self) -> bool:
+        """Whether no slot is -1 (padding). Asked only where K/V are stored here: on CUDA it
+        syncs with the device, which a step whose K/V the fused kernel stored never does."""
+        if self._all_valid is None:
+            self._all_valid = bool((self._slot_mapping >= 0).all())
+        return self._all_valid
+
+
+def _step_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
+    """This step's _StepPlan: kept in meta.derived on the CPU (see the module docstring), built
+    per layer elsewhere."""
+    if meta.seq_lens.device.type != "cpu":
+        return _StepPlan(meta, block_size)
+    key = f"torch_step_plan:{block_size}"
+    plan = meta.derived.get(key)
+    if plan is None:
+        plan = meta.derived[key] = _StepPlan(meta, block_size)
+    return plan
+
+
 class TorchAttentionBackend:
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
-        if not kv_stored:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         block_size = k_cache.shape[1]
+        plan = _step_plan(meta, block_size)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.all_valid)
         gqa = q.shape[1] != k_cache.shape[2]
         out = torch.empty_like(q)
 
@@ -48,15 +99,10 @@ class TorchAttentionBackend:
             # permuted K and V into bmm layout, 1.08 -> 0.39 ms per layer at 16 x 96 positions,
             # 2-vCPU machine, and its copies grew with the context). Query head h reads KV head
             # h // (heads / kv_heads), as everywhere in the engine.
-            max_len = max(meta.seq_lens_cpu[:nd])
-            nblocks = (max_len + block_size - 1) // block_size
-            block_ids = meta.block_tables[:nd, :nblocks].long()
-            keys = _gather_context(k_cache, block_ids).float().transpose(1, 2)  # [nd, Hkv, L, D]
-            values = _gather_context(v_cache, block_ids).float().transpose(1, 2)
-            pos = torch.arange(keys.shape[2], device=q.device)
-            mask = pos[None, :] < meta.seq_lens[:nd, None].to(pos.dtype)  # [nd, L]
+            keys = _gather_context(k_cache, plan.block_ids).float().transpose(1, 2)  # [nd, Hkv, L, D]
+            values = _gather_context(v_cache, plan.block_ids).float().transpose(1, 2)
             od = F.scaled_dot_product_attention(
-                q[:nd].float().unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa,
+                q[:nd].float().unsqueeze(2), keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=gqa,
             )
             out[:nd] = od.squeeze(2).to(q.dtype)
 

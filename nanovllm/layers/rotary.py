@@ -165,6 +165,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
         # Device types whose tensors take the Triton kernel; tests add "cpu" to run it interpreted.
         self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
+        # The last CPU step's (positions, dtype, cos, sin): see _cos_sin.
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def is_fused_for(self, positions: torch.Tensor) -> bool:
         """Whether apply_qk_norm_rope takes the fused Triton kernel for tensors on this device."""
@@ -174,13 +176,29 @@ class RotaryEmbedding(nn.Module):
         shape = x.shape
         x = x.unflatten(-1, (-1, self.head_dim)) if x.dim() == 2 else x  # [T, H, D], also for T = 0
         x1, x2 = x.chunk(2, dim=-1)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(shape)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of `positions` ([T, 1, D/2] each) in `dtype`. On the CPU the last call's are
+        reused while the positions are equal: every layer of a forward asks for the same ones,
+        and gathering and casting them costs ~5 small ops (~3 us of dispatch each on the CPU).
+        Not on CUDA, where this path may run under graph capture (which must record every op,
+        and where comparing positions would sync)."""
+        last = self._last
+        if positions.is_cpu and last is not None and last[1] == dtype and torch.equal(last[0], positions):
+            return last[2], last[3]
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)
+        cos, sin = cos.to(dtype), sin.to(dtype)
+        if positions.is_cpu:
+            self._last = (positions.clone(), dtype, cos, sin)
+        return cos, sin
 
     def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch reference: positions [T]; q, k [T, heads * head_dim] or [T, heads, head_dim]
-        -> new tensors of the same shapes."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, D/2] each
+        (one dtype) -> new tensors of the same shapes."""
+        if q.dtype != k.dtype:
+            raise ValueError(f"rotary: q is {q.dtype} but k is {k.dtype}")
+        cos, sin = self._cos_sin(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
