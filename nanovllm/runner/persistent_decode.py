@@ -401,16 +401,11 @@ def _kv_load(k_cache_ptr, v_cache_ptr, row_start, valid, HALF: tl.constexpr, BYP
     nothing). BYPASS_L1: read through the L2 only (.cg)."""
     row = row_start[:, None] + tl.arange(0, HALF)[None, :]
     m = valid[:, None]
-    if BYPASS_L1:
-        k1 = tl.load(k_cache_ptr + row, mask=m, other=0.0, cache_modifier=".cg")
-        k2 = tl.load(k_cache_ptr + row + HALF, mask=m, other=0.0, cache_modifier=".cg")
-        v1 = tl.load(v_cache_ptr + row, mask=m, other=0.0, cache_modifier=".cg")
-        v2 = tl.load(v_cache_ptr + row + HALF, mask=m, other=0.0, cache_modifier=".cg")
-    else:
-        k1 = tl.load(k_cache_ptr + row, mask=m, other=0.0)
-        k2 = tl.load(k_cache_ptr + row + HALF, mask=m, other=0.0)
-        v1 = tl.load(v_cache_ptr + row, mask=m, other=0.0)
-        v2 = tl.load(v_cache_ptr + row + HALF, mask=m, other=0.0)
+    CACHE: tl.constexpr = ".cg" if BYPASS_L1 else ""
+    k1 = tl.load(k_cache_ptr + row, mask=m, other=0.0, cache_modifier=CACHE)
+    k2 = tl.load(k_cache_ptr + row + HALF, mask=m, other=0.0, cache_modifier=CACHE)
+    v1 = tl.load(v_cache_ptr + row, mask=m, other=0.0, cache_modifier=CACHE)
+    v2 = tl.load(v_cache_ptr + row + HALF, mask=m, other=0.0, cache_modifier=CACHE)
     return k1, k2, v1, v2
 
 
@@ -623,7 +618,7 @@ def _stage_gate_up(
                 x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
                 wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
                 wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K,
-                            slot + rows_per_item * H * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), SMEM)
+                            _up_rows_slot(slot, rows_per_item, H, w_ptr.dtype.element_ty.primitive_bitwidth // 8), SMEM)
                 gate = tl.fma(wg.to(tl.float32), x, gate)
                 up = tl.fma(wu.to(tl.float32), x, up)
             gate = tl.sum(gate, axis=1)
@@ -666,6 +661,14 @@ def _prefetch(
 
 
 @triton.jit
+def _up_rows_slot(slot, rows_inter, H: tl.constexpr, ESIZE: tl.constexpr):
+    """Where a program's up rows start in slot X: after its rows_inter gate rows of H weights
+    (_issue_weights copies them there, _stage_gate_up reads them; mma_asm's row2 is the same
+    rows_inter rows further)."""
+    return slot + rows_inter * (H * ESIZE)
+
+
+@triton.jit
 def _issue_weights(
     STAGE: tl.constexpr, layer_ptr, valid, base_ptr, slot, bar, pid, rows_qkv, rows_h, rows_inter,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
@@ -698,7 +701,7 @@ def _issue_weights(
     nbytes = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0) * (K * ESIZE)
     src = w_ptr + row0 * K
     if STAGE == 3:  # the up rows: INTER rows after the gate rows in the packed weight
-        bulk_copy(bar, slot, src, nbytes, slot + rows_per_item * (K * ESIZE), src + INTER * K, nbytes)
+        bulk_copy(bar, slot, src, nbytes, _up_rows_slot(slot, rows_per_item, K, ESIZE), src + INTER * K, nbytes)
     else:
         bulk_copy(bar, slot, src, nbytes, slot, src, 0)
 

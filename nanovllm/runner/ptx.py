@@ -231,7 +231,7 @@ def mma_asm(rows: int, k: int, warps: int, row2: int, dtype: torch.dtype) -> str
     width = 2 * pairs
     acc = [[f"c{j}_{i}" for i in range(4)] for j in range(pair_slots)]
     out = ["{",
-           ".reg .u32 tid, lane, warp, grp, tig, kp, lo, sel, xa, t, u, pr, r1, r2;",
+           ".reg .u32 tid, lane, warp, grp, tig, kp, lo, sel, xa, t, pr, r1, r2;",
            ".reg .b32 a0, a1, a2, a3, b0, b1;",
            ".reg .f32 s, v, w, x, " + ", ".join(c for slot in acc for c in slot) + ";",
            ".reg .pred act, d0, d1, q, sp, " + ", ".join(f"v{j}" for j in range(pair_slots)) + ";",
