@@ -125,6 +125,34 @@ def test_stepwise_matches_model(checkpoint_factory, case, context, splits):
         torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)  # the step's K (rotated) and V row: fp32 sums in another order
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("programs", [1, 3, 8])
+def test_stepwise_fused_mlp_matches_model(checkpoint_factory, case, programs):
+    """The MLP in one stage (fused_mlp): the down projection split by K, each program's partial
+    sums added into the accumulator's copies with atomics, which the next layer's first stage,
+    its o stage and the final norm add to the residual. 1 program holds every slice, 3 several
+    each, 8 leave some without any (their copies stay zero); 2 copies, so programs share one."""
+    arch, shape = CASES[case]
+    expected, got, expected_caches, caches, decoder = decode_both(
+        checkpoint_factory(arch, **shape), 45, persistent=False, num_programs=programs, fused_mlp=True, acc_copies=2,
+        max_splits=4, split_tokens=23, block_t=16,
+    )
+    assert decoder.fused_mlp and not decoder.smem_weights
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    for c, e in zip(caches, expected_caches):
+        torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_mlp_is_on_with_the_shared_memory_slots_only(checkpoint_factory):
+    """By default the MLP is fused where the weights go through shared memory (the small models
+    a lone sequence's latency is about; it keeps a transposed copy of the down weights), so the
+    stepwise launches, which never take the slots, keep two MLP stages unless asked."""
+    _, _, _, _, decoder = decode_both(checkpoint_factory("qwen3"), 5, persistent=False, num_programs=3)
+    assert not decoder.fused_mlp and decoder.down_t == [None] * decoder.num_layers
+    with pytest.raises(ValueError, match="acc_copies"):
+        PersistentDecoder(decoder.model, num_programs=3, acc_copies=0)
+
+
 def test_more_splits_than_allowed_and_one_program(checkpoint_factory):
     """A context longer than max_splits * split_tokens (each split takes more), one program doing
     every item, and the split counters reused across layers."""
@@ -248,7 +276,7 @@ def test_cuda_persistent_matches_stepwise_and_model(checkpoint_factory, case, sp
     arch, shape = CASES[case]
     path = checkpoint_factory(arch, **shape)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    kwargs = dict(SPLITS[splits], num_programs=sms)
+    kwargs = dict(SPLITS[splits], num_programs=sms, fused_mlp=False)  # the fused MLP's sums depend on the atomics' order
     expected, persistent, _, caches, _ = decode_both(path, 45, **kwargs)
     _, stepwise, _, step_caches, _ = decode_both(path, 45, persistent=False, **kwargs)
     assert torch.equal(persistent, stepwise)
@@ -265,7 +293,8 @@ def test_cuda_bf16_close_to_model(checkpoint_factory):
     projections; the tensor-core ones are tested below)."""
     path = checkpoint_factory("qwen3")
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    expected, persistent, *_ = decode_both(path, 40, torch.bfloat16, num_programs=sms, mma_projections=False)
+    expected, persistent, *_ = decode_both(path, 40, torch.bfloat16, num_programs=sms, mma_projections=False,
+                                           fused_mlp=False)
     _, stepwise, *_ = decode_both(path, 40, torch.bfloat16, num_programs=sms, persistent=False)
     assert torch.equal(persistent, stepwise)
     torch.testing.assert_close(persistent, expected, atol=3e-2, rtol=3e-2)
@@ -285,7 +314,8 @@ def test_cuda_weights_through_shared_memory_match_registers(checkpoint_factory, 
     arch, shape = CASES[case]
     path = checkpoint_factory(arch, **shape)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    kwargs = dict(num_programs=sms if programs == "one-per-sm" else 8, max_splits=4, split_tokens=23, block_t=16)
+    kwargs = dict(num_programs=sms if programs == "one-per-sm" else 8, max_splits=4, split_tokens=23, block_t=16,
+                  fused_mlp=False)
     _, smem, _, smem_caches, decoder = decode_both(path, 45, dtype, smem_weights=True, mma_projections=False, **kwargs)
     assert decoder.smem_weights and decoder._smem_off is not None
     _, registers, _, caches, plain = decode_both(path, 45, dtype, smem_weights=False, **kwargs)
@@ -335,6 +365,39 @@ def test_cuda_tensor_core_projections_close_to_model(checkpoint_factory, case, d
     assert mma.std() > 0.1  # a wrong mapping that zeroed the projections would give flat logits
     for c, e in zip(caches, expected_caches):
         torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(MMA_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("programs", ["one-per-sm", "8", "3"])
+def test_cuda_fused_mlp_close_to_two_stages(checkpoint_factory, case, dtype, programs):
+    """The persistent launch with the MLP in one stage (fused_mlp, on by default with the slots:
+    the transposed down rows come through slot Y, the partial sums meet in the accumulator by
+    atomics) against the two-stage MLP and the model. fp32: within fp32 rounding; bf16 (tensor
+    cores): within twice the two-stage kernel's distance from the model, and the step's K/V as
+    the model's. 8 and 3 programs give each program a larger slice of every stage."""
+    if torch.cuda.get_device_capability(DEVICE) < (9, 0):
+        pytest.skip("bulk asynchronous copies need sm_90")
+    arch, shape = MMA_CASES[case]
+    path = checkpoint_factory(arch, **shape)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    count = {"one-per-sm": sms, "8": 8, "3": 3}[programs]
+    kwargs = dict(num_programs=count, max_splits=4, split_tokens=23, block_t=16)
+    expected, fused, expected_caches, caches, decoder = decode_both(path, 45, dtype, fused_mlp=True, **kwargs)
+    assert decoder.fused_mlp
+    _, two, _, _, plain = decode_both(path, 45, dtype, fused_mlp=False, **kwargs)
+    assert not plain.fused_mlp
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, two, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(fused, expected, atol=2e-5, rtol=2e-5)
+    else:
+        fused_error, two_error = (fused - expected).abs().max().item(), (two - expected).abs().max().item()
+        assert fused_error <= 2 * two_error + 1e-2, (fused_error, two_error)
+        assert fused.std() > 0.1
+    for c, e in zip(caches, expected_caches):
+        torch.testing.assert_close(c, e, atol=2e-2 if dtype != torch.float32 else 1e-5, rtol=2e-2 if dtype != torch.float32 else 1e-5)
 
 
 def test_tensor_core_program_shape():

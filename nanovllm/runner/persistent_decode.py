@@ -116,14 +116,15 @@ from nanovllm.attention.backend import AttentionMetadata
 from nanovllm.precompile import compiling_only, launch
 from nanovllm.runner.ptx import (
     MMA_K_STEP, align_up, bulk_copy, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm, mma_rows,
-    reserve_shared_memory, shared_address, slot_tile, stage_to_shared,
+    down_asm, down_rows, reserve_shared_memory, shared_address, slot_tile, stage_f32_to_shared, stage_to_shared,
 )
 
 # Rows of the per-layer offset table: where each layer's tensors start, in elements from the
 # embedding weight (every tensor has the model's dtype, so one base pointer reaches them all).
-_FIELDS = ("qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "ln1", "ln2", "gate_up_w", "down_w", "k_cache", "v_cache")
+# down_t: the down projection's weight transposed ([intermediate, hidden]; FUSED_MLP only).
+_FIELDS = ("qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "ln1", "ln2", "gate_up_w", "down_w", "k_cache", "v_cache", "down_t")
 _NUM_FIELDS = len(_FIELDS)
-F_QKV_W, F_QKV_B, F_Q_NORM, F_K_NORM, F_O_W, F_LN1, F_LN2, F_GU_W, F_DOWN_W, F_K_CACHE, F_V_CACHE = (
+F_QKV_W, F_QKV_B, F_Q_NORM, F_K_NORM, F_O_W, F_LN1, F_LN2, F_GU_W, F_DOWN_W, F_K_CACHE, F_V_CACHE, F_DOWN_T = (
     tl.constexpr(i) for i in range(_NUM_FIELDS)
 )
 NUM_FIELDS = tl.constexpr(_NUM_FIELDS)
@@ -213,20 +214,34 @@ def _stamp(probe_row, POINT: tl.constexpr, num_programs, probe_half, PROBE: tl.c
 
 
 @triton.jit
-def _rstd(resid_ptr, eps, H: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of the residual stream."""
+def _residual(resid_ptr, acc_ptr, offs, mask, H: tl.constexpr, COPIES: tl.constexpr):
+    """The residual stream at offs (fp32). COPIES > 0 (FUSED_MLP, where the down projection's
+    sums are still in the accumulator): round(round(sum of the accumulator's copies) + residual),
+    what the down stage's residual add would have stored. The copies are summed in a fixed order."""
+    x = tl.load(resid_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if COPIES > 0:
+        s = tl.zeros(offs.shape, tl.float32)
+        for c in tl.static_range(COPIES):
+            s += tl.load(acc_ptr + c * H + offs, mask=mask, other=0.0)
+        x = (s.to(resid_ptr.dtype.element_ty).to(tl.float32) + x).to(resid_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rstd(resid_ptr, acc_ptr, eps, H: tl.constexpr, BLOCK_K: tl.constexpr, COPIES: tl.constexpr = 0):
+    """1 / sqrt(mean(x^2) + eps) of the residual stream (COPIES: see _residual)."""
     sq = tl.zeros([BLOCK_K], tl.float32)
     for k0 in tl.static_range(0, H, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(resid_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
+        x = _residual(resid_ptr, acc_ptr, offs, offs < H, H, COPIES)
         sq += x * x
     return tl.rsqrt(tl.sum(sq, axis=0) * (1.0 / H) + eps)
 
 
 @triton.jit
-def _normed(resid_ptr, w_ptr, offs, mask, rstd, dtype: tl.constexpr):
+def _normed(resid_ptr, acc_ptr, w_ptr, offs, mask, rstd, dtype: tl.constexpr, H: tl.constexpr, COPIES: tl.constexpr = 0):
     """One chunk of RMSNorm(residual) * weight, rounded as the fused RMSNorm kernel rounds it."""
-    x = tl.load(resid_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = _residual(resid_ptr, acc_ptr, offs, mask, H, COPIES)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
 
@@ -261,11 +276,16 @@ def _tile_columns(rows, k0, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_per_item, H: tl.constexpr, BLOCK_R: tl.constexpr):
+def _stage_embed(base_ptr, tok_ptr, resid_ptr, acc_ptr, pid, num_programs, rows_per_item, H: tl.constexpr,
+                 BLOCK_R: tl.constexpr, COPIES: tl.constexpr):
+    """The token's embedding row becomes the residual stream; FUSED_MLP (COPIES > 0): the down
+    projection's accumulator starts at zero (the first layer reads it, _residual)."""
     token = tl.load(tok_ptr).to(tl.int64)
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
         offs, mask = _rows(item, rows_per_item, H, BLOCK_R)
         tl.store(resid_ptr + offs, tl.load(base_ptr + token * H + offs, mask=mask), mask=mask)
+        for c in tl.static_range(COPIES):
+            tl.store(acc_ptr + c * H + offs, tl.zeros([BLOCK_R], tl.float32), mask=mask)
 
 
 @triton.jit
@@ -285,15 +305,16 @@ def _first_tile(w_ptr, pid, rows_per_item, N, valid, K: tl.constexpr, BLOCK_R: t
 
 
 @triton.jit
-def _normed_to_shared(resid_ptr, ln_ptr, eps, xbuf, H: tl.constexpr, BLOCK_X: tl.constexpr, dtype: tl.constexpr):
+def _normed_to_shared(resid_ptr, acc_ptr, ln_ptr, eps, xbuf, H: tl.constexpr, BLOCK_X: tl.constexpr, dtype: tl.constexpr,
+                      COPIES: tl.constexpr = 0):
     """RMSNorm(residual) * weight, rounded as _normed rounds it, staged at xbuf for the tensor-core
     path. The residual and the norm weights are loaded together, at once: with _rstd and then
     _normed, the weights' load waited for the sum of squares, a second L2 round trip after the
     barrier (every acquire empties the L1). The caller's CTA barrier orders the stores before the
-    tensor-core program's reads."""
+    tensor-core program's reads. COPIES: see _residual."""
     offs = tl.arange(0, BLOCK_X)
     mask = offs < H
-    x = tl.load(resid_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = _residual(resid_ptr, acc_ptr, offs, mask, H, COPIES)
     w = tl.load(ln_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) * (1.0 / H) + eps)
     stage_to_shared(((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), offs, mask, xbuf)
@@ -319,19 +340,21 @@ def _chunk(first, is_first_item, w_ptr, rows, rmask, k0: tl.constexpr, K: tl.con
 
 @triton.jit
 def _stage_qkv(
-    first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item, slot,
+    first, base_ptr, layer_ptr, resid_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item, slot,
     H: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SMEM: tl.constexpr, xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr,
+    COPIES: tl.constexpr,
 ):
     """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile. MMA_ASM
-    (not empty): on tensor cores from the slot (mma_asm), the normed input staged at xbuf."""
+    (not empty): on tensor cores from the slot (mma_asm), the normed input staged at xbuf.
+    COPIES: the residual still has the previous layer's down sums to add (see _residual)."""
     dtype = qkv_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN1)
     if MMA_ASM != "":
-        _normed_to_shared(resid_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype)
+        _normed_to_shared(resid_ptr, acc_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype, COPIES)
     else:
-        rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
+        rstd = _rstd(resid_ptr, acc_ptr, eps, H, BLOCK_K, COPIES)
     for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
         rows, rmask = _item_rows(item, rows_per_item, N, BLOCK_R, THREADS, MMA_ASM != "")
         if HAS_BIAS:  # loaded before the projection, so that its round trip overlaps it
@@ -343,7 +366,7 @@ def _stage_qkv(
             acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
             for k0 in tl.static_range(0, H, BLOCK_K):
                 offs_k = _tile_columns(rows, k0, BLOCK_K)
-                x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
+                x = _normed(resid_ptr, acc_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype, H, COPIES)
                 w = _chunk(first, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
                 acc = tl.fma(w.to(tl.float32), x, acc)
             acc = tl.sum(acc, axis=1)
@@ -562,18 +585,20 @@ def _stage_attention(
 
 @triton.jit
 def _stage_rows_residual(
-    first, w_ptr, x_ptr, resid_ptr, pid, num_programs, rows_per_item, slot,
+    first, w_ptr, x_ptr, resid_ptr, acc_ptr, pid, num_programs, rows_per_item, slot,
     H: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
-    xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr,
+    xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr, COPIES: tl.constexpr = 0,
 ):
     """residual[rows] = round(round(W[rows] @ x) + residual[rows]): the o and down projections
-    (MMA_ASM: see _stage_qkv)."""
+    (MMA_ASM: see _stage_qkv). COPIES (the o projection with FUSED_MLP): the residual rows first
+    take the previous layer's down sums (_residual), whose accumulator rows are then zeroed for
+    this layer's MLP (every program read them in stage A, before the barriers since)."""
     dtype = resid_ptr.dtype.element_ty
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
         rows, rmask = _item_rows(item, rows_per_item, H, BLOCK_R, THREADS, MMA_ASM != "")
         # The residual rows are loaded before the projection, so that their round trip overlaps
         # the input's (after it, they cost one more L2 round trip at the end of the stage).
-        r = tl.load(resid_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        r = _residual(resid_ptr, acc_ptr, rows, rmask, H, COPIES)
         if MMA_ASM != "":
             offs = tl.arange(0, BLOCK_X)
             stage_to_shared(tl.load(x_ptr + offs, mask=offs < K, other=0.0), offs, offs < K, xbuf)
@@ -588,23 +613,38 @@ def _stage_rows_residual(
                 acc = tl.fma(w.to(tl.float32), x, acc)
             acc = tl.sum(acc, axis=1)
         tl.store(resid_ptr + rows, (acc.to(dtype).to(tl.float32) + r).to(dtype), mask=rmask)
+        if COPIES > 0:
+            tl.debug_barrier()  # every thread holding a copy of these rows has read them
+            for c in tl.static_range(COPIES):
+                tl.store(acc_ptr + c * H + rows, rows * 0.0, mask=rmask)
 
 
 @triton.jit
 def _stage_gate_up(
-    first_gate, first_up, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_per_item, slot,
+    first_gate, first_up, base_ptr, layer_ptr, resid_ptr, act_ptr, acc_ptr, eps, pid, num_programs, rows_per_item,
+    slot, slot_down, bar_down, bar, next_valid, rows_qkv, rows_h, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr,
     H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
-    xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr,
+    xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr, COPIES: tl.constexpr,
+    BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr,
 ):
     """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)
-    (MMA_ASM: see _stage_qkv; its slice is the gate rows then the up rows)."""
+    (MMA_ASM: see _stage_qkv; its slice is the gate rows then the up rows). COPIES > 0
+    (FUSED_MLP): the down projection follows here, split by K: this program's act values times
+    the matching rows of the transposed down weight (slot_down, counted in at bar_down, with
+    SMEM) give a whole [H] partial sum, added into copy pid % COPIES of the accumulator with
+    atomics; the next layer's stage A and o stage add the copies to the residual (_residual).
+    That saves the down stage's grid barrier and its input's L2 round trip; the sums' order
+    follows the atomics' arrival, so their last bits can differ between runs. With SMEM, slot X
+    (at mbarrier `bar`) is free as soon as the gate/up rows are multiplied, so the next layer's
+    qkv rows (if next_valid) are copied in right then, before the down projection: issued after
+    the stage, they arrived ~1.9 us into stage A (H200, --timeline)."""
     dtype = act_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN2)
     if MMA_ASM != "":
-        _normed_to_shared(resid_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype)
+        _normed_to_shared(resid_ptr, acc_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype)
     else:
-        rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
+        rstd = _rstd(resid_ptr, acc_ptr, eps, H, BLOCK_K)
     for item in range(pid, tl.cdiv(INTER, rows_per_item), num_programs):
         rows, rmask = _item_rows(item, rows_per_item, INTER, BLOCK_R, THREADS, MMA_ASM != "")
         if MMA_ASM != "":
@@ -615,7 +655,7 @@ def _stage_gate_up(
             up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
             for k0 in tl.static_range(0, H, BLOCK_K):
                 offs_k = _tile_columns(rows, k0, BLOCK_K)
-                x = _normed(resid_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype)
+                x = _normed(resid_ptr, acc_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype, H)
                 wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
                 wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K,
                             _up_rows_slot(slot, rows_per_item, H, w_ptr.dtype.element_ty.primitive_bitwidth // 8), SMEM)
@@ -625,15 +665,60 @@ def _stage_gate_up(
             up = tl.sum(up, axis=1)
         g = gate.to(dtype).to(tl.float32)
         silu = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dtype).to(tl.float32)
-        tl.store(act_ptr + rows, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=rmask)
+        act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+        if COPIES > 0 and SMEM:
+            if MMA_ASM == "":
+                tl.debug_barrier()  # every thread's reads of slot X are done (mma_rows ends with a CTA barrier)
+            _issue_weights(0, _next_layer(layer_ptr), next_valid, base_ptr, slot, bar, pid, rows_qkv, rows_h,
+                           rows_per_item, H, NQ, NK, D, INTER)
+        if COPIES == 0:
+            tl.store(act_ptr + rows, act, mask=rmask)
+        else:
+            # With MMA_ASM the tensor-core program's reads of xbuf are done (its CTA barrier).
+            _down_partial(act, rows, rmask, base_ptr, layer_ptr, acc_ptr, pid, item, rows_per_item, slot_down, bar_down,
+                          H, INTER, BLOCK_R, SMEM, xbuf, COPIES, BK_DT, DOWN_ASM, THREADS)
+    if COPIES > 0 and SMEM:
+        if pid >= tl.cdiv(INTER, rows_per_item):  # a program without gate/up rows copies its qkv rows here
+            _issue_weights(0, _next_layer(layer_ptr), next_valid, base_ptr, slot, bar, pid, rows_qkv, rows_h,
+                           rows_per_item, H, NQ, NK, D, INTER)
 
 
 @triton.jit
-def _stage_final_norm(resid_ptr, w_ptr, out_ptr, eps, pid, num_programs, rows_per_item, H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    rstd = _rstd(resid_ptr, eps, H, BLOCK_K)
+def _down_partial(
+    act, rows, rmask, base_ptr, layer_ptr, acc_ptr, pid, item, rows_per_item, slot, bar,
+    H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, SMEM: tl.constexpr, xbuf,
+    COPIES: tl.constexpr, BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr, THREADS: tl.constexpr,
+):
+    """FUSED_MLP (see _stage_gate_up): acc[pid % COPIES] += act[rows] @ W_down^T[rows, :], `act`
+    and `rows` in the gate/up result's layout. SMEM: the act values are staged at xbuf (fp32) and
+    the slot's rows multiplied by down_asm's program (each thread its own columns, no cross-thread
+    sum); else the rows are loaded from the transposed weight and summed with tl.sum (the
+    stepwise launches, which the CPU tests run, and models whose slices do not fit the slots)."""
+    acc = acc_ptr + (pid % COPIES) * H
+    if SMEM:
+        stage_f32_to_shared(act, rows - item * rows_per_item, rmask, xbuf)  # xbuf's earlier reads: see the caller
+        tl.debug_barrier()
+        mbarrier_wait(bar, 1)  # slot Y's second phase of the layer: these rows of W_down^T
+        valid = tl.minimum(rows_per_item, INTER - item * rows_per_item)
+        down_rows(DOWN_ASM, slot, xbuf, acc, valid, THREADS)
+    else:
+        a = tl.where(rmask, act.to(tl.float32), 0.0)
+        wt_ptr = _at(base_ptr, layer_ptr, F_DOWN_T)
+        for k0 in tl.static_range(0, H, BK_DT):
+            w = _weight_tile(wt_ptr, rows, rmask, k0, H, BK_DT)
+            part = tl.sum(w.to(tl.float32) * a[:, None], axis=0)
+            offs = k0 + tl.arange(0, BK_DT)
+            tl.atomic_add(acc + offs, part, mask=offs < H, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _stage_final_norm(resid_ptr, acc_ptr, w_ptr, out_ptr, eps, pid, num_programs, rows_per_item, H: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, COPIES: tl.constexpr):
+    rstd = _rstd(resid_ptr, acc_ptr, eps, H, BLOCK_K, COPIES)
+    dtype = out_ptr.dtype.element_ty
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
         offs, mask = _rows(item, rows_per_item, H, BLOCK_R)
-        tl.store(out_ptr + offs, _normed(resid_ptr, w_ptr, offs, mask, rstd, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offs, _normed(resid_ptr, acc_ptr, w_ptr, offs, mask, rstd, dtype, H, COPIES).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -672,10 +757,12 @@ def _up_rows_slot(slot, rows_inter, H: tl.constexpr, ESIZE: tl.constexpr):
 def _issue_weights(
     STAGE: tl.constexpr, layer_ptr, valid, base_ptr, slot, bar, pid, rows_qkv, rows_h, rows_inter,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    FUSED_MLP: tl.constexpr = False,
 ):
     """SMEM_WEIGHTS: copy this program's rows of weight stage STAGE (0 qkv, 2 o, 3 gate and up,
-    4 down) of a layer into `slot`, counted at mbarrier `bar` (gate rows, then up rows
-    rows_inter rows further). valid=False copies nothing but still completes the phase."""
+    4 down; with FUSED_MLP, 4 is the program's rows_inter rows of the transposed down weight) of
+    a layer into `slot`, counted at mbarrier `bar` (gate rows, then up rows rows_inter rows
+    further). valid=False copies nothing but still completes the phase."""
     ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
     if STAGE == 0:
         w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
@@ -689,6 +776,11 @@ def _issue_weights(
         K: tl.constexpr = NQ * D
     elif STAGE == 3:
         w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
+        rows_per_item = rows_inter
+        N: tl.constexpr = INTER
+        K: tl.constexpr = H
+    elif FUSED_MLP:
+        w_ptr = _at(base_ptr, layer_ptr, F_DOWN_T)
         rows_per_item = rows_inter
         N: tl.constexpr = INTER
         K: tl.constexpr = H
@@ -709,36 +801,39 @@ def _issue_weights(
 @triton.jit
 def _layer_stage(
     STAGE: tl.constexpr, first, first2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
-    part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
+    acc_ptr, part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
     eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter, probe_row, probe_half,
-    slot_x, slot_y,
+    slot_x, slot_y, bar_x, bar_y, next_valid,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BR_QKV: tl.constexpr, BK_QKV: tl.constexpr, BR_H: tl.constexpr, BK_O: tl.constexpr, BK_DOWN: tl.constexpr,
     BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr, SMEM: tl.constexpr,
     xbuf, red, MMA_QKV: tl.constexpr, MMA_O: tl.constexpr, MMA_GU: tl.constexpr, MMA_DOWN: tl.constexpr,
-    BK_H: tl.constexpr, BX_O: tl.constexpr, BX_DOWN: tl.constexpr, THREADS: tl.constexpr,
+    BK_H: tl.constexpr, BX_O: tl.constexpr, BX_DOWN: tl.constexpr, THREADS: tl.constexpr, COPIES: tl.constexpr,
+    BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
     `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
-    its first cached K/V tile as kv1-kv4 (at _first_kv_rows)."""
+    its first cached K/V tile as kv1-kv4 (at _first_kv_rows). COPIES > 0: FUSED_MLP, stage 3
+    does the down projection too (_stage_gate_up) and there is no stage 4."""
     if STAGE == 0:
-        _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
-                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS)
+        _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
+                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS, COPIES)
     elif STAGE == 1:
         _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
                          cos, sin, step_slot, ctx, block_table_ptr,
                          qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, probe_row, probe_half,
                          NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
     elif STAGE == 2:
-        _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, pid, num_programs,
-                             rows_h, slot_y, H, NQ * D, BR_H, BK_O, SMEM, xbuf, red, MMA_O, BX_O, THREADS)
+        _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, acc_ptr, pid, num_programs,
+                             rows_h, slot_y, H, NQ * D, BR_H, BK_O, SMEM, xbuf, red, MMA_O, BX_O, THREADS, COPIES)
     elif STAGE == 3:
-        _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, eps, pid, num_programs, rows_inter,
-                       slot_x, H, INTER, BR_INTER, BK_INTER, SMEM, xbuf, red, MMA_GU, BK_H, THREADS)
-    else:
-        _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_DOWN_W), act_ptr, resid_ptr, pid, num_programs,
+        _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, acc_ptr, eps, pid, num_programs,
+                       rows_inter, slot_x, slot_y, bar_y, bar_x, next_valid, rows_qkv, rows_h, NQ, NK, D, H, INTER, BR_INTER, BK_INTER, SMEM, xbuf, red, MMA_GU, BK_H,
+                       THREADS, COPIES, BK_DT, DOWN_ASM)
+    elif COPIES == 0:
+        _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_DOWN_W), act_ptr, resid_ptr, acc_ptr, pid, num_programs,
                              rows_h, slot_y, H, INTER, BR_H, BK_DOWN, SMEM, xbuf, red, MMA_DOWN, BX_DOWN, THREADS)
 
 
@@ -747,7 +842,7 @@ _STAGES_PER_LAYER = 5
 
 @triton.jit(do_not_specialize=("layer", "smem_off"))
 def _decode_kernel(
-    base_ptr, table_ptr, final_norm_ptr, tok_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr,
+    base_ptr, table_ptr, final_norm_ptr, tok_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, acc_ptr,
     part_acc_ptr, part_ml_ptr, sync_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr, probe_ptr,
     eps, qk_eps, qk_scale, stride_cb, stride_cs, num_layers, layer, rows_qkv, rows_h, rows_inter, smem_off,
     PERSISTENT: tl.constexpr, STAGE: tl.constexpr,
@@ -760,7 +855,8 @@ def _decode_kernel(
     SMEM_WEIGHTS: tl.constexpr = False, TABLE_BYTES: tl.constexpr = 0, SLOT_X_BYTES: tl.constexpr = 0,
     SLOT_Y_BYTES: tl.constexpr = 0, XBUF_BYTES: tl.constexpr = 0, MMA_QKV: tl.constexpr = "", MMA_O: tl.constexpr = "",
     MMA_GU: tl.constexpr = "", MMA_DOWN: tl.constexpr = "", BX_O: tl.constexpr = 16, BX_DOWN: tl.constexpr = 16,
-    THREADS: tl.constexpr = 256, KV_PREFETCH_CG: tl.constexpr = False,
+    THREADS: tl.constexpr = 256, KV_PREFETCH_CG: tl.constexpr = False, ACC_COPIES: tl.constexpr = 0,
+    BK_DT: tl.constexpr = 16, DOWN_ASM: tl.constexpr = "",
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -779,14 +875,21 @@ def _decode_kernel(
     MMA_O, MMA_GU, MMA_DOWN (SMEM_WEIGHTS, 16-bit; "" for FMAs): each projection's tensor-core
     program (mma_asm), its input staged at XBUF_BYTES of shared memory after the slots and its
     warps' sums after that; BX_O and BX_DOWN the staged inputs' block widths, THREADS the
-    program's threads. KV_PREFETCH_CG: see PersistentDecoder."""
+    program's threads. KV_PREFETCH_CG: see PersistentDecoder. ACC_COPIES > 0: FUSED_MLP (see
+    _stage_gate_up; four stages per layer, the down projection's sums in ACC_COPIES copies of an
+    fp32 accumulator at acc_ptr; with SMEM_WEIGHTS its program is DOWN_ASM (down_asm), else the
+    transposed weight is read BK_DT columns at a time)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
     slot_x = 0
     slot_y = 0
+    bar_x = 0
+    bar_y = 0
     xbuf = 0
     red = 0
+    NUM_STAGES: tl.constexpr = 4 if ACC_COPIES > 0 else 5
+    FUSED: tl.constexpr = ACC_COPIES > 0
     if PERSISTENT:
         if SMEM_WEIGHTS:
             bar_x = shared_address(smem_off)
@@ -800,7 +903,7 @@ def _decode_kernel(
             mbarriers_init(bar_x, bar_y)  # its CTA barrier also orders the table's copy before its reads
             _issue_weights(0, table, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
             _issue_weights(2, table, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
-        _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
+        _stage_embed(base_ptr, tok_ptr, resid_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
         kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)  # placeholders: set before each use
         kv2 = kv1
         kv3 = kv1
@@ -820,7 +923,7 @@ def _decode_kernel(
             else:
                 layer_ptr = table_ptr + layer_i * NUM_FIELDS
             probe_row = probe_ptr + layer_i * PROBE_POINTS * num_programs + pid
-            for stage in tl.static_range(0, 5):
+            for stage in tl.static_range(0, NUM_STAGES):
                 _stamp(probe_row, 3 * stage, num_programs, probe_half, PROBE)
                 if SMEM_WEIGHTS:
                     # Slot X holds qkv (phase 0 of each layer's two) and gate/up (1); Y o (0) and down (1).
@@ -836,12 +939,12 @@ def _decode_kernel(
                 if (STAGE_MASK >> stage) & 1:
                     _layer_stage(
                         stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
-                        part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
+                        acc_ptr, part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
                         eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
-                        probe_row, probe_half, slot_x, slot_y, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS,
-                        OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
-                        BLOCK_T, PROBE, SMEM_WEIGHTS, xbuf, red, MMA_QKV, MMA_O, MMA_GU, MMA_DOWN, BK_H, BX_O, BX_DOWN,
-                        THREADS,
+                        probe_row, probe_half, slot_x, slot_y, bar_x, bar_y, layer_i + 1 < num_layers, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN,
+                        MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER,
+                        BK_INTER, BLOCK_T, PROBE, SMEM_WEIGHTS, xbuf, red, MMA_QKV, MMA_O, MMA_GU, MMA_DOWN, BK_H, BX_O,
+                        BX_DOWN, THREADS, ACC_COPIES, BK_DT, DOWN_ASM,
                     )
                 _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                 seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
@@ -856,17 +959,22 @@ def _decode_kernel(
                                        H, NQ, NK, D, INTER)
                     elif stage == 2:
                         _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
-                                       H, NQ, NK, D, INTER)
+                                       H, NQ, NK, D, INTER, FUSED)
                     elif stage == 3:
-                        _issue_weights(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_x, bar_x, pid,
-                                       rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+                        if FUSED:  # the next qkv rows are on their way (_stage_gate_up); no stage 4: slot Y is free
+                            _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y, bar_y,
+                                           pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+                        else:
+                            _issue_weights(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_x, bar_x,
+                                           pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
                     elif stage == 4:
                         _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y, bar_y, pid,
                                        rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
-                elif stage != 1:
+                elif stage != 1:  # the next stage with weights: after the layer's last, the next layer's first
                     t1, t2 = _prefetch(
-                        (stage + 1 + (stage == 0)) % 5, _next_layer(layer_ptr) if stage == 4 else layer_ptr,
-                        layer_i + 1 < num_layers if stage == 4 else True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+                        0 if stage == NUM_STAGES - 1 else stage + 1 + (stage == 0),
+                        _next_layer(layer_ptr) if stage == NUM_STAGES - 1 else layer_ptr,
+                        layer_i + 1 < num_layers if stage == NUM_STAGES - 1 else True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                         H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
                     )
                 if stage == 0:
@@ -875,11 +983,13 @@ def _decode_kernel(
                 _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
                 arrivals += num_programs
                 grid_wait(sync_ptr, seen, arrivals)
-        _stage_final_norm(resid_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H)
+        _stage_final_norm(resid_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H,
+                          ACC_COPIES)
     elif STAGE == -1:
-        _stage_embed(base_ptr, tok_ptr, resid_ptr, pid, num_programs, rows_h, H, BR_H)
+        _stage_embed(base_ptr, tok_ptr, resid_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
     elif STAGE == 5:
-        _stage_final_norm(resid_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H)
+        _stage_final_norm(resid_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H,
+                          ACC_COPIES)
     else:
         layer_ptr = table_ptr + layer * NUM_FIELDS
         t1, t2 = _prefetch(STAGE if STAGE != 1 else 0, layer_ptr, STAGE != 1, base_ptr, pid, rows_qkv, rows_h, rows_inter,
@@ -891,11 +1001,11 @@ def _decode_kernel(
         cos, sin, step_slot, ctx = _step_values(pos_ptr, slot_ptr, seq_len_ptr, cos_sin_ptr, D, qkv_ptr.dtype.element_ty)
         _layer_stage(
             STAGE, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
-            part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
+            acc_ptr, part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
-            probe_ptr, 0, 0, 0, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM,
+            probe_ptr, 0, 0, 0, 0, 0, False, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM,
             HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False, False,
-            0, 0, "", "", "", "", BK_H, BX_O, BX_DOWN, THREADS,
+            0, 0, "", "", "", "", BK_H, BX_O, BX_DOWN, THREADS, ACC_COPIES, BK_DT, "",
         )
 
 
@@ -963,6 +1073,7 @@ class PersistentDecoder:
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
         probe: bool = False, own_token_split: bool = True, one_thread_barrier: bool = True,
         smem_weights: bool = True, mma_projections: bool = True, kv_prefetch_cg: bool = True,
+        fused_mlp: bool | None = None, acc_copies: int = 4,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -971,6 +1082,8 @@ class PersistentDecoder:
             raise ValueError(f"max_splits must be a power of two, got {max_splits}")
         if block_t < 16 or block_t & (block_t - 1):
             raise ValueError(f"block_t must be a power of two >= 16 (a tl.dot dimension), got {block_t}")
+        if acc_copies < 1:
+            raise ValueError(f"acc_copies must be at least 1, got {acc_copies}")
         inner = model.model
         layer = inner.layers[0]
         attn = layer.self_attn
@@ -996,6 +1109,7 @@ class PersistentDecoder:
         self.resid, self.qkv = empty(self.hidden), empty(n_qkv)
         self.attn_out, self.act = empty(self.num_q * self.head_dim), empty(self.inter)
         self.out = empty((1, self.hidden))
+        self.acc = empty(acc_copies * self.hidden, torch.float32)
         self.part_acc = empty(self.num_q * max_splits * self.head_dim, torch.float32)
         self.part_ml = empty(self.num_q * max_splits * 2, torch.float32)
         self.sync = empty(1 + self.num_k, torch.int32)
@@ -1009,6 +1123,7 @@ class PersistentDecoder:
         _, bk_down = _tile_shape(self.rows_h, self.inter, tile_elements)
         gate_up_elements = gate_up_tile_elements or tile_elements
         _, bk_inter = _tile_shape(2 * self.rows_inter, self.hidden, gate_up_elements)  # a gate and an up tile
+        _, bk_dt = _tile_shape(self.rows_inter, self.hidden, tile_elements)  # W_down^T rows (fused_mlp)
         self.constexprs = dict(
             H=self.hidden, NQ=self.num_q, NK=self.num_k, D=self.head_dim, INTER=self.inter,
             SPLIT_MIN=split_tokens, MAX_SPLITS=max_splits, BLOCK_T=block_t, OWN_SPLIT=int(own_token_split),
@@ -1017,6 +1132,7 @@ class PersistentDecoder:
             BR_QKV=br_qkv, BK_QKV=bk_qkv, BR_H=br_h, BK_H=triton.next_power_of_2(self.hidden) if self.hidden <= 8192 else 8192,
             BK_O=bk_o, BK_DOWN=bk_down, BR_INTER=triton.next_power_of_2(self.rows_inter), BK_INTER=bk_inter,
             ONE_THREAD_BARRIER=one_thread_barrier, STAGE_MASK=stage_mask, PROBE=probe, KV_PREFETCH_CG=kv_prefetch_cg,
+            BK_DT=bk_dt, THREADS=num_warps * 32,
         )
         self.table: torch.Tensor | None = None
         # Shared-memory weight slots (SMEM_WEIGHTS in _decode_kernel): X holds a program's qkv
@@ -1025,14 +1141,28 @@ class PersistentDecoder:
         item = self.dtype.itemsize
         self.table_bytes = align_up(self.num_layers * _NUM_FIELDS * 8, 128)
         self.slot_x_bytes = align_up(max(self.rows_qkv, 2 * self.rows_inter) * self.hidden * item, 128)
-        self.slot_y_bytes = align_up(max(self.num_q * self.head_dim, self.inter) * self.rows_h * item, 128)
+        self.slot_y_bytes = align_up(max(max(self.num_q * self.head_dim, self.inter) * self.rows_h,
+                                         self.rows_inter * self.hidden) * item, 128)
         # Tensor-core projections (mma_asm): the input staged at xbuf, the warps' sums at red.
         q, h = self.num_q * self.head_dim, self.hidden
-        self.xbuf_bytes = align_up(max(h, q, self.inter) * item, 128)
+        self.xbuf_bytes = align_up(max(max(h, q, self.inter) * item, self.rows_inter * 4), 128)  # or fused_mlp's act (fp32)
         red_bytes = align_up(num_warps * max(self.rows_qkv + 1, self.rows_h + 1, 2 * self.rows_inter + 1) * 4, 128)
         self.smem_bytes = 128 + self.table_bytes + self.slot_x_bytes + self.slot_y_bytes + self.xbuf_bytes + red_bytes
         self.smem_weights = smem_weights and self._smem_weights_fit(device, [
-            (self.hidden, bk_qkv), (self.num_q * self.head_dim, bk_o), (self.inter, bk_down), (self.hidden, bk_inter)])
+            (self.hidden, bk_qkv), (self.num_q * self.head_dim, bk_o), (self.inter, bk_down), (self.hidden, bk_inter),
+            (self.hidden, bk_dt)])
+        # The MLP in one stage (FUSED_MLP in _decode_kernel): by default where the weights go
+        # through shared memory, the small models a lone sequence's latency is about. It keeps a
+        # transposed copy of every layer's down weight (for Qwen3-0.6B, 168 MB).
+        self.fused_mlp = self.smem_weights and h % 4 == 0 if fused_mlp is None else fused_mlp
+        if self.fused_mlp and self.smem_weights and h % 4:
+            raise ValueError(f"fused_mlp through the shared-memory slots needs hidden_size a multiple of 4, got {h}")
+        self.down_t = ([lyr.mlp.down_proj.weight.t().contiguous() for lyr in inner.layers] if self.fused_mlp
+                       else [None] * self.num_layers)
+        if self.fused_mlp:
+            self.constexprs.update(ACC_COPIES=acc_copies)
+            if self.smem_weights:
+                self.constexprs.update(DOWN_ASM=down_asm(self.rows_inter, h, num_warps * 32, self.dtype))
         self._smem_off: int | None = None
         self.mma = (self.smem_weights and mma_projections and self.dtype in (torch.bfloat16, torch.float16)
                     and all(k % MMA_K_STEP == 0 for k in (h, q, self.inter))
@@ -1041,7 +1171,7 @@ class PersistentDecoder:
                     and h <= 8192 and max(q, self.inter) <= 16384)
         if self.mma:
             self.constexprs.update(
-                XBUF_BYTES=self.xbuf_bytes, THREADS=num_warps * 32,
+                XBUF_BYTES=self.xbuf_bytes,
                 BX_O=triton.next_power_of_2(q), BX_DOWN=triton.next_power_of_2(self.inter),
                 MMA_QKV=mma_asm(self.rows_qkv, h, num_warps, 0, self.dtype),
                 MMA_O=mma_asm(self.rows_h, q, num_warps, 0, self.dtype),
@@ -1081,7 +1211,7 @@ class PersistentDecoder:
         if len(k_caches) != self.num_layers or k_caches[0].shape[2:] != (self.num_k, self.head_dim):
             raise ValueError("persistent decode: the KV caches do not match the model")
         rows = []
-        for layer, kc, vc in zip(self.model.model.layers, k_caches, v_caches):
+        for layer, kc, vc, down_t in zip(self.model.model.layers, k_caches, v_caches, self.down_t):
             attn, mlp = layer.self_attn, layer.mlp
             if kc.stride() != k_caches[0].stride() or vc.stride() != kc.stride():
                 raise ValueError("persistent decode: every layer's K and V cache must share one layout")
@@ -1091,6 +1221,7 @@ class PersistentDecoder:
                 "k_norm": attn.k_norm.weight if attn.k_norm is not None else None,
                 "o_w": attn.o_proj.weight, "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
                 "gate_up_w": mlp.gate_up_proj.weight, "down_w": mlp.down_proj.weight, "k_cache": kc, "v_cache": vc,
+                "down_t": down_t,
             }
             rows.append([offset(fields[name]) for name in _FIELDS])
         self.table = torch.tensor(rows, dtype=torch.int64, device=base.device)
@@ -1105,7 +1236,7 @@ class PersistentDecoder:
         self.sync.zero_()
         args = (
             self._base(), self.table, self.model.model.norm.weight, input_ids, self.resid, self.qkv, self.attn_out,
-            self.act, self.out, self.part_acc, self.part_ml, self.sync, positions, meta.slot_mapping, meta.seq_lens,
+            self.act, self.out, self.acc, self.part_acc, self.part_ml, self.sync, positions, meta.slot_mapping, meta.seq_lens,
             meta.block_tables, self.cos_sin, self.probe,
             self.eps, self.qk_eps, self.scale * _LOG2E, self.stride_cb, self.stride_cs, self.num_layers,
         )
@@ -1122,7 +1253,7 @@ class PersistentDecoder:
         else:
             launch(_decode_kernel, grid, *args, 0, *counts, 0, PERSISTENT=False, STAGE=-1, **common)
             for layer in range(self.num_layers):
-                for stage in range(_STAGES_PER_LAYER):
+                for stage in range(_STAGES_PER_LAYER - self.fused_mlp):  # fused_mlp: no stage 4
                     launch(_decode_kernel, grid, *args, layer, *counts, 0, PERSISTENT=False, STAGE=stage, **common)
             launch(_decode_kernel, grid, *args, 0, *counts, 0, PERSISTENT=False, STAGE=5, **common)
         return self.out

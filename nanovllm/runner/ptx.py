@@ -157,6 +157,23 @@ def stage_to_shared(x, offs, mask, xbuf):
 
 
 @triton.jit
+def stage_f32_to_shared(x, offs, mask, buf):
+    """Store x as fp32 at element offsets offs (where mask) of shared memory at buf (pack=1: right
+    whatever register layout Triton gives x; copies of one element store the same value)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $3, 0; @p st.shared.f32 [$1], $2; mov.u32 $0, 0; }",
+        "=r,r,f,r", [buf + offs * 4, x.to(tl.float32), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def down_rows(DOWN_ASM: tl.constexpr, slot, act, acc, valid, THREADS: tl.constexpr):
+    """Run the K-split down projection's program (`down_asm` below) on every thread."""
+    t = tl.arange(0, THREADS)
+    tl.inline_asm_elementwise(DOWN_ASM, "=r,r,r,l,r,r", [slot + t * 0, act, acc.to(tl.int64), t, valid],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def mma_rows(MMA_ASM: tl.constexpr, slot, xbuf, red, THREADS: tl.constexpr):
     """Run a projection slice's tensor-core program (`mma_asm` below) on every thread; returns,
     per thread index t [THREADS] (fp32), the results of slice rows t and t + its second row
@@ -164,6 +181,47 @@ def mma_rows(MMA_ASM: tl.constexpr, slot, xbuf, red, THREADS: tl.constexpr):
     t = tl.arange(0, THREADS)
     return tl.inline_asm_elementwise(MMA_ASM, "=f,=f,r,r,r,r", [slot + t * 0, xbuf, red, t],
                                      dtype=(tl.float32, tl.float32), is_pure=False, pack=1)
+
+
+def down_asm(rows: int, h: int, threads: int, dtype: torch.dtype) -> str:
+    """PTX for one program's share of a K-split projection whose sums meet in global memory:
+    acc[c] += sum over r < valid of act[r] * W[r, c] for every column c < h, with W the `rows`
+    rows [rows, h] of a shared-memory slot (the program's rows of the transposed down weight)
+    and act fp32 in shared memory. Thread t takes columns 4t, 4t + 1, 4t + 2, 4t + 3 (then
+    4 * threads further, and so on), walks the rows in order with one FMA per weight and adds its
+    four sums with one 16-byte reduction (red...v4.f32, sm_90). Every thread reads act[r] (a
+    broadcast) and 4 consecutive weights of a row: a warp reads 128 (16-bit) or 256 bytes of one
+    row, without bank conflicts. Rows at or past `valid` (the last program's short slice; the
+    slot holds stale bytes there) are skipped. Needs h a multiple of 4 and acc 16-byte aligned.
+    Operands: $0 unused result, $1 slot, $2 act, $3 acc (a global address), $4 t, $5 valid."""
+    if h % 4:
+        raise ValueError(f"the K-split down projection needs hidden a multiple of 4, got {h}")
+    esize = dtype.itemsize
+    out = ["{", ".reg .u32 c, wa;", ".reg .u64 ga, off;", ".reg .pred p, q;", ".reg .b32 w0, w1, w2, w3;",
+           ".reg .b16 h0, h1;", ".reg .f32 a, x0, x1, x2, x3, s0, s1, s2, s3;"]
+    for j in range(-(-h // (4 * threads))):
+        out += [f"mad.lo.u32 c, $4, 4, {j * 4 * threads};", f"setp.lt.u32 p, c, {h};",
+                f"mad.lo.u32 wa, c, {esize}, $1;"]
+        out += [f"mov.f32 s{i}, 0f00000000;" for i in range(4)]
+        for r in range(rows):
+            out += [f"setp.gt.and.u32 q, $5, {r}, p;", f"@q ld.shared.f32 a, [$2+{r * 4}];"]
+            row = r * h * esize
+            if esize == 4:
+                out += [f"@q ld.shared.v4.b32 {{w0, w1, w2, w3}}, [wa+{row}];"]
+                xs = ["w0", "w1", "w2", "w3"]
+                out += [f"mov.b32 x{i}, {w};" for i, w in enumerate(xs)]
+            else:
+                out.append(f"@q ld.shared.v2.b32 {{w0, w1}}, [wa+{row}];")
+                for i, w in enumerate(("w0", "w1")):
+                    if dtype == torch.bfloat16:  # a bf16 is the top half of the fp32 with the same value
+                        out += [f"shl.b32 x{2 * i}, {w}, 16;", f"and.b32 x{2 * i + 1}, {w}, 0xffff0000;"]
+                    else:
+                        out += [f"mov.b32 {{h0, h1}}, {w};", f"cvt.f32.f16 x{2 * i}, h0;", f"cvt.f32.f16 x{2 * i + 1}, h1;"]
+            out += [f"@q fma.rn.f32 s{i}, x{i}, a, s{i};" for i in range(4)]
+        out += ["cvt.u64.u32 off, c;", "shl.b64 off, off, 2;", "add.u64 ga, $3, off;",
+                "@p red.relaxed.gpu.global.add.v4.f32 [ga], {s0, s1, s2, s3};"]
+    out += ["mov.u32 $0, 0;", "}"]
+    return "\n\t".join(out)
 
 
 def reserve_shared_memory(kernel: Any, extra: int) -> int:
