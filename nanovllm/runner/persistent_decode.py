@@ -7,12 +7,12 @@ costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of lay
 one program per SM loops over the layers, splits each stage's work between the programs, and
 waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
 output. A barrier costs 0.86-0.93 us on an H200, less than a kernel boundary. Measured result
-(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.56 ms per token (the model forward; the LM
+(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.52 ms per token (the model forward; the LM
 head and the sampler follow) at context 640 against the per-op graph's 1.12-1.19 ms, and faster
 than it at every context measured (1.77 vs 2.89 ms at 16,384, session 12); still far from the
 weight-read floor (~0.3 ms for the whole step). Per layer (`--timeline`, 28 per token, session
-13): A 4.4 us, B 5.9, C 2.1, D 3.8, E 3.8, each from a stage's start to the next's; no stage
-waits for its weights (they are in shared memory by then, below).
+14): A 4.35 us, B 5.89, C 2.05, the one-stage MLP 6.14, each from a stage's start to the next's;
+no stage waits for its weights (they are in shared memory by then, below).
 
 Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`, then the H200):
 - Weights through shared memory (SMEM_WEIGHTS; sm_90+, where the slices fit): a program's
@@ -29,6 +29,14 @@ Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`,
   multiple of 128 and `mma_projections=False` keep. The plain mapping (rows 2 KB apart) was
   slower, 8-way bank conflicts, and padded rows cost a bulk copy per row (commits aa1fe56,
   a8d7997).
+- The MLP in one stage (FUSED_MLP, `fused_mlp`, on with the slots): the down projection split
+  by K, each program's [hidden] partial sum added into fp32 accumulator copies with atomic
+  reductions (down_asm, _down_partial), which the next layer's stages A and C add to the residual
+  (_residual): one barrier and one input round trip less per layer, 558 -> 519 us at context 640
+  (session 14), with the next layer's qkv rows copied into slot X as soon as gate/up is done
+  (issued after the stage, they kept stage A waiting ~1.9 us). benchmarks/reduce_latency.py
+  measured the atomics: ~0.5 us more than a barrier's handoff with 4 copies. The sums' last bits
+  follow the atomics' arrival order.
 - After a barrier a stage issues every load it needs at once: every acquire empties the SM's L1,
   so a load whose address came from another load cost a second L2 round trip. The offset table
   lives in shared memory (_at), the step's rotary cos/sin, slot and context are loaded once per
@@ -80,7 +88,8 @@ Stages of a layer (each program takes a slice of rows, or of (KV head, context s
   C  o projection rows plus the residual add.
   D  RMSNorm again, gate and up rows, SiLU-and-mul.
   E  down projection rows plus the residual add.
-A barrier follows each stage. Before the first layer the embedding row becomes the residual
+A barrier follows each stage. With FUSED_MLP, D also does the down projection (split by K, see
+_stage_gate_up) and E does not exist: four stages per layer. Before the first layer the embedding row becomes the residual
 stream; after the last, the final RMSNorm writes the hidden state. The LM head and the sampler
 run after the kernel, as for every other step (the runner's CUDA graph of the kernel also holds
 the LM head and the greedy argmax: runner/cuda_graph.py).
