@@ -104,30 +104,35 @@ def timeline(dec, runner, ids, pos, meta) -> None:
     d.probe.zero_()  # stamps of one call only: which program combines a head's splits varies between calls
     d(ids, pos, meta)
     stamps = d.probe.view(2, dec.num_layers, pd._PROBE_POINTS, dec.num_programs).cpu().numpy().astype(np.float64)
-    print_timeline(stamps, total_us, 4 if d.fused_mlp else 5)
+    print_timeline(stamps, total_us, [0, 1, 3] if d.fused_attn else [0, 1, 2, 3] if d.fused_mlp else [0, 1, 2, 3, 4])
 
 
-def print_timeline(stamps, total_us: float, num_stages: int = 5) -> None:
-    """num_stages: 4 with fused_mlp (stage D does the down projection too, no stage E)."""
+def print_timeline(stamps, total_us: float, stages: list[int] | None = None) -> None:
+    """stages: the kernel's stages per layer, [0, 1, 2, 3, 4] (A-E); fused_mlp has no E (D does
+    the down projection), fused_attn no C either (B does the o projection)."""
     import numpy as np
 
+    stages = stages or [0, 1, 2, 3, 4]
     ns, cyc = stamps[0], stamps[1]
     num_layers = ns.shape[0]
     reached = ns > 0
-    last_done = 3 * (num_stages - 1) + 1
+    last_done = 3 * stages[-1] + 1
     rate = np.median((cyc[-1, last_done] - cyc[0, 0]) / (ns[-1, last_done] - ns[0, 0]))  # cycles per ns
     us_cyc = lambda a, b: (cyc[:, b] - cyc[:, a]) / rate / 1e3  # noqa: E731  [layers, programs]
     layers = slice(2, num_layers - 2)
     print(f"timeline: {total_us:.1f} us per call with stamps; SM clock {rate:.2f} GHz; per stage, median over layers:")
     names = ["A norm+qkv", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
-    if num_stages == 4:
+    if 4 not in stages:
         names[3] = "D norm+gate_up+down"
-    for stage, name in enumerate(names[:num_stages]):
+    if 2 not in stages:
+        names[1] = "B attention+o"
+    for i, stage in enumerate(stages):
+        name = names[stage]
         start, done, arrive = 3 * stage, 3 * stage + 1, 3 * stage + 2
         work = us_cyc(start, done)[layers]
         prefetch = us_cyc(done, arrive)[layers]
-        if stage < num_stages - 1:
-            leave = ns[layers, 3 * (stage + 1)]
+        if i < len(stages) - 1:
+            leave = ns[layers, 3 * stages[i + 1]]
         else:
             leave = ns[3:num_layers - 1, 0]
         barrier = (np.median(leave, axis=1) - ns[layers, arrive].max(axis=1)) / 1e3
@@ -140,7 +145,7 @@ def print_timeline(stamps, total_us: float, num_stages: int = 5) -> None:
               f"{np.median(work.max(axis=1)):5.2f}, next tile {np.median(prefetch):5.2f}, barrier after the last "
               f"arrival {np.median(barrier):5.2f}{landed}")
     steps = [(3, 15, "stage start -> queries normed + rotated"), (15, 16, "-> cached positions walked"),
-             (16, 17, "-> step's token attended + stored (last split)"), (16, 18, "-> split count returned"),
+             (16, 17, "-> step's token attended + stored (last split)"), (16, 18, "-> split count returned (fused_attn: the o item's KV head done)"),
              (18, 19, "-> splits combined (last to finish)"), (3, 4, "whole attention work")]
     for a, b, what in steps:
         both = reached[:, a] & reached[:, b]

@@ -127,17 +127,24 @@ def test_stepwise_matches_model(checkpoint_factory, case, context, splits):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("programs", [1, 3, 8])
-def test_stepwise_fused_mlp_matches_model(checkpoint_factory, case, programs):
+@pytest.mark.parametrize("fused_attn", [False, True], ids=["mlp", "mlp+attn-o"])
+def test_stepwise_fused_mlp_matches_model(checkpoint_factory, case, programs, fused_attn):
     """The MLP in one stage (fused_mlp): the down projection split by K, each program's partial
     sums added into the accumulator's copies with atomics, which the next layer's first stage,
     its o stage and the final norm add to the residual. 1 program holds every slice, 3 several
-    each, 8 leave some without any (their copies stay zero); 2 copies, so programs share one."""
+    each, 8 leave some without any (their copies stay zero); 2 copies, so programs share one.
+    With fused_attn the o projection is split by KV head and row block after attention, its
+    sums meet in a second accumulator, and the residual moves between two buffers (stepwise, the
+    o part is a launch of its own; with 1 program and 2 KV heads it is refused, below)."""
     arch, shape = CASES[case]
+    model_kv_heads = shape.get("num_kv_heads", 2)  # checkpoints.make_checkpoint's default
+    if fused_attn and programs < model_kv_heads:
+        pytest.skip("fused_attn needs a program per KV head (tested below)")
     expected, got, expected_caches, caches, decoder = decode_both(
         checkpoint_factory(arch, **shape), 45, persistent=False, num_programs=programs, fused_mlp=True, acc_copies=2,
-        max_splits=4, split_tokens=23, block_t=16,
+        fused_attn=fused_attn, max_splits=4, split_tokens=23, block_t=16,
     )
-    assert decoder.fused_mlp and not decoder.smem_weights
+    assert decoder.fused_mlp and not decoder.smem_weights and decoder.fused_attn == fused_attn
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
     for c, e in zip(caches, expected_caches):
         torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)
@@ -149,8 +156,13 @@ def test_fused_mlp_is_on_with_the_shared_memory_slots_only(checkpoint_factory):
     stepwise launches, which never take the slots, keep two MLP stages unless asked."""
     _, _, _, _, decoder = decode_both(checkpoint_factory("qwen3"), 5, persistent=False, num_programs=3)
     assert not decoder.fused_mlp and decoder.down_t == [None] * decoder.num_layers
+    assert not decoder.fused_attn and decoder.o_perm == [None] * decoder.num_layers
     with pytest.raises(ValueError, match="acc_copies"):
         PersistentDecoder(decoder.model, num_programs=3, acc_copies=0)
+    with pytest.raises(ValueError, match="fused_attn needs fused_mlp"):
+        PersistentDecoder(decoder.model, num_programs=3, fused_attn=True)
+    with pytest.raises(ValueError, match="a program per KV head"):
+        PersistentDecoder(decoder.model, num_programs=1, fused_mlp=True, fused_attn=True)
 
 
 def test_more_splits_than_allowed_and_one_program(checkpoint_factory):
@@ -372,12 +384,15 @@ def test_cuda_tensor_core_projections_close_to_model(checkpoint_factory, case, d
 @pytest.mark.parametrize("case", list(MMA_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("programs", ["one-per-sm", "8", "3"])
-def test_cuda_fused_mlp_close_to_two_stages(checkpoint_factory, case, dtype, programs):
+@pytest.mark.parametrize("fused_attn", [False, True], ids=["mlp", "mlp+attn-o"])
+def test_cuda_fused_mlp_close_to_two_stages(checkpoint_factory, case, dtype, programs, fused_attn):
     """The persistent launch with the MLP in one stage (fused_mlp, on by default with the slots:
     the transposed down rows come through slot Y, the partial sums meet in the accumulator by
     atomics) against the two-stage MLP and the model. fp32: within fp32 rounding; bf16 (tensor
     cores): within twice the two-stage kernel's distance from the model, and the step's K/V as
-    the model's. 8 and 3 programs give each program a larger slice of every stage."""
+    the model's. 8 and 3 programs give each program a larger slice of every stage. With
+    fused_attn the o projection follows attention too (each item waits for its KV head's parts'
+    count, combines them and adds its rows' sums with atomics): three stages per layer."""
     if torch.cuda.get_device_capability(DEVICE) < (9, 0):
         pytest.skip("bulk asynchronous copies need sm_90")
     arch, shape = MMA_CASES[case]
@@ -385,8 +400,9 @@ def test_cuda_fused_mlp_close_to_two_stages(checkpoint_factory, case, dtype, pro
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     count = {"one-per-sm": sms, "8": 8, "3": 3}[programs]
     kwargs = dict(num_programs=count, max_splits=4, split_tokens=23, block_t=16)
-    expected, fused, expected_caches, caches, decoder = decode_both(path, 45, dtype, fused_mlp=True, **kwargs)
-    assert decoder.fused_mlp
+    expected, fused, expected_caches, caches, decoder = decode_both(path, 45, dtype, fused_mlp=True,
+                                                                    fused_attn=fused_attn, **kwargs)
+    assert decoder.fused_mlp and decoder.fused_attn == fused_attn
     _, two, _, _, plain = decode_both(path, 45, dtype, fused_mlp=False, **kwargs)
     assert not plain.fused_mlp
     if dtype == torch.float32:

@@ -126,14 +126,18 @@ from nanovllm.precompile import compiling_only, launch
 from nanovllm.runner.ptx import (
     MMA_K_STEP, align_up, bulk_copy, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm, mma_rows,
     down_asm, down_rows, reserve_shared_memory, shared_address, slot_tile, stage_f32_to_shared, stage_to_shared,
+    wait_count,
 )
 
 # Rows of the per-layer offset table: where each layer's tensors start, in elements from the
 # embedding weight (every tensor has the model's dtype, so one base pointer reaches them all).
-# down_t: the down projection's weight transposed ([intermediate, hidden]; FUSED_MLP only).
-_FIELDS = ("qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "ln1", "ln2", "gate_up_w", "down_w", "k_cache", "v_cache", "down_t")
+# down_t: the down projection's weight transposed ([intermediate, hidden]; FUSED_MLP only); o_perm:
+# the o projection's weight as [KV heads, hidden, group width] (FUSED_ATTN only, see _stage_attn_o).
+_FIELDS = ("qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "ln1", "ln2", "gate_up_w", "down_w", "k_cache", "v_cache", "down_t",
+           "o_perm")
 _NUM_FIELDS = len(_FIELDS)
-F_QKV_W, F_QKV_B, F_Q_NORM, F_K_NORM, F_O_W, F_LN1, F_LN2, F_GU_W, F_DOWN_W, F_K_CACHE, F_V_CACHE, F_DOWN_T = (
+(F_QKV_W, F_QKV_B, F_Q_NORM, F_K_NORM, F_O_W, F_LN1, F_LN2, F_GU_W, F_DOWN_W, F_K_CACHE, F_V_CACHE, F_DOWN_T,
+ F_O_PERM) = (
     tl.constexpr(i) for i in range(_NUM_FIELDS)
 )
 NUM_FIELDS = tl.constexpr(_NUM_FIELDS)
@@ -465,8 +469,12 @@ def _stage_attention(
     qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, probe_row, probe_half,
     NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
-    HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr,
+    HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr, FUSED_ATTN: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
 ):
+    """Attention parts (KV head, context split) over the programs; see the module docstring.
+    FUSED_ATTN: no combine here (_stage_attn_o does it); a persistent launch counts each stored
+    part at count_ptr (this layer's counters)."""
     dtype = qkv_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
     GROUP: tl.constexpr = NQ // NK
@@ -553,43 +561,156 @@ def _stage_attention(
         tl.store(part_ml_ptr + (heads * MAX_SPLITS + split) * 2, m_i, mask=mmask)
         tl.store(part_ml_ptr + (heads * MAX_SPLITS + split) * 2 + 1, l_i, mask=mmask)
         tl.debug_barrier()
-        # The last part of this KV head to finish combines all of them.
-        arrived = tl.atomic_add(count_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+        if FUSED_ATTN:
+            # The o projection's programs combine the parts themselves (_stage_attn_o), once this
+            # head's count (this layer's own counter) says every part is stored.
+            if PERSISTENT:
+                tl.atomic_add(count_ptr + kvh, 1, sem="release", scope="gpu")
+        else:
+            # The last part of this KV head to finish combines all of them.
+            arrived = tl.atomic_add(count_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+            _stamp(probe_row, 18, num_programs, probe_half, PROBE)
+            if arrived == parts - 1:
+                tl.atomic_xchg(count_ptr + kvh, 0, sem="relaxed", scope="gpu")
+                out1, out2 = _combine_group(kvh, parts, part_acc_ptr, part_ml_ptr, GROUP, D, MAX_SPLITS, BLOCK_G)
+                offs_g = tl.arange(0, BLOCK_G)
+                gmask = offs_g < GROUP
+                dst = attn_ptr + (kvh * GROUP + offs_g)[:, None] * D + offs_d[None, :]
+                tl.store(dst, out1.to(dtype), mask=gmask[:, None])
+                tl.store(dst + HALF, out2.to(dtype), mask=gmask[:, None])
+                _stamp(probe_row, 19, num_programs, probe_half, PROBE)
+
+
+@triton.jit
+def _combine_group(kvh, parts, part_acc_ptr, part_ml_ptr, GROUP: tl.constexpr, D: tl.constexpr,
+                   MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The attention output of KV head kvh's query heads ([BLOCK_G, D // 2] halves, fp32) from
+    its `parts` partial results. Every split's partials are loaded at once (an unrolled loop,
+    masked past `parts`: one round trip to the L2) and combined with elementwise operations only.
+    Loading them as one [MAX_SPLITS, BLOCK_G, HALF] tensor and reducing over its first axis took
+    3.2 us (cross-warp reductions through shared memory; H200, --timeline)."""
+    HALF: tl.constexpr = D // 2
+    offs_d = tl.arange(0, HALF)
+    offs_g = tl.arange(0, BLOCK_G)
+    gmask = offs_g < GROUP
+    group_heads = kvh * GROUP + offs_g
+    m_max = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+    for sp in tl.static_range(0, MAX_SPLITS):
+        valid = gmask & (offs_g * 0 + sp < parts)  # a vector: the interpreter rejects a scalar mask
+        m_s = tl.load(part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2, mask=valid, other=_NEG_BIG)
+        m_max = tl.maximum(m_max, m_s)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    out1 = tl.zeros([BLOCK_G, HALF], tl.float32)
+    out2 = tl.zeros([BLOCK_G, HALF], tl.float32)
+    for sp in tl.static_range(0, MAX_SPLITS):
+        valid = gmask & (offs_g * 0 + sp < parts)
+        ml = part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2
+        m_s = tl.load(ml, mask=valid, other=_NEG_BIG)
+        l_s = tl.load(ml + 1, mask=valid, other=0.0)
+        src = part_acc_ptr + (group_heads * MAX_SPLITS + sp)[:, None] * D + offs_d[None, :]
+        a1 = tl.load(src, mask=valid[:, None], other=0.0)
+        a2 = tl.load(src + HALF, mask=valid[:, None], other=0.0)
+        weight = tl.exp2(m_s - m_max)  # empty and masked splits: m = _NEG_BIG, weight 0
+        total += weight * l_s
+        out1 += weight[:, None] * a1
+        out2 += weight[:, None] * a2
+    inv = 1.0 / tl.where(gmask, total, 1.0)
+    return out1 * inv[:, None], out2 * inv[:, None]
+
+
+@triton.jit
+def _stage_attn_o(
+    base_ptr, layer_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr, acc_o_ptr, acc_d_ptr, ctx, pid, num_programs,
+    rows_h, slot, bar, xbuf, red, probe_row, probe_half,
+    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, SPLIT_MIN: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, OWN_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, RBS: tl.constexpr, BR_OB: tl.constexpr,
+    BK_OB: tl.constexpr, MMA_OB: tl.constexpr, THREADS: tl.constexpr, SMEM: tl.constexpr, PERSISTENT: tl.constexpr,
+    COPIES: tl.constexpr, BR_H: tl.constexpr, PROBE: tl.constexpr,
+):
+    """FUSED_ATTN: the o projection split by KV head (K) and row blocks, right after attention.
+    Work item (g, b) of NK x (num_programs // NK): wait until KV head g's attention parts are all
+    stored (its count, persistent launches only), combine them (_combine_group; every item of
+    head g does it, in place of one last part), multiply the head group's attention output
+    ([GROUP * D], rounded to the activation dtype) by rows b * RBS.. of the o weight's columns
+    for that group (a contiguous [RBS, GROUP * D] tile of the permuted copy o_perm, slot Y with
+    SMEM) and add the RBS sums into the fp32 accumulator acc_o with atomics (NK adds per row).
+    Stage D adds acc_o to the residual (_residual). Saves the o stage's grid barrier and its
+    input's round trip. Then this program's rows of the down accumulator are zeroed: every
+    program read them in stage A, and this layer's MLP adds into them."""
+    dtype = attn_ptr.dtype.element_ty
+    GROUP: tl.constexpr = NQ // NK
+    GD: tl.constexpr = GROUP * D
+    HALF: tl.constexpr = D // 2
+    parts, per_split = _splits(ctx, num_programs, NK, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT)
+    offs_d = tl.arange(0, HALF)
+    offs_g = tl.arange(0, BLOCK_G)
+    gmask = offs_g < GROUP
+    w_base = _at(base_ptr, layer_ptr, F_O_PERM)
+    for oi in range(pid, NK * (num_programs // NK), num_programs):
+        g = oi % NK
+        b = oi // NK
+        if PERSISTENT:
+            wait_count(count_ptr + g, parts)
         _stamp(probe_row, 18, num_programs, probe_half, PROBE)
-        if arrived == parts - 1:
-            tl.atomic_xchg(count_ptr + kvh, 0, sem="relaxed", scope="gpu")
-            # Every split's partials, loaded at once (an unrolled loop, masked past `parts`: one
-            # round trip to the L2) and combined with elementwise operations only. Loading them as
-            # one [MAX_SPLITS, BLOCK_G, HALF] tensor and reducing over its first axis took 3.2 us
-            # (cross-warp reductions through shared memory; H200, --timeline).
-            offs_g = tl.arange(0, BLOCK_G)
-            gmask = offs_g < GROUP
-            group_heads = kvh * GROUP + offs_g
-            m_max = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
-            for sp in tl.static_range(0, MAX_SPLITS):
-                valid = gmask & (offs_g * 0 + sp < parts)  # a vector: the interpreter rejects a scalar mask
-                m_s = tl.load(part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2, mask=valid, other=_NEG_BIG)
-                m_max = tl.maximum(m_max, m_s)
-            total = tl.zeros([BLOCK_G], tl.float32)
-            out1 = tl.zeros([BLOCK_G, HALF], tl.float32)
-            out2 = tl.zeros([BLOCK_G, HALF], tl.float32)
-            for sp in tl.static_range(0, MAX_SPLITS):
-                valid = gmask & (offs_g * 0 + sp < parts)
-                ml = part_ml_ptr + (group_heads * MAX_SPLITS + sp) * 2
-                m_s = tl.load(ml, mask=valid, other=_NEG_BIG)
-                l_s = tl.load(ml + 1, mask=valid, other=0.0)
-                src = part_acc_ptr + (group_heads * MAX_SPLITS + sp)[:, None] * D + offs_d[None, :]
-                a1 = tl.load(src, mask=valid[:, None], other=0.0)
-                a2 = tl.load(src + HALF, mask=valid[:, None], other=0.0)
-                weight = tl.exp2(m_s - m_max)  # empty and masked splits: m = _NEG_BIG, weight 0
-                total += weight * l_s
-                out1 += weight[:, None] * a1
-                out2 += weight[:, None] * a2
-            inv = 1.0 / tl.where(gmask, total, 1.0)
-            dst = attn_ptr + group_heads[:, None] * D + offs_d[None, :]
-            tl.store(dst, (out1 * inv[:, None]).to(dtype), mask=gmask[:, None])
-            tl.store(dst + HALF, (out2 * inv[:, None]).to(dtype), mask=gmask[:, None])
-            _stamp(probe_row, 19, num_programs, probe_half, PROBE)
+        out1, out2 = _combine_group(g, parts, part_acc_ptr, part_ml_ptr, GROUP, D, MAX_SPLITS, BLOCK_G)
+        _stamp(probe_row, 19, num_programs, probe_half, PROBE)
+        w_ptr = w_base + (g * H + b * RBS) * GD
+        if MMA_OB != "":
+            off = offs_g[:, None] * D + offs_d[None, :]
+            stage_to_shared(out1.to(dtype), off, gmask[:, None], xbuf)
+            stage_to_shared(out2.to(dtype), off + HALF, gmask[:, None], xbuf)
+            mbarrier_wait(bar, 0)  # slot Y's first phase of the layer: this item's o tile
+            tl.debug_barrier()
+            acc, unused = mma_rows(MMA_OB, slot, xbuf, red, THREADS)
+            t = tl.arange(0, THREADS)
+            rows = b * RBS + t
+            rmask = (t < RBS) & (rows < H)
+        else:
+            dst = attn_ptr + (g * GROUP + offs_g)[:, None] * D + offs_d[None, :]
+            tl.store(dst, out1.to(dtype), mask=gmask[:, None])
+            tl.store(dst + HALF, out2.to(dtype), mask=gmask[:, None])
+            tl.debug_barrier()  # the group's output, read back by every thread
+            if SMEM:
+                mbarrier_wait(bar, 0)
+            lr = tl.arange(0, BR_OB)
+            rows = b * RBS + lr
+            rmask = (lr < RBS) & (rows < H)
+            acc2 = tl.zeros([BR_OB, BK_OB], tl.float32)
+            for k0 in tl.static_range(0, GD, BK_OB):
+                offs_k = _tile_columns(lr, k0, BK_OB)
+                x = tl.load(attn_ptr + g * GD + offs_k, mask=offs_k < GD, other=0.0).to(tl.float32)
+                if SMEM:
+                    w = slot_tile(slot, w_ptr, rmask, k0, GD, BR_OB, BK_OB)
+                else:
+                    w = _weight_tile(w_ptr, lr, rmask, k0, GD, BK_OB)
+                acc2 = tl.fma(w.to(tl.float32), x, acc2)
+            acc = tl.sum(acc2, axis=1)
+        tl.atomic_add(acc_o_ptr + rows, acc, mask=rmask, sem="relaxed", scope="gpu")
+    _zero_rows(acc_d_ptr, COPIES, pid, num_programs, rows_h, H, BR_H)
+
+
+@triton.jit
+def _zero_rows(acc_ptr, COPIES: tl.constexpr, pid, num_programs, rows_h, H: tl.constexpr, BR_H: tl.constexpr):
+    """Zero this program's rows (rows_h per item) of an accumulator's COPIES copies."""
+    for item in range(pid, tl.cdiv(H, rows_h), num_programs):
+        rows, rmask = _rows(item, rows_h, H, BR_H)
+        for c in tl.static_range(COPIES):
+            tl.store(acc_ptr + c * H + rows, tl.zeros([BR_H], tl.float32), mask=rmask)
+
+
+@triton.jit
+def _carry_residual(src_ptr, acc_ptr, COPIES: tl.constexpr, dst_ptr, zero_ptr, pid, num_programs, rows_h,
+                    H: tl.constexpr, BR_H: tl.constexpr, ZERO: tl.constexpr):
+    """FUSED_ATTN: store this program's rows of the residual that src plus the accumulator make
+    (_residual) into dst, the other residual buffer (every program reads src and the accumulator
+    in this stage, so they cannot be updated in place), and with ZERO zero those rows of zero_ptr
+    (the accumulator of the stage after next, read by every program before the last barrier)."""
+    for item in range(pid, tl.cdiv(H, rows_h), num_programs):
+        rows, rmask = _rows(item, rows_h, H, BR_H)
+        x = _residual(src_ptr, acc_ptr, rows, rmask, H, COPIES)
+        tl.store(dst_ptr + rows, x.to(dst_ptr.dtype.element_ty), mask=rmask)
+        if ZERO:
+            tl.store(zero_ptr + rows, tl.zeros([BR_H], tl.float32), mask=rmask)
 
 
 @triton.jit
@@ -634,10 +755,11 @@ def _stage_gate_up(
     slot, slot_down, bar_down, bar, next_valid, rows_qkv, rows_h, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr,
     H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
     xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr, COPIES: tl.constexpr,
-    BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr,
+    BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr, acc_in_ptr=None, IN_COPIES: tl.constexpr = 0,
 ):
     """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)
-    (MMA_ASM: see _stage_qkv; its slice is the gate rows then the up rows). COPIES > 0
+    (MMA_ASM: see _stage_qkv; its slice is the gate rows then the up rows; IN_COPIES: the
+residual still has acc_in's sums to add, FUSED_ATTN's o projection, see _residual). COPIES > 0
     (FUSED_MLP): the down projection follows here, split by K: this program's act values times
     the matching rows of the transposed down weight (slot_down, counted in at bar_down, with
     SMEM) give a whole [H] partial sum, added into copy pid % COPIES of the accumulator with
@@ -651,9 +773,9 @@ def _stage_gate_up(
     w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN2)
     if MMA_ASM != "":
-        _normed_to_shared(resid_ptr, acc_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype)
+        _normed_to_shared(resid_ptr, acc_in_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype, IN_COPIES)
     else:
-        rstd = _rstd(resid_ptr, acc_ptr, eps, H, BLOCK_K)
+        rstd = _rstd(resid_ptr, acc_in_ptr, eps, H, BLOCK_K, IN_COPIES)
     for item in range(pid, tl.cdiv(INTER, rows_per_item), num_programs):
         rows, rmask = _item_rows(item, rows_per_item, INTER, BLOCK_R, THREADS, MMA_ASM != "")
         if MMA_ASM != "":
@@ -664,7 +786,7 @@ def _stage_gate_up(
             up = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
             for k0 in tl.static_range(0, H, BLOCK_K):
                 offs_k = _tile_columns(rows, k0, BLOCK_K)
-                x = _normed(resid_ptr, acc_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype, H)
+                x = _normed(resid_ptr, acc_in_ptr, ln_ptr, offs_k, offs_k < H, rstd, dtype, H, IN_COPIES)
                 wg = _chunk(first_gate, item == pid, w_ptr, rows, rmask, k0, H, BLOCK_K, slot, SMEM)
                 wu = _chunk(first_up, item == pid, w_ptr + INTER * H, rows, rmask, k0, H, BLOCK_K,
                             _up_rows_slot(slot, rows_per_item, H, w_ptr.dtype.element_ty.primitive_bitwidth // 8), SMEM)
@@ -766,45 +888,54 @@ def _up_rows_slot(slot, rows_inter, H: tl.constexpr, ESIZE: tl.constexpr):
 def _issue_weights(
     STAGE: tl.constexpr, layer_ptr, valid, base_ptr, slot, bar, pid, rows_qkv, rows_h, rows_inter,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
-    FUSED_MLP: tl.constexpr = False,
+    FUSED_MLP: tl.constexpr = False, FUSED_ATTN: tl.constexpr = False, RBS: tl.constexpr = 1, num_programs=1,
 ):
     """SMEM_WEIGHTS: copy this program's rows of weight stage STAGE (0 qkv, 2 o, 3 gate and up,
     4 down; with FUSED_MLP, 4 is the program's rows_inter rows of the transposed down weight) of
     a layer into `slot`, counted at mbarrier `bar` (gate rows, then up rows rows_inter rows
-    further). valid=False copies nothing but still completes the phase."""
+    further). valid=False copies nothing but still completes the phase. With FUSED_ATTN, stage 2
+    is the program's o tile (_stage_attn_o's item (pid % NK, pid // NK)), RBS rows of o_perm."""
     ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
-    if STAGE == 0:
-        w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
-        rows_per_item = rows_qkv
-        N: tl.constexpr = (NQ + 2 * NK) * D
-        K: tl.constexpr = H
-    elif STAGE == 2:
-        w_ptr = _at(base_ptr, layer_ptr, F_O_W)
-        rows_per_item = rows_h
-        N: tl.constexpr = H
-        K: tl.constexpr = NQ * D
-    elif STAGE == 3:
-        w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
-        rows_per_item = rows_inter
-        N: tl.constexpr = INTER
-        K: tl.constexpr = H
-    elif FUSED_MLP:
-        w_ptr = _at(base_ptr, layer_ptr, F_DOWN_T)
-        rows_per_item = rows_inter
-        N: tl.constexpr = INTER
-        K: tl.constexpr = H
+    if STAGE == 2 and FUSED_ATTN:
+        GD: tl.constexpr = (NQ // NK) * D
+        b = pid // NK
+        has = valid & (pid < NK * (num_programs // NK))
+        tile = _at(base_ptr, layer_ptr, F_O_PERM) + ((pid % NK) * H + b * RBS) * GD
+        tile_bytes = tl.where(has, tl.maximum(tl.minimum(RBS, H - b * RBS), 0), 0) * (GD * ESIZE)
+        bulk_copy(bar, slot, tile, tile_bytes, slot, tile, 0)
     else:
-        w_ptr = _at(base_ptr, layer_ptr, F_DOWN_W)
-        rows_per_item = rows_h
-        N: tl.constexpr = H
-        K: tl.constexpr = INTER
-    row0 = pid * rows_per_item
-    nbytes = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0) * (K * ESIZE)
-    src = w_ptr + row0 * K
-    if STAGE == 3:  # the up rows: INTER rows after the gate rows in the packed weight
-        bulk_copy(bar, slot, src, nbytes, _up_rows_slot(slot, rows_per_item, K, ESIZE), src + INTER * K, nbytes)
-    else:
-        bulk_copy(bar, slot, src, nbytes, slot, src, 0)
+        if STAGE == 0:
+            w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
+            rows_per_item = rows_qkv
+            N: tl.constexpr = (NQ + 2 * NK) * D
+            K: tl.constexpr = H
+        elif STAGE == 2:
+            w_ptr = _at(base_ptr, layer_ptr, F_O_W)
+            rows_per_item = rows_h
+            N: tl.constexpr = H
+            K: tl.constexpr = NQ * D
+        elif STAGE == 3:
+            w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
+            rows_per_item = rows_inter
+            N: tl.constexpr = INTER
+            K: tl.constexpr = H
+        elif FUSED_MLP:
+            w_ptr = _at(base_ptr, layer_ptr, F_DOWN_T)
+            rows_per_item = rows_inter
+            N: tl.constexpr = INTER
+            K: tl.constexpr = H
+        else:
+            w_ptr = _at(base_ptr, layer_ptr, F_DOWN_W)
+            rows_per_item = rows_h
+            N: tl.constexpr = H
+            K: tl.constexpr = INTER
+        row0 = pid * rows_per_item
+        nbytes = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0) * (K * ESIZE)
+        src = w_ptr + row0 * K
+        if STAGE == 3:  # the up rows: INTER rows after the gate rows in the packed weight
+            bulk_copy(bar, slot, src, nbytes, _up_rows_slot(slot, rows_per_item, K, ESIZE), src + INTER * K, nbytes)
+        else:
+            bulk_copy(bar, slot, src, nbytes, slot, src, 0)
 
 
 @triton.jit
@@ -820,27 +951,57 @@ def _layer_stage(
     BR_INTER: tl.constexpr, BK_INTER: tl.constexpr, BLOCK_T: tl.constexpr, PROBE: tl.constexpr, SMEM: tl.constexpr,
     xbuf, red, MMA_QKV: tl.constexpr, MMA_O: tl.constexpr, MMA_GU: tl.constexpr, MMA_DOWN: tl.constexpr,
     BK_H: tl.constexpr, BX_O: tl.constexpr, BX_DOWN: tl.constexpr, THREADS: tl.constexpr, COPIES: tl.constexpr,
-    BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr,
+    BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr, resid2_ptr, acc_o_ptr, FUSED_ATTN: tl.constexpr,
+    PERSISTENT: tl.constexpr, RBS: tl.constexpr, BR_OB: tl.constexpr, BK_OB: tl.constexpr, MMA_OB: tl.constexpr,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
     `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
     its first cached K/V tile as kv1-kv4 (at _first_kv_rows). COPIES > 0: FUSED_MLP, stage 3
-    does the down projection too (_stage_gate_up) and there is no stage 4."""
+    does the down projection too (_stage_gate_up) and there is no stage 4. FUSED_ATTN (with
+    FUSED_MLP): the o projection follows attention in stage 1 (_stage_attn_o; stage 2 of the
+    stepwise launches, where kernel boundaries order it after every part), and the residual
+    lives in two buffers: stage A reads resid2 (after the MLP) plus the down sums and stores its
+    rows of the sum into resid, stage D reads resid plus the o sums and stores its rows into
+    resid2 (_carry_residual)."""
     if STAGE == 0:
-        _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
-                   H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS, COPIES)
+        if FUSED_ATTN:
+            _carry_residual(resid2_ptr, acc_ptr, COPIES, resid_ptr, acc_o_ptr, pid, num_programs, rows_h, H, BR_H, True)
+            _stage_qkv(first, base_ptr, layer_ptr, resid2_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
+                       H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS, COPIES)
+        else:
+            _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
+                       H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS, COPIES)
     elif STAGE == 1:
         _stage_attention(kv1, kv2, kv3, kv4, base_ptr, layer_ptr, qkv_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr,
                          cos, sin, step_slot, ctx, block_table_ptr,
                          qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, probe_row, probe_half,
-                         NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE)
+                         NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE,
+                         FUSED_ATTN, PERSISTENT)
+        if FUSED_ATTN and PERSISTENT:
+            _stage_attn_o(base_ptr, layer_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr, acc_o_ptr, acc_ptr, ctx, pid,
+                          num_programs, rows_h, slot_y, bar_y, xbuf, red, probe_row, probe_half, H, NQ, NK, D, SPLIT_MIN,
+                          MAX_SPLITS, OWN_SPLIT, BLOCK_G, RBS, BR_OB, BK_OB, MMA_OB, THREADS, SMEM, PERSISTENT, COPIES,
+                          BR_H, PROBE)
     elif STAGE == 2:
-        _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, acc_ptr, pid, num_programs,
-                             rows_h, slot_y, H, NQ * D, BR_H, BK_O, SMEM, xbuf, red, MMA_O, BX_O, THREADS, COPIES)
+        if FUSED_ATTN:
+            _stage_attn_o(base_ptr, layer_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr, acc_o_ptr, acc_ptr, ctx, pid,
+                          num_programs, rows_h, slot_y, bar_y, xbuf, red, probe_row, probe_half, H, NQ, NK, D, SPLIT_MIN,
+                          MAX_SPLITS, OWN_SPLIT, BLOCK_G, RBS, BR_OB, BK_OB, MMA_OB, THREADS, SMEM, PERSISTENT, COPIES,
+                          BR_H, PROBE)
+        else:
+            _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_O_W), attn_ptr, resid_ptr, acc_ptr, pid, num_programs,
+                                 rows_h, slot_y, H, NQ * D, BR_H, BK_O, SMEM, xbuf, red, MMA_O, BX_O, THREADS, COPIES)
     elif STAGE == 3:
-        _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, acc_ptr, eps, pid, num_programs,
-                       rows_inter, slot_x, slot_y, bar_y, bar_x, next_valid, rows_qkv, rows_h, NQ, NK, D, H, INTER, BR_INTER, BK_INTER, SMEM, xbuf, red, MMA_GU, BK_H,
-                       THREADS, COPIES, BK_DT, DOWN_ASM)
+        if FUSED_ATTN:
+            _carry_residual(resid_ptr, acc_o_ptr, 1, resid2_ptr, acc_o_ptr, pid, num_programs, rows_h, H, BR_H, False)
+            _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, acc_ptr, eps, pid, num_programs,
+                           rows_inter, slot_x, slot_y, bar_y, bar_x, next_valid, rows_qkv, rows_h, NQ, NK, D, H, INTER,
+                           BR_INTER, BK_INTER, SMEM, xbuf, red, MMA_GU, BK_H, THREADS, COPIES, BK_DT, DOWN_ASM,
+                           acc_o_ptr, 1)
+        else:
+            _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, acc_ptr, eps, pid, num_programs,
+                           rows_inter, slot_x, slot_y, bar_y, bar_x, next_valid, rows_qkv, rows_h, NQ, NK, D, H, INTER,
+                           BR_INTER, BK_INTER, SMEM, xbuf, red, MMA_GU, BK_H, THREADS, COPIES, BK_DT, DOWN_ASM, acc_ptr, 0)
     elif COPIES == 0:
         _stage_rows_residual(first, _at(base_ptr, layer_ptr, F_DOWN_W), act_ptr, resid_ptr, acc_ptr, pid, num_programs,
                              rows_h, slot_y, H, INTER, BR_H, BK_DOWN, SMEM, xbuf, red, MMA_DOWN, BX_DOWN, THREADS)
@@ -852,7 +1013,7 @@ _STAGES_PER_LAYER = 5
 @triton.jit(do_not_specialize=("layer", "smem_off"))
 def _decode_kernel(
     base_ptr, table_ptr, final_norm_ptr, tok_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, acc_ptr,
-    part_acc_ptr, part_ml_ptr, sync_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr, probe_ptr,
+    resid2_ptr, acc_o_ptr, part_acc_ptr, part_ml_ptr, sync_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr, probe_ptr,
     eps, qk_eps, qk_scale, stride_cb, stride_cs, num_layers, layer, rows_qkv, rows_h, rows_inter, smem_off,
     PERSISTENT: tl.constexpr, STAGE: tl.constexpr,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
@@ -865,7 +1026,8 @@ def _decode_kernel(
     SLOT_Y_BYTES: tl.constexpr = 0, XBUF_BYTES: tl.constexpr = 0, MMA_QKV: tl.constexpr = "", MMA_O: tl.constexpr = "",
     MMA_GU: tl.constexpr = "", MMA_DOWN: tl.constexpr = "", BX_O: tl.constexpr = 16, BX_DOWN: tl.constexpr = 16,
     THREADS: tl.constexpr = 256, KV_PREFETCH_CG: tl.constexpr = False, ACC_COPIES: tl.constexpr = 0,
-    BK_DT: tl.constexpr = 16, DOWN_ASM: tl.constexpr = "",
+    BK_DT: tl.constexpr = 16, DOWN_ASM: tl.constexpr = "", FUSED_ATTN: tl.constexpr = False, RBS: tl.constexpr = 1,
+    BR_OB: tl.constexpr = 1, BK_OB: tl.constexpr = 16, MMA_OB: tl.constexpr = "",
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -887,7 +1049,10 @@ def _decode_kernel(
     program's threads. KV_PREFETCH_CG: see PersistentDecoder. ACC_COPIES > 0: FUSED_MLP (see
     _stage_gate_up; four stages per layer, the down projection's sums in ACC_COPIES copies of an
     fp32 accumulator at acc_ptr; with SMEM_WEIGHTS its program is DOWN_ASM (down_asm), else the
-    transposed weight is read BK_DT columns at a time)."""
+    transposed weight is read BK_DT columns at a time). FUSED_ATTN (with ACC_COPIES): the o
+    projection in the attention stage (_stage_attn_o: RBS rows per item, BR_OB x BK_OB tiles or
+    the tensor-core program MMA_OB), three stages per layer, the residual in resid and resid2,
+    the o sums in acc_o (see _layer_stage); the attention parts count at sync_ptr[1 + layer * NK]."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
@@ -897,8 +1062,11 @@ def _decode_kernel(
     bar_y = 0
     xbuf = 0
     red = 0
-    NUM_STAGES: tl.constexpr = 4 if ACC_COPIES > 0 else 5
     FUSED: tl.constexpr = ACC_COPIES > 0
+    if FUSED_ATTN:
+        post_ptr = resid2_ptr  # the residual after a layer's MLP (see _layer_stage)
+    else:
+        post_ptr = resid_ptr
     if PERSISTENT:
         if SMEM_WEIGHTS:
             bar_x = shared_address(smem_off)
@@ -911,8 +1079,9 @@ def _decode_kernel(
             _table_to_shared(table_ptr, table, NUM_FIELDS * num_layers, 256)
             mbarriers_init(bar_x, bar_y)  # its CTA barrier also orders the table's copy before its reads
             _issue_weights(0, table, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
-            _issue_weights(2, table, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
-        _stage_embed(base_ptr, tok_ptr, resid_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
+            _issue_weights(2, table, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER,
+                           FUSED, FUSED_ATTN, RBS, num_programs)
+        _stage_embed(base_ptr, tok_ptr, post_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
         kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)  # placeholders: set before each use
         kv2 = kv1
         kv3 = kv1
@@ -932,72 +1101,89 @@ def _decode_kernel(
             else:
                 layer_ptr = table_ptr + layer_i * NUM_FIELDS
             probe_row = probe_ptr + layer_i * PROBE_POINTS * num_programs + pid
-            for stage in tl.static_range(0, NUM_STAGES):
-                _stamp(probe_row, 3 * stage, num_programs, probe_half, PROBE)
-                if SMEM_WEIGHTS:
-                    # Slot X holds qkv (phase 0 of each layer's two) and gate/up (1); Y o (0) and down (1).
-                    if stage == 0:
-                        mbarrier_wait(bar_x, 0)
-                    elif stage == 2:
-                        mbarrier_wait(bar_y, 0)
-                    elif stage == 3:
-                        mbarrier_wait(bar_x, 1)
-                    elif stage == 4:
-                        mbarrier_wait(bar_y, 1)
-                    _stamp(probe_row, 20 + stage, num_programs, probe_half, PROBE)
-                if (STAGE_MASK >> stage) & 1:
-                    _layer_stage(
-                        stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
-                        acc_ptr, part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
-                        eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
-                        probe_row, probe_half, slot_x, slot_y, bar_x, bar_y, layer_i + 1 < num_layers, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN,
-                        MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER,
-                        BK_INTER, BLOCK_T, PROBE, SMEM_WEIGHTS, xbuf, red, MMA_QKV, MMA_O, MMA_GU, MMA_DOWN, BK_H, BX_O,
-                        BX_DOWN, THREADS, ACC_COPIES, BK_DT, DOWN_ASM,
-                    )
-                _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
-                seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
-                # The first tile of the next stage with weights, loaded during this barrier:
-                # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
-                # stage 4's loads stage 0 of the next layer (nothing after the last).
-                if SMEM_WEIGHTS:
-                    # The slot this stage read is free (every thread passed the CTA barrier in
-                    # grid_arrive): copy in the stage that uses it next.
-                    if stage == 0:
-                        _issue_weights(3, layer_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter,
-                                       H, NQ, NK, D, INTER)
-                    elif stage == 2:
-                        _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
-                                       H, NQ, NK, D, INTER, FUSED)
-                    elif stage == 3:
-                        if FUSED:  # the next qkv rows are on their way (_stage_gate_up); no stage 4: slot Y is free
-                            _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y, bar_y,
-                                           pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+            if FUSED_ATTN:
+                count_ptr = sync_ptr + 1 + layer_i * NK  # this layer's attention-part counts (_stage_attn_o)
+            for stage in tl.static_range(0, 5):
+                # FUSED_ATTN: no stage 2 (the o projection is in stage 1); FUSED_MLP: no stage 4.
+                if (stage != 2 or not FUSED_ATTN) and (stage != 4 or not FUSED):
+                    _stamp(probe_row, 3 * stage, num_programs, probe_half, PROBE)
+                    if SMEM_WEIGHTS:
+                        # Slot X holds qkv (phase 0 of each layer's two) and gate/up (1); Y o (0) and down (1).
+                        # (FUSED_ATTN waits for its o tile in _stage_attn_o, FUSED_MLP for its down rows in
+                        # _down_partial.)
+                        if stage == 0:
+                            mbarrier_wait(bar_x, 0)
+                        elif stage == 2:
+                            mbarrier_wait(bar_y, 0)
+                        elif stage == 3:
+                            mbarrier_wait(bar_x, 1)
+                        elif stage == 4:
+                            mbarrier_wait(bar_y, 1)
+                        _stamp(probe_row, 20 + stage, num_programs, probe_half, PROBE)
+                    if (STAGE_MASK >> stage) & 1:
+                        _layer_stage(
+                            stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
+                            acc_ptr, part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
+                            eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
+                            probe_row, probe_half, slot_x, slot_y, bar_x, bar_y, layer_i + 1 < num_layers, H, NQ, NK, D,
+                            INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV,
+                            BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE, SMEM_WEIGHTS, xbuf, red, MMA_QKV, MMA_O,
+                            MMA_GU, MMA_DOWN, BK_H, BX_O, BX_DOWN, THREADS, ACC_COPIES, BK_DT, DOWN_ASM, resid2_ptr, acc_o_ptr,
+                            FUSED_ATTN, True, RBS, BR_OB, BK_OB, MMA_OB,
+                        )
+                    _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
+                    seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
+                    # The first tile of the next stage with weights, loaded during this barrier:
+                    # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
+                    # stage 4's loads stage 0 of the next layer (nothing after the last).
+                    if SMEM_WEIGHTS:
+                        # The slot this stage read is free (every thread passed the CTA barrier in
+                        # grid_arrive): copy in the stage that uses it next.
+                        if stage == 0:
+                            _issue_weights(3, layer_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter,
+                                           H, NQ, NK, D, INTER)
+                        elif stage == 1:
+                            if FUSED_ATTN:  # attention read the o tile: slot Y takes the down rows
+                                _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
+                                               H, NQ, NK, D, INTER, FUSED)
+                        elif stage == 2:
+                            _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
+                                           H, NQ, NK, D, INTER, FUSED)
+                        elif stage == 3:
+                            if FUSED:  # the next qkv rows are on their way (_stage_gate_up); no stage 4: slot Y is free
+                                _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y, bar_y,
+                                               pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER, FUSED, FUSED_ATTN, RBS,
+                                               num_programs)
+                            else:
+                                _issue_weights(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_x, bar_x,
+                                               pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+                        elif stage == 4:
+                            _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y, bar_y, pid,
+                                           rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+                    elif stage != 1:  # the next stage with weights: after the layer's last, the next layer's first
+                        if stage == 0:
+                            t1, t2 = _prefetch(3 if FUSED_ATTN else 2, layer_ptr, True, base_ptr, pid, rows_qkv, rows_h,
+                                               rows_inter, H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER,
+                                               BK_INTER)
+                        elif stage == 4 or (stage == 3 and FUSED):
+                            t1, t2 = _prefetch(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, pid, rows_qkv,
+                                               rows_h, rows_inter, H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN,
+                                               BR_INTER, BK_INTER)
                         else:
-                            _issue_weights(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_x, bar_x,
-                                           pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
-                    elif stage == 4:
-                        _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y, bar_y, pid,
-                                       rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
-                elif stage != 1:  # the next stage with weights: after the layer's last, the next layer's first
-                    t1, t2 = _prefetch(
-                        0 if stage == NUM_STAGES - 1 else stage + 1 + (stage == 0),
-                        _next_layer(layer_ptr) if stage == NUM_STAGES - 1 else layer_ptr,
-                        layer_i + 1 < num_layers if stage == NUM_STAGES - 1 else True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
-                        H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER,
-                    )
-                if stage == 0:
-                    kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
-                                                  kv_rows, kv_valid, D // 2, KV_PREFETCH_CG)
-                _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
-                arrivals += num_programs
-                grid_wait(sync_ptr, seen, arrivals)
-        _stage_final_norm(resid_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H,
+                            t1, t2 = _prefetch(stage + 1, layer_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+                                               H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
+                    if stage == 0:
+                        kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
+                                                      kv_rows, kv_valid, D // 2, KV_PREFETCH_CG)
+                    _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
+                    arrivals += num_programs
+                    grid_wait(sync_ptr, seen, arrivals)
+        _stage_final_norm(post_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H,
                           ACC_COPIES)
     elif STAGE == -1:
-        _stage_embed(base_ptr, tok_ptr, resid_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
+        _stage_embed(base_ptr, tok_ptr, post_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
     elif STAGE == 5:
-        _stage_final_norm(resid_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H,
+        _stage_final_norm(post_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H,
                           ACC_COPIES)
     else:
         layer_ptr = table_ptr + layer * NUM_FIELDS
@@ -1014,7 +1200,8 @@ def _decode_kernel(
             eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
             probe_ptr, 0, 0, 0, 0, 0, False, H, NQ, NK, D, INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM,
             HAS_BIAS, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, False, False,
-            0, 0, "", "", "", "", BK_H, BX_O, BX_DOWN, THREADS, ACC_COPIES, BK_DT, "",
+            0, 0, "", "", "", "", BK_H, BX_O, BX_DOWN, THREADS, ACC_COPIES, BK_DT, "", resid2_ptr, acc_o_ptr,
+            FUSED_ATTN, False, RBS, BR_OB, BK_OB, "",
         )
 
 
@@ -1082,7 +1269,7 @@ class PersistentDecoder:
         tile_elements: int = _TILE_ELEMENTS, gate_up_tile_elements: int | None = None, stage_mask: int = 31,
         probe: bool = False, own_token_split: bool = True, one_thread_barrier: bool = True,
         smem_weights: bool = True, mma_projections: bool = True, kv_prefetch_cg: bool = True,
-        fused_mlp: bool | None = None, acc_copies: int = 4,
+        fused_mlp: bool | None = None, acc_copies: int = 4, fused_attn: bool | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -1119,9 +1306,10 @@ class PersistentDecoder:
         self.attn_out, self.act = empty(self.num_q * self.head_dim), empty(self.inter)
         self.out = empty((1, self.hidden))
         self.acc = empty(acc_copies * self.hidden, torch.float32)
+        self.resid2, self.acc_o = empty(self.hidden), empty(self.hidden, torch.float32)  # fused_attn
         self.part_acc = empty(self.num_q * max_splits * self.head_dim, torch.float32)
         self.part_ml = empty(self.num_q * max_splits * 2, torch.float32)
-        self.sync = empty(1 + self.num_k, torch.int32)
+        self.sync = empty(1 + self.num_k * self.num_layers, torch.int32)  # fused_attn: a count per layer and KV head
         # probe: [2 (global ns, SM cycles), layers, PROBE_POINTS, programs] stamps, 0 = not reached
         self.probe = empty(2 * self.num_layers * _PROBE_POINTS * num_programs if probe else 1, torch.int64)
         self.rows_qkv = -(-n_qkv // num_programs)
@@ -1133,6 +1321,10 @@ class PersistentDecoder:
         gate_up_elements = gate_up_tile_elements or tile_elements
         _, bk_inter = _tile_shape(2 * self.rows_inter, self.hidden, gate_up_elements)  # a gate and an up tile
         _, bk_dt = _tile_shape(self.rows_inter, self.hidden, tile_elements)  # W_down^T rows (fused_mlp)
+        # fused_attn's o items: (KV head, block of rbs rows), num_programs // num_k blocks.
+        group_width = self.num_q // self.num_k * self.head_dim
+        self.rbs = -(-self.hidden // max(1, num_programs // self.num_k))
+        br_ob, bk_ob = _tile_shape(self.rbs, group_width, tile_elements)
         self.constexprs = dict(
             H=self.hidden, NQ=self.num_q, NK=self.num_k, D=self.head_dim, INTER=self.inter,
             SPLIT_MIN=split_tokens, MAX_SPLITS=max_splits, BLOCK_T=block_t, OWN_SPLIT=int(own_token_split),
@@ -1151,15 +1343,15 @@ class PersistentDecoder:
         self.table_bytes = align_up(self.num_layers * _NUM_FIELDS * 8, 128)
         self.slot_x_bytes = align_up(max(self.rows_qkv, 2 * self.rows_inter) * self.hidden * item, 128)
         self.slot_y_bytes = align_up(max(max(self.num_q * self.head_dim, self.inter) * self.rows_h,
-                                         self.rows_inter * self.hidden) * item, 128)
+                                         self.rows_inter * self.hidden, self.rbs * group_width) * item, 128)
         # Tensor-core projections (mma_asm): the input staged at xbuf, the warps' sums at red.
         q, h = self.num_q * self.head_dim, self.hidden
         self.xbuf_bytes = align_up(max(max(h, q, self.inter) * item, self.rows_inter * 4), 128)  # or fused_mlp's act (fp32)
-        red_bytes = align_up(num_warps * max(self.rows_qkv + 1, self.rows_h + 1, 2 * self.rows_inter + 1) * 4, 128)
+        red_bytes = align_up(num_warps * max(self.rows_qkv + 1, self.rows_h + 1, 2 * self.rows_inter + 1, self.rbs + 1) * 4, 128)
         self.smem_bytes = 128 + self.table_bytes + self.slot_x_bytes + self.slot_y_bytes + self.xbuf_bytes + red_bytes
         self.smem_weights = smem_weights and self._smem_weights_fit(device, [
             (self.hidden, bk_qkv), (self.num_q * self.head_dim, bk_o), (self.inter, bk_down), (self.hidden, bk_inter),
-            (self.hidden, bk_dt)])
+            (self.hidden, bk_dt), (group_width, bk_ob)])
         # The MLP in one stage (FUSED_MLP in _decode_kernel): by default where the weights go
         # through shared memory, the small models a lone sequence's latency is about. It keeps a
         # transposed copy of every layer's down weight (for Qwen3-0.6B, 168 MB).
@@ -1172,6 +1364,19 @@ class PersistentDecoder:
             self.constexprs.update(ACC_COPIES=acc_copies)
             if self.smem_weights:
                 self.constexprs.update(DOWN_ASM=down_asm(self.rows_inter, h, num_warps * 32, self.dtype))
+        # The o projection in the attention stage (FUSED_ATTN; needs the one-stage MLP's residual
+        # handling and a program per KV head at least). It keeps a copy of every layer's o weight
+        # with each KV head's columns together (for Qwen3-0.6B, 112 MB).
+        self.fused_attn = (self.fused_mlp and self.smem_weights and num_programs >= self.num_k
+                           if fused_attn is None else fused_attn)
+        if self.fused_attn and not self.fused_mlp:
+            raise ValueError("fused_attn needs fused_mlp")
+        if self.fused_attn and num_programs < self.num_k:
+            raise ValueError(f"fused_attn needs a program per KV head at least ({self.num_k}), got {num_programs}")
+        self.o_perm = ([lyr.self_attn.o_proj.weight.view(h, self.num_k, group_width).permute(1, 0, 2).contiguous()
+                        for lyr in inner.layers] if self.fused_attn else [None] * self.num_layers)
+        if self.fused_attn:
+            self.constexprs.update(FUSED_ATTN=True, RBS=self.rbs, BR_OB=br_ob, BK_OB=bk_ob)
         self._smem_off: int | None = None
         self.mma = (self.smem_weights and mma_projections and self.dtype in (torch.bfloat16, torch.float16)
                     and all(k % MMA_K_STEP == 0 for k in (h, q, self.inter))
@@ -1187,6 +1392,8 @@ class PersistentDecoder:
                 MMA_GU=mma_asm(2 * self.rows_inter, h, num_warps, self.rows_inter, self.dtype),
                 MMA_DOWN=mma_asm(self.rows_h, self.inter, num_warps, 0, self.dtype),
             )
+            if self.fused_attn and group_width % MMA_K_STEP == 0 and self.rbs <= num_warps * 32:
+                self.constexprs.update(MMA_OB=mma_asm(self.rbs, group_width, num_warps, 0, self.dtype))
 
     def _smem_weights_fit(self, device: torch.device, k_and_chunks: list[tuple[int, int]]) -> bool:
         """Whether weights can go through shared-memory slots here: a persistent launch on an
@@ -1220,7 +1427,7 @@ class PersistentDecoder:
         if len(k_caches) != self.num_layers or k_caches[0].shape[2:] != (self.num_k, self.head_dim):
             raise ValueError("persistent decode: the KV caches do not match the model")
         rows = []
-        for layer, kc, vc, down_t in zip(self.model.model.layers, k_caches, v_caches, self.down_t):
+        for layer, kc, vc, down_t, o_perm in zip(self.model.model.layers, k_caches, v_caches, self.down_t, self.o_perm):
             attn, mlp = layer.self_attn, layer.mlp
             if kc.stride() != k_caches[0].stride() or vc.stride() != kc.stride():
                 raise ValueError("persistent decode: every layer's K and V cache must share one layout")
@@ -1230,7 +1437,7 @@ class PersistentDecoder:
                 "k_norm": attn.k_norm.weight if attn.k_norm is not None else None,
                 "o_w": attn.o_proj.weight, "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
                 "gate_up_w": mlp.gate_up_proj.weight, "down_w": mlp.down_proj.weight, "k_cache": kc, "v_cache": vc,
-                "down_t": down_t,
+                "down_t": down_t, "o_perm": o_perm,
             }
             rows.append([offset(fields[name]) for name in _FIELDS])
         self.table = torch.tensor(rows, dtype=torch.int64, device=base.device)
@@ -1245,7 +1452,7 @@ class PersistentDecoder:
         self.sync.zero_()
         args = (
             self._base(), self.table, self.model.model.norm.weight, input_ids, self.resid, self.qkv, self.attn_out,
-            self.act, self.out, self.acc, self.part_acc, self.part_ml, self.sync, positions, meta.slot_mapping, meta.seq_lens,
+            self.act, self.out, self.acc, self.resid2, self.acc_o, self.part_acc, self.part_ml, self.sync, positions, meta.slot_mapping, meta.seq_lens,
             meta.block_tables, self.cos_sin, self.probe,
             self.eps, self.qk_eps, self.scale * _LOG2E, self.stride_cb, self.stride_cs, self.num_layers,
         )
@@ -1262,7 +1469,7 @@ class PersistentDecoder:
         else:
             launch(_decode_kernel, grid, *args, 0, *counts, 0, PERSISTENT=False, STAGE=-1, **common)
             for layer in range(self.num_layers):
-                for stage in range(_STAGES_PER_LAYER - self.fused_mlp):  # fused_mlp: no stage 4
+                for stage in range(_STAGES_PER_LAYER - self.fused_mlp):  # fused_mlp: no stage 4 (fused_attn: 2 is the o part)
                     launch(_decode_kernel, grid, *args, layer, *counts, 0, PERSISTENT=False, STAGE=stage, **common)
             launch(_decode_kernel, grid, *args, 0, *counts, 0, PERSISTENT=False, STAGE=5, **common)
         return self.out

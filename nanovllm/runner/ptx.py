@@ -65,6 +65,18 @@ def grid_wait(sync_ptr, seen, target):
     tl.debug_barrier()
 
 
+@triton.jit
+def wait_count(ptr, target):
+    """Wait until the int32 counter at ptr reaches `target`: thread 0 alone polls with acquire loads
+    (the other threads start above any target), and grid_wait's CTA barrier passes its acquire
+    on to them. For a count that a few programs add to (one KV head's attention parts), where
+    grid_arrive/grid_wait are for every program's."""
+    seen = tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.u32 $0, 2147483647; "
+        "@p mov.u32 $0, 0; }", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
+    grid_wait(ptr, seen, target)
+
+
 # Weights through shared memory (SMEM_WEIGHTS, persistent launches on sm_90+): one thread per
 # program copies the program's whole slice of a weight stage (its rows are contiguous) into a
 # shared-memory slot with one bulk asynchronous copy (cp.async.bulk, the TMA unit), issued two
