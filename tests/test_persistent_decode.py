@@ -346,6 +346,17 @@ MMA_CASES = {
 }
 
 
+def slots_case(checkpoint_factory, case: str, programs: str):
+    """(checkpoint, decoder keywords) of an MMA_CASES model with one program per SM, 8 or 3;
+    skips where the GPU has no bulk asynchronous copies (the slots')."""
+    if torch.cuda.get_device_capability(DEVICE) < (9, 0):
+        pytest.skip("bulk asynchronous copies need sm_90")
+    arch, shape = MMA_CASES[case]
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    count = {"one-per-sm": sms, "8": 8, "3": 3}[programs]
+    return checkpoint_factory(arch, **shape), dict(num_programs=count, max_splits=4, split_tokens=23, block_t=16)
+
+
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(MMA_CASES))
@@ -358,13 +369,7 @@ def test_cuda_tensor_core_projections_close_to_model(checkpoint_factory, case, d
     the dtype, where a wrong fragment, chunk or row mapping would not; the step's K/V land in the
     cache as the model's do. One program per SM gives pairs shared by several warps, 8 and 3
     programs several pairs per warp (and an odd row count)."""
-    if torch.cuda.get_device_capability(DEVICE) < (9, 0):
-        pytest.skip("bulk asynchronous copies need sm_90")
-    arch, shape = MMA_CASES[case]
-    path = checkpoint_factory(arch, **shape)
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    count = {"one-per-sm": sms, "8": 8, "3": 3}[programs]
-    kwargs = dict(num_programs=count, max_splits=4, split_tokens=23, block_t=16)
+    path, kwargs = slots_case(checkpoint_factory, case, programs)
     expected, mma, expected_caches, caches, decoder = decode_both(path, 45, dtype, **kwargs)
     assert decoder.mma
     _, fma, _, _, plain = decode_both(path, 45, dtype, mma_projections=False, **kwargs)
@@ -393,13 +398,7 @@ def test_cuda_fused_mlp_close_to_two_stages(checkpoint_factory, case, dtype, pro
     the model's. 8 and 3 programs give each program a larger slice of every stage. With
     fused_attn the o projection follows attention too (each item waits for its KV head's parts'
     count, combines them and adds its rows' sums with atomics): three stages per layer."""
-    if torch.cuda.get_device_capability(DEVICE) < (9, 0):
-        pytest.skip("bulk asynchronous copies need sm_90")
-    arch, shape = MMA_CASES[case]
-    path = checkpoint_factory(arch, **shape)
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    count = {"one-per-sm": sms, "8": 8, "3": 3}[programs]
-    kwargs = dict(num_programs=count, max_splits=4, split_tokens=23, block_t=16)
+    path, kwargs = slots_case(checkpoint_factory, case, programs)
     expected, fused, expected_caches, caches, decoder = decode_both(path, 45, dtype, fused_mlp=True,
                                                                     fused_attn=fused_attn, **kwargs)
     assert decoder.fused_mlp and decoder.fused_attn == fused_attn

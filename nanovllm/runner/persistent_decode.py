@@ -7,12 +7,12 @@ costs its launch and ramp (~5 us) whatever it reads. Here the whole stack of lay
 one program per SM loops over the layers, splits each stage's work between the programs, and
 waits at a grid-wide barrier (an atomic counter) where the next stage needs every program's
 output. A barrier costs 0.86-0.93 us on an H200, less than a kernel boundary. Measured result
-(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.52 ms per token (the model forward; the LM
+(docs/benchmarks.md, W5, H200, Qwen3-0.6B shape): 0.49 ms per token (the model forward; the LM
 head and the sampler follow) at context 640 against the per-op graph's 1.12-1.19 ms, and faster
 than it at every context measured (1.77 vs 2.89 ms at 16,384, session 12); still far from the
 weight-read floor (~0.3 ms for the whole step). Per layer (`--timeline`, 28 per token, session
-14): A 4.35 us, B 5.89, C 2.05, the one-stage MLP 6.14, each from a stage's start to the next's;
-no stage waits for its weights (they are in shared memory by then, below).
+14): A 4.61 us, attention with the o projection 7.17, the MLP 5.63, each from a stage's start to
+the next's; no stage waits for its weights (they are in shared memory by then, below).
 
 Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`, then the H200):
 - Weights through shared memory (SMEM_WEIGHTS; sm_90+, where the slices fit): a program's
@@ -37,6 +37,10 @@ Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`,
   (issued after the stage, they kept stage A waiting ~1.9 us). benchmarks/reduce_latency.py
   measured the atomics: ~0.5 us more than a barrier's handoff with 4 copies. The sums' last bits
   follow the atomics' arrival order.
+- The o projection in the attention stage (FUSED_ATTN, `fused_attn`, with FUSED_MLP): split by
+  KV head and row block; each item waits for its head's parts (a count per layer and head),
+  combines them itself and adds its rows' sums into a second accumulator (_stage_attn_o): the o
+  stage's barrier and the combiner's election gone, 523 -> 489 us at context 640 (session 14).
 - After a barrier a stage issues every load it needs at once: every acquire empties the SM's L1,
   so a load whose address came from another load cost a second L2 round trip. The offset table
   lives in shared memory (_at), the step's rotary cos/sin, slot and context are loaded once per
@@ -89,7 +93,9 @@ Stages of a layer (each program takes a slice of rows, or of (KV head, context s
   D  RMSNorm again, gate and up rows, SiLU-and-mul.
   E  down projection rows plus the residual add.
 A barrier follows each stage. With FUSED_MLP, D also does the down projection (split by K, see
-_stage_gate_up) and E does not exist: four stages per layer. Before the first layer the embedding row becomes the residual
+_stage_gate_up) and E does not exist: four stages per layer; with FUSED_ATTN too, B does the o
+projection (_stage_attn_o) and C does not exist: three (see _layer_stage for the residual's two
+buffers). Before the first layer the embedding row becomes the residual
 stream; after the last, the final RMSNorm writes the hidden state. The LM head and the sampler
 run after the kernel, as for every other step (the runner's CUDA graph of the kernel also holds
 the LM head and the greedy argmax: runner/cuda_graph.py).
@@ -1258,7 +1264,10 @@ class PersistentDecoder:
     _smem_weights_fit; False: straight into registers, 58 us per token slower at context 640),
     mma_projections (16-bit weights in the slots: projections on tensor cores, mma_asm; False:
     FMAs, bit-identical to the stepwise launches; 6 us slower), kv_prefetch_cg (the first cached
-    K/V tile read through the L2 only; 8 us faster), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
+    K/V tile read through the L2 only; 8 us faster), fused_mlp (the MLP in one stage, its down
+    sums in acc_copies fp32 copies; None: on with the slots; 39 us faster at context 640),
+    fused_attn (the o projection in the attention stage; needs fused_mlp and a program per KV
+    head; None: on with fused_mlp and the slots; 34 us faster), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
     (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small ones so that
     programs take several items and contexts several splits."""
