@@ -430,6 +430,23 @@ def test_tensor_core_program_shape():
         mma_asm(8, 1000, 8, 0, torch.bfloat16)
 
 
+def test_k_split_down_program_shape():
+    """down_asm's PTX (fused_mlp through the slots): one FMA per weight of each row for the
+    thread's 4 columns, one 16-byte reduction per 4 * threads columns, 8-byte shared loads of
+    16-bit rows (converted per dtype) and 16-byte ones of fp32 rows; a hidden size that is not a
+    multiple of 4 refused."""
+    from nanovllm.runner.ptx import down_asm
+
+    ptx = down_asm(24, 1024, 256, torch.bfloat16)
+    assert ptx.count("fma.rn.f32") == 24 * 4 and ptx.count("ld.shared.v2.b32") == 24
+    assert ptx.count("red.relaxed.gpu.global.add.v4.f32") == 1 and "cvt.f32.f16" not in ptx
+    ptx = down_asm(3, 1280, 256, torch.float32)  # 1,280 columns: two rounds of 1,024
+    assert ptx.count("red.relaxed.gpu.global.add.v4.f32") == 2 and ptx.count("ld.shared.v4.b32") == 2 * 3
+    assert down_asm(2, 64, 256, torch.float16).count("cvt.f32.f16") == 2 * 4
+    with pytest.raises(ValueError, match="multiple of 4"):
+        down_asm(2, 130, 256, torch.bfloat16)
+
+
 def test_weights_through_shared_memory_only_on_a_persistent_cuda_launch(checkpoint_factory):
     """The stepwise launches (the CPU reference path) never take the shared-memory slots."""
     _, _, _, _, decoder = decode_both(checkpoint_factory("qwen3"), 5, persistent=False, num_programs=3)
