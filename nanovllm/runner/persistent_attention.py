@@ -217,12 +217,20 @@ def _stage_attention(
             if arrived == parts - 1:
                 tl.atomic_xchg(count_ptr + kvh, 0, sem="relaxed", scope="gpu")
                 out1, out2 = _combine_group(kvh, parts, part_acc_ptr, part_ml_ptr, GROUP, D, MAX_SPLITS, BLOCK_G)
-                offs_g = tl.arange(0, BLOCK_G)
-                gmask = offs_g < GROUP
-                dst = attn_ptr + (kvh * GROUP + offs_g)[:, None] * D + offs_d[None, :]
-                tl.store(dst, out1.to(dtype), mask=gmask[:, None])
-                tl.store(dst + HALF, out2.to(dtype), mask=gmask[:, None])
+                _store_group(attn_ptr, kvh, out1, out2, GROUP, D, BLOCK_G)
                 _stamp(probe_row, 19, num_programs, probe_half, PROBE)
+
+
+@triton.jit
+def _store_group(attn_ptr, kvh, out1, out2, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Store KV head kvh's query heads' attention output (_combine_group's halves) into the
+    attention output vector, rounded to its dtype."""
+    HALF: tl.constexpr = D // 2
+    offs_g = tl.arange(0, BLOCK_G)
+    gmask = offs_g < GROUP
+    dst = attn_ptr + (kvh * GROUP + offs_g)[:, None] * D + tl.arange(0, HALF)[None, :]
+    tl.store(dst, out1.to(attn_ptr.dtype.element_ty), mask=gmask[:, None])
+    tl.store(dst + HALF, out2.to(attn_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
@@ -310,9 +318,7 @@ def _stage_attn_o(
             rows = b * RBS + t
             rmask = (t < RBS) & (rows < H)
         else:
-            dst = attn_ptr + (g * GROUP + offs_g)[:, None] * D + offs_d[None, :]
-            tl.store(dst, out1.to(dtype), mask=gmask[:, None])
-            tl.store(dst + HALF, out2.to(dtype), mask=gmask[:, None])
+            _store_group(attn_ptr, g, out1, out2, GROUP, D, BLOCK_G)
             tl.debug_barrier()  # the group's output, read back by every thread
             if SMEM:
                 mbarrier_wait(bar, 0)

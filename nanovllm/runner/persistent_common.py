@@ -78,8 +78,9 @@ def _table_to_shared(table_ptr, table_sh, entries, BLOCK: tl.constexpr):
 # Points of a layer the PROBE build stamps (benchmarks/persistent_decode.py --timeline): per stage
 # s, 3s its start (after the barrier), 3s+1 its work done, 3s+2 arrived and the next tile issued
 # (the wait follows); in attention, 15 queries rotated, 16 cached positions walked, 17 the step's token
-# attended and stored (last split), 18 the split count returned, 19 the splits combined; with
-# SMEM_WEIGHTS, 20 + s the stage's weights landed in its slot (its mbarrier wait done).
+# attended and stored (last split), 18 the split count returned, 19 the splits combined (with
+# FUSED_ATTN: 18 an o item's KV head counted complete, 19 its parts combined); with SMEM_WEIGHTS,
+# 20 + s the stage's weights landed in its slot (its mbarrier wait done).
 _PROBE_POINTS = 25
 PROBE_POINTS = tl.constexpr(_PROBE_POINTS)
 
@@ -146,9 +147,15 @@ def _residual(resid_ptr, acc_ptr, offs, mask, H: tl.constexpr, COPIES: tl.conste
 
 
 @triton.jit
+def _zero_acc(acc_ptr, rows, rmask, H: tl.constexpr, COPIES: tl.constexpr):
+    """Zero `rows` (where rmask) of each of an fp32 accumulator's COPIES copies of [H]."""
+    for c in tl.static_range(COPIES):
+        tl.store(acc_ptr + c * H + rows, tl.zeros(rows.shape, tl.float32), mask=rmask)
+
+
+@triton.jit
 def _zero_rows(acc_ptr, COPIES: tl.constexpr, pid, num_programs, rows_h, H: tl.constexpr, BR_H: tl.constexpr):
     """Zero this program's rows (rows_h per item) of an accumulator's COPIES copies."""
     for item in range(pid, tl.cdiv(H, rows_h), num_programs):
         rows, rmask = _rows(item, rows_h, H, BR_H)
-        for c in tl.static_range(COPIES):
-            tl.store(acc_ptr + c * H + rows, tl.zeros([BR_H], tl.float32), mask=rmask)
+        _zero_acc(acc_ptr, rows, rmask, H, COPIES)

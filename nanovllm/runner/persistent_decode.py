@@ -138,7 +138,7 @@ from nanovllm.runner.persistent_attention import _first_kv_rows, _kv_load, _stag
 from nanovllm.runner.persistent_common import (
     _FIELDS, _LOG2E, _NUM_FIELDS, _PROBE_POINTS, _TILE_ELEMENTS, BLOCK_T, F_DOWN_T, F_DOWN_W, F_GU_W, F_K_CACHE, F_LN1,
     F_LN2, F_O_PERM, F_O_W, F_QKV_B, F_QKV_W, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, SPLIT_TOKENS, _at, _item_rows,
-    _next_layer, _residual, _rows, _stamp, _table_to_shared, _tile_columns, _weight_tile,
+    _next_layer, _residual, _rows, _stamp, _table_to_shared, _tile_columns, _weight_tile, _zero_acc,
 )
 from nanovllm.runner.ptx import (
     MMA_K_STEP, align_up, bulk_copy, down_asm, down_rows, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm,
@@ -173,8 +173,7 @@ def _stage_embed(base_ptr, tok_ptr, resid_ptr, acc_ptr, pid, num_programs, rows_
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
         offs, mask = _rows(item, rows_per_item, H, BLOCK_R)
         tl.store(resid_ptr + offs, tl.load(base_ptr + token * H + offs, mask=mask), mask=mask)
-        for c in tl.static_range(COPIES):
-            tl.store(acc_ptr + c * H + offs, tl.zeros([BLOCK_R], tl.float32), mask=mask)
+        _zero_acc(acc_ptr, offs, mask, H, COPIES)
 
 
 @triton.jit
@@ -269,7 +268,7 @@ def _carry_residual(src_ptr, acc_ptr, COPIES: tl.constexpr, dst_ptr, zero_ptr, p
         x = _residual(src_ptr, acc_ptr, rows, rmask, H, COPIES)
         tl.store(dst_ptr + rows, x.to(dst_ptr.dtype.element_ty), mask=rmask)
         if ZERO:
-            tl.store(zero_ptr + rows, tl.zeros([BR_H], tl.float32), mask=rmask)
+            _zero_acc(zero_ptr, rows, rmask, H, 1)
 
 
 @triton.jit
@@ -304,8 +303,7 @@ def _stage_rows_residual(
         tl.store(resid_ptr + rows, (acc.to(dtype).to(tl.float32) + r).to(dtype), mask=rmask)
         if COPIES > 0:
             tl.debug_barrier()  # every thread holding a copy of these rows has read them
-            for c in tl.static_range(COPIES):
-                tl.store(acc_ptr + c * H + rows, rows * 0.0, mask=rmask)
+            _zero_acc(acc_ptr, rows, rmask, H, COPIES)
 
 
 @triton.jit
@@ -314,11 +312,11 @@ def _stage_gate_up(
     slot, slot_down, bar_down, bar, next_valid, rows_qkv, rows_h, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr,
     H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
     xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr, COPIES: tl.constexpr,
-    BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr, acc_in_ptr=None, IN_COPIES: tl.constexpr = 0,
+    BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr, acc_in_ptr, IN_COPIES: tl.constexpr,
 ):
     """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)
     (MMA_ASM: see _stage_qkv; its slice is the gate rows then the up rows; IN_COPIES: the
-residual still has acc_in's sums to add, FUSED_ATTN's o projection, see _residual). COPIES > 0
+    residual still has acc_in's sums to add, FUSED_ATTN's o projection, see _residual). COPIES > 0
     (FUSED_MLP): the down projection follows here, split by K: this program's act values times
     the matching rows of the transposed down weight (slot_down, counted in at bar_down, with
     SMEM) give a whole [H] partial sum, added into copy pid % COPIES of the accumulator with
@@ -693,8 +691,8 @@ def _decode_kernel(
                     _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                     seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
                     # The first tile of the next stage with weights, loaded during this barrier:
-                    # stage 0's loads the o tile, which waits through attention (stage 1, no weights);
-                    # stage 4's loads stage 0 of the next layer (nothing after the last).
+                    # stage 0's loads the o tile (gate/up with FUSED_ATTN), which waits through
+                    # attention; the layer's last stage loads stage 0 of the next layer.
                     if SMEM_WEIGHTS:
                         # The slot this stage read is free (every thread passed the CTA barrier in
                         # grid_arrive): copy in the stage that uses it next.
