@@ -160,7 +160,7 @@ def test_fused_mlp_is_on_with_the_shared_memory_slots_only(checkpoint_factory):
     with pytest.raises(ValueError, match="acc_copies"):
         PersistentDecoder(decoder.model, num_programs=3, acc_copies=0)
     with pytest.raises(ValueError, match="fused_attn needs fused_mlp"):
-        PersistentDecoder(decoder.model, num_programs=3, fused_attn=True)
+        PersistentDecoder(decoder.model, num_programs=3, fused_mlp=False, fused_attn=True)
     with pytest.raises(ValueError, match="a program per KV head"):
         PersistentDecoder(decoder.model, num_programs=1, fused_mlp=True, fused_attn=True)
 
