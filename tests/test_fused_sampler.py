@@ -139,3 +139,26 @@ def test_gumbel_noise_is_accurate_in_its_upper_tail():
     exact = -torch.log(-torch.log(u.double().clamp(min=1e-20)))
     assert torch.allclose(out.cpu().double(), exact, rtol=0, atol=2e-5), (out.cpu(), exact)
     assert out.max().item() > 15.0  # the largest u Triton draws (1 - 2^-23) is in the list
+
+
+@pytest.mark.parametrize("vocab", [1, 300, fused_sampler.GREEDY_BLOCK, 3 * fused_sampler.GREEDY_BLOCK + 37])
+def test_greedy_row_equals_torch_argmax(vocab):
+    """The one-row greedy kernel (the lone-sequence graph's argmax) against torch.argmax: a max
+    in the ragged last block, ties inside a block and across blocks (lowest id wins), all -inf,
+    bf16; repeated launches reuse the workspace (the last program resets the count)."""
+    greedy = fused_sampler.GreedyRow(vocab, torch.device(DEV))
+    out = torch.full((1,), -1, dtype=torch.int64, device=DEV)
+    cases = [torch.randn(1, vocab, device=DEV), torch.full((1, vocab), float("-inf"), device=DEV)]
+    ragged = torch.randn(1, vocab, device=DEV)
+    ragged[0, -1] = 9.0
+    cases.append(ragged)
+    if vocab > 200:
+        tie = torch.randn(1, vocab, device=DEV)
+        tie[0, 150] = tie[0, 170] = tie[0, vocab - 2] = 9.0
+        cases += [tie, tie.to(torch.bfloat16)]
+    for logits in cases:
+        greedy(logits, out)
+        assert out.item() == logits.float().argmax(-1).item()
+    assert greedy.count.item() == 0
+    with pytest.raises(ValueError, match="must be"):
+        greedy(torch.zeros(2, vocab, device=DEV), out)

@@ -236,7 +236,7 @@ class FakeGraphs:
         self.graphs: dict[int, object] = {8: object()}
         self.fail = fail
 
-    def capture_single(self, single, head) -> None:
+    def capture_single(self, single, head, greedy=None) -> None:
         if self.fail:
             raise RuntimeError("capture failed")
         self.graphs[1] = single
@@ -249,6 +249,7 @@ def runner_with_background_compile(graphs: FakeGraphs, dry_pass):
     runner = ModelRunner.__new__(ModelRunner)
     runner.graph_runner, runner.persistent_decoder = graphs, object()
     runner.model = SimpleNamespace(compute_logits=lambda hidden: hidden)  # captured after the kernel
+    runner.greedy_row = None
     runner._persistent_dry_pass, runner._persistent_pending = dry_pass, None
     return runner
 

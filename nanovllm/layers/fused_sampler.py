@@ -182,3 +182,59 @@ def gumbel_argmax(
     )
     launch(_best_split_kernel, (rows,), best_val, best_idx, out, num_splits, MAX=MAX_SPLITS, num_warps=1)
     return out
+
+
+# A lone greedy sequence (the persistent decode graph, runner/cuda_graph.py): one row, one
+# launch. torch.argmax reduces a [1, 151,936] row in one thread block: 8.8 us per token on the
+# H200 (W5 profile, session 15), 1.5% of the step.
+GREEDY_BLOCK = 2048
+
+
+@triton.jit
+def _greedy_row_kernel(logits_ptr, part_val_ptr, part_idx_ptr, count_ptr, out_ptr, vocab_size,
+                       BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    """Program p takes columns [p * BLOCK, (p + 1) * BLOCK), stores its best (value, lowest
+    column) and counts itself in; the last program to arrive (acq_rel count) picks the best part,
+    lowest column on ties, and puts the count back to 0 for the next launch."""
+    pid = tl.program_id(0)
+    n = tl.num_programs(0)
+    cols = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+    best = tl.max(x, axis=0)
+    best_col = tl.min(tl.where(x == best, cols, 2**31 - 1), axis=0)
+    tl.store(part_val_ptr + pid, best)
+    tl.store(part_idx_ptr + pid, best_col)
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == n - 1:
+        offs = tl.arange(0, PARTS)
+        live = offs < n
+        # .cg: from the L2, where the other programs' released stores are
+        vals = tl.load(part_val_ptr + offs, mask=live, other=float("-inf"), cache_modifier=".cg")
+        idxs = tl.load(part_idx_ptr + offs, mask=live, other=2**31 - 1, cache_modifier=".cg")
+        top = tl.max(vals, axis=0)
+        tl.store(out_ptr, tl.min(tl.where(live & (vals == top), idxs, 2**31 - 1), axis=0).to(tl.int64))
+        tl.store(count_ptr, 0)
+
+
+class GreedyRow:
+    """`greedy(logits [1, V], out [1] int64)`: out = argmax of the row, the lowest token id on
+    ties, as torch.argmax (a NaN logit is not handled as torch does: rows with NaNs are broken
+    anyway). One launch of ceil(V / GREEDY_BLOCK) programs and graph-capturable: the workspace
+    (each program's best and an arrival count that the last program resets) lives here, so one
+    instance serves one stream of launches at a time."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        if vocab_size < 1 or vocab_size >= 2**31 - GREEDY_BLOCK:
+            raise ValueError(f"GreedyRow: vocab_size must be in [1, 2**31 - {GREEDY_BLOCK}), got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.programs = triton.cdiv(vocab_size, GREEDY_BLOCK)
+        self.part_val = torch.empty(self.programs, dtype=torch.float32, device=device)
+        self.part_idx = torch.empty(self.programs, dtype=torch.int32, device=device)
+        self.count = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def __call__(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if logits.shape != (1, self.vocab_size) or logits.stride(1) != 1:
+            raise ValueError(f"GreedyRow: logits must be [1, {self.vocab_size}] and contiguous, got {tuple(logits.shape)}")
+        launch(_greedy_row_kernel, (self.programs,), logits, self.part_val, self.part_idx, self.count, out,
+               self.vocab_size, BLOCK=GREEDY_BLOCK, PARTS=triton.next_power_of_2(self.programs), num_warps=4)
+        return out

@@ -154,12 +154,17 @@ class ModelRunner:
         self._prev_rows: dict[int, int] = {}
         self.graph_runner = None
         self.persistent_decoder = None
+        self.greedy_row = None  # the persistent graph's argmax (fused_sampler.GreedyRow)
         self._staging = HostStaging(self.device, slots=6) if self.device.type == "cuda" else None
         # The torch backend reads host-side lengths, so only the Triton / flash-attn backends are captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from nanovllm.runner.cuda_graph import CudaGraphRunner
 
             self.persistent_decoder = self._build_persistent_decoder()
+            if self.persistent_decoder is not None:
+                from nanovllm.layers.fused_sampler import GreedyRow
+
+                self.greedy_row = GreedyRow(self.model.lm_head.num_embeddings, self.device)
             self.graph_runner = CudaGraphRunner(
                 self.model, self.device, min(config.max_num_seqs, 512),
                 -(-config.max_model_len // self.block_size), config.max_model_len,
@@ -201,12 +206,14 @@ class ModelRunner:
         self._persistent_dry_pass: Callable[[], None] | None = None
         self._persistent_pending: Future | None = None
         if self.persistent_decoder is not None:
-            g, decoder = self.graph_runner, self.persistent_decoder
+            g, decoder, greedy = self.graph_runner, self.persistent_decoder, self.greedy_row
             ids, pos, meta = g.single.token, g.single.position, g.single.meta()
+            logits = torch.empty((1, greedy.vocab_size), dtype=self.dtype, device=self.device)
 
             def dry_pass() -> None:
                 with torch.cuda.device(self.device), torch.inference_mode():
                     decoder(ids, pos, meta)
+                    greedy(logits, ids)
 
             self._persistent_dry_pass = dry_pass
         # Start-up breakdown in seconds, reported by benchmarks/bench.py and benchmarks/startup.py.
@@ -270,7 +277,7 @@ class ModelRunner:
         try:
             if not pending.result():
                 raise RuntimeError("this Triton cannot compile in the background")
-            self.graph_runner.capture_single(self.persistent_decoder, self.model.compute_logits)
+            self.graph_runner.capture_single(self.persistent_decoder, self.model.compute_logits, self.greedy_row)
         except Exception as e:  # noqa: BLE001 - an optional fast path: log it and serve without it
             logger.warning("persistent decode off: %s", e)
             self.graph_runner.graphs.pop(1, None)
