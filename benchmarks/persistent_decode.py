@@ -2,6 +2,7 @@
 
     python benchmarks/persistent_decode.py --model /tmp/q06 [--contexts 640 64 4000] [--breakdown] [--timeline]
         [--compare one_thread_barrier=True split_tokens=32,block_t=32 ...] [--barriers]
+        [--timeline-variants gate_up_late=True ...] [--dump /tmp/stamps]
 
 Per context: one replay of the batch-1 CUDA graph (the persistent kernel) against one replay of
 the per-op graph of 8 rows with only the first row live (what a lone sequence runs without the
@@ -87,23 +88,26 @@ def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
             grid_wait(sync_ptr, grid_arrive(sync_ptr, POLL == 3), arrivals)
 
 
-def timeline(dec, runner, ids, pos, meta) -> None:
+def timeline(dec, runner, ids, pos, meta, dump: str | None = None, **kwargs) -> None:
     """Run a PROBE build of the kernel (it stamps the global timer and the SM's cycle counter at
     PROBE_POINTS of every layer, runner/persistent_decode.py) and print, per stage, the median over
     layers 2..num_layers-2 of: the work of the median and of the slowest program, the first-tile
     load issued before the barrier, and the barrier (last arrival to the median program's
     leaving); then attention's steps. Intervals within a program come from the cycle counter,
-    converted with the ratio of cycles to global nanoseconds over the kernel."""
+    converted with the ratio of cycles to global nanoseconds over the kernel. dump: also save the
+    raw stamps ([2, layers, PROBE_POINTS, programs], numpy) there; kwargs: PersistentDecoder keywords."""
     import numpy as np
 
     from nanovllm.runner import persistent_decode as pd
 
-    d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True)
+    d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True, **kwargs)
     d.bind(runner.k_caches, runner.v_caches)
     total_us = timed(lambda: d(ids, pos, meta))
     d.probe.zero_()  # stamps of one call only: which program combines a head's splits varies between calls
     d(ids, pos, meta)
     stamps = d.probe.view(2, dec.num_layers, pd._PROBE_POINTS, dec.num_programs).cpu().numpy().astype(np.float64)
+    if dump:
+        np.save(dump, stamps)
     print_timeline(stamps, total_us, [0, 1, 3] if d.fused_attn else [0, 1, 2, 3] if d.fused_mlp else [0, 1, 2, 3, 4])
 
 
@@ -164,6 +168,10 @@ def main() -> None:
                     help="also time the kernel built with these PersistentDecoder keywords (e.g. own_token_split=True) "
                          "between two runs of the default one, at every context")
     ap.add_argument("--barriers", action="store_true", help="also time the grid barrier variants alone")
+    ap.add_argument("--timeline-variants", nargs="+", metavar="KEY=VALUE[,KEY=VALUE]", default=[],
+                    help="with --timeline: also the timeline of the kernel built with these keywords")
+    ap.add_argument("--dump", metavar="PREFIX", help="with --timeline: save each timeline's raw stamps to PREFIX<n>.npy "
+                    "(0 the default kernel, then the variants in order)")
     args = ap.parse_args()
     from nanovllm import LLM
     from nanovllm.runner import persistent_decode as pd
@@ -227,10 +235,7 @@ def main() -> None:
         return timed(lambda: d(ids, pos, meta))
 
     for spec in args.compare:
-        kwargs = {}
-        for pair in spec.split(","):
-            key, value = pair.split("=", 1)
-            kwargs[key] = ast.literal_eval(value)
+        kwargs = keywords(spec)
         for ctx in args.contexts:
             set_context(ctx)
             before, variant, after = persistent(), persistent(spec, **kwargs), persistent()
@@ -241,11 +246,23 @@ def main() -> None:
                   f"{'identical' if diff == 0 else f'differs by at most {diff:.3g}'}  [{registers()}]")
     set_context(args.contexts[0])  # the breakdown and the timeline run at the first context
     if args.timeline:
-        timeline(dec, runner, ids, pos, meta)
+        for n, spec in enumerate([""] + args.timeline_variants):
+            if spec:
+                print(f"timeline of {spec}:")
+            timeline(dec, runner, ids, pos, meta, f"{args.dump}{n}.npy" if args.dump else None, **keywords(spec))
     if args.breakdown:
         breakdown(persistent, registers, dec.num_layers)
     if args.breakdown or args.barriers:
         barriers(sms)
+
+
+def keywords(spec: str) -> dict:
+    """PersistentDecoder keywords from "key=value,key=value" (values are Python literals)."""
+    kwargs = {}
+    for pair in filter(None, spec.split(",")):
+        key, value = pair.split("=", 1)
+        kwargs[key] = ast.literal_eval(value)
+    return kwargs
 
 
 def breakdown(persistent, registers, num_layers: int) -> None:

@@ -11,8 +11,8 @@ output. A barrier costs 0.86-0.93 us on an H200, less than a kernel boundary. Me
 head and the sampler follow) at context 640 against the per-op graph's 1.12-1.19 ms, and faster
 than it at every context measured (1.77 vs 2.89 ms at 16,384, session 12); still far from the
 weight-read floor (~0.3 ms for the whole step). Per layer (`--timeline`, 28 per token, session
-14): A 4.61 us, attention with the o projection 7.17, the MLP 5.63, each from a stage's start to
-the next's; no stage waits for its weights (they are in shared memory by then, below).
+15): A 3.3-3.6 us, attention with the o projection 7.4-7.7, the MLP 5.6-5.9, each from a stage's
+start to the next's; no stage waits for its weights (they are in shared memory by then, below).
 
 Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`, then the H200):
 - Weights through shared memory (SMEM_WEIGHTS; sm_90+, where the slices fit): a program's
@@ -41,6 +41,15 @@ Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`,
   KV head and row block; each item waits for its head's parts (a count per layer and head),
   combines them itself and adds its rows' sums into a second accumulator (_stage_attn_o): the o
   stage's barrier and the combiner's election gone, 523 -> 489 us at context 640 (session 14).
+- Where each bulk copy is issued (session 15): a program's copy streams into the SM through the
+  same path from the L2 as the loads a stage waits on, and slows them while it lasts. Issued
+  when stage A arrives, the gate/up rows (96 KB per program for Qwen3-0.6B) held the barrier
+  after A 1.02 us from its last arrival, against 0.26 at the others; issued once a program's
+  attention parts are stored (before its o item waits; GU_LATE, `gate_up_late`), the barrier
+  takes 0.26 us and the o item's wait and combine ~0.5 us more: 485 -> 471-482 us per token at
+  context 640. The o tile is copied in stage A once the stage's input is loaded, not while it
+  loads (O_LATE, `o_late`; within noise, 0-1%). Slower: the gate/up rows after the o item's
+  combine, the down rows before attention's arrival, the next qkv rows after the down product.
 - After a barrier a stage issues every load it needs at once: every acquire empties the SM's L1,
   so a load whose address came from another load cost a second L2 round trip. The offset table
   lives in shared memory (_at), the step's rotary cos/sin, slot and context are loaded once per
@@ -137,11 +146,12 @@ from nanovllm.precompile import compiling_only, launch
 from nanovllm.runner.persistent_attention import _first_kv_rows, _kv_load, _stage_attention, _stage_attn_o, _step_values
 from nanovllm.runner.persistent_common import (
     _FIELDS, _LOG2E, _NUM_FIELDS, _PROBE_POINTS, _TILE_ELEMENTS, BLOCK_T, F_DOWN_T, F_DOWN_W, F_GU_W, F_K_CACHE, F_LN1,
-    F_LN2, F_O_PERM, F_O_W, F_QKV_B, F_QKV_W, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, SPLIT_TOKENS, _at, _item_rows,
-    _next_layer, _residual, _rows, _stamp, _table_to_shared, _tile_columns, _weight_tile, _zero_acc,
+    F_LN2, F_O_W, F_QKV_B, F_QKV_W, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, SPLIT_TOKENS, _at, _item_rows,
+    _issue_weights, _next_layer, _residual, _rows, _stamp, _table_to_shared, _tile_columns, _up_rows_slot, _weight_tile,
+    _zero_acc,
 )
 from nanovllm.runner.ptx import (
-    MMA_K_STEP, align_up, bulk_copy, down_asm, down_rows, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm,
+    MMA_K_STEP, align_up, down_asm, down_rows, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm,
     mma_rows, reserve_shared_memory, shared_address, slot_tile, stage_f32_to_shared, stage_to_shared,
 )
 
@@ -224,16 +234,18 @@ def _stage_qkv(
     first, base_ptr, layer_ptr, resid_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item, slot,
     H: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SMEM: tl.constexpr, xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr,
-    COPIES: tl.constexpr,
+    COPIES: tl.constexpr, STAGED: tl.constexpr = False,
 ):
     """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile. MMA_ASM
-    (not empty): on tensor cores from the slot (mma_asm), the normed input staged at xbuf.
-    COPIES: the residual still has the previous layer's down sums to add (see _residual)."""
+    (not empty): on tensor cores from the slot (mma_asm), the normed input staged at xbuf (by
+    the caller already if STAGED). COPIES: the residual still has the previous layer's down sums
+    to add (see _residual)."""
     dtype = qkv_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN1)
     if MMA_ASM != "":
-        _normed_to_shared(resid_ptr, acc_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype, COPIES)
+        if not STAGED:
+            _normed_to_shared(resid_ptr, acc_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype, COPIES)
     else:
         rstd = _rstd(resid_ptr, acc_ptr, eps, H, BLOCK_K, COPIES)
     for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
@@ -434,68 +446,6 @@ def _prefetch(
 
 
 @triton.jit
-def _up_rows_slot(slot, rows_inter, H: tl.constexpr, ESIZE: tl.constexpr):
-    """Where a program's up rows start in slot X: after its rows_inter gate rows of H weights
-    (_issue_weights copies them there, _stage_gate_up reads them; mma_asm's row2 is the same
-    rows_inter rows further)."""
-    return slot + rows_inter * (H * ESIZE)
-
-
-@triton.jit
-def _issue_weights(
-    STAGE: tl.constexpr, layer_ptr, valid, base_ptr, slot, bar, pid, rows_qkv, rows_h, rows_inter,
-    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
-    FUSED_MLP: tl.constexpr = False, FUSED_ATTN: tl.constexpr = False, RBS: tl.constexpr = 1, num_programs=1,
-):
-    """SMEM_WEIGHTS: copy this program's rows of weight stage STAGE (0 qkv, 2 o, 3 gate and up,
-    4 down; with FUSED_MLP, 4 is the program's rows_inter rows of the transposed down weight) of
-    a layer into `slot`, counted at mbarrier `bar` (gate rows, then up rows rows_inter rows
-    further). valid=False copies nothing but still completes the phase. With FUSED_ATTN, stage 2
-    is the program's o tile (_stage_attn_o's item (pid % NK, pid // NK)), RBS rows of o_perm."""
-    ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
-    if STAGE == 2 and FUSED_ATTN:
-        GD: tl.constexpr = (NQ // NK) * D
-        b = pid // NK
-        has = valid & (pid < NK * (num_programs // NK))
-        tile = _at(base_ptr, layer_ptr, F_O_PERM) + ((pid % NK) * H + b * RBS) * GD
-        tile_bytes = tl.where(has, tl.maximum(tl.minimum(RBS, H - b * RBS), 0), 0) * (GD * ESIZE)
-        bulk_copy(bar, slot, tile, tile_bytes, slot, tile, 0)
-    else:
-        if STAGE == 0:
-            w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
-            rows_per_item = rows_qkv
-            N: tl.constexpr = (NQ + 2 * NK) * D
-            K: tl.constexpr = H
-        elif STAGE == 2:
-            w_ptr = _at(base_ptr, layer_ptr, F_O_W)
-            rows_per_item = rows_h
-            N: tl.constexpr = H
-            K: tl.constexpr = NQ * D
-        elif STAGE == 3:
-            w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
-            rows_per_item = rows_inter
-            N: tl.constexpr = INTER
-            K: tl.constexpr = H
-        elif FUSED_MLP:
-            w_ptr = _at(base_ptr, layer_ptr, F_DOWN_T)
-            rows_per_item = rows_inter
-            N: tl.constexpr = INTER
-            K: tl.constexpr = H
-        else:
-            w_ptr = _at(base_ptr, layer_ptr, F_DOWN_W)
-            rows_per_item = rows_h
-            N: tl.constexpr = H
-            K: tl.constexpr = INTER
-        row0 = pid * rows_per_item
-        nbytes = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0) * (K * ESIZE)
-        src = w_ptr + row0 * K
-        if STAGE == 3:  # the up rows: INTER rows after the gate rows in the packed weight
-            bulk_copy(bar, slot, src, nbytes, _up_rows_slot(slot, rows_per_item, K, ESIZE), src + INTER * K, nbytes)
-        else:
-            bulk_copy(bar, slot, src, nbytes, slot, src, 0)
-
-
-@triton.jit
 def _layer_stage(
     STAGE: tl.constexpr, first, first2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
     acc_ptr, part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
@@ -510,6 +460,7 @@ def _layer_stage(
     BK_H: tl.constexpr, BX_O: tl.constexpr, BX_DOWN: tl.constexpr, THREADS: tl.constexpr, COPIES: tl.constexpr,
     BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr, resid2_ptr, acc_o_ptr, FUSED_ATTN: tl.constexpr,
     PERSISTENT: tl.constexpr, RBS: tl.constexpr, BR_OB: tl.constexpr, BK_OB: tl.constexpr, MMA_OB: tl.constexpr,
+    GU_LATE: tl.constexpr = False, O_LATE: tl.constexpr = False,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
     `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
@@ -519,12 +470,22 @@ def _layer_stage(
     stepwise launches, where kernel boundaries order it after every part), and the residual
     lives in two buffers: stage A reads resid2 (after the MLP) plus the down sums and stores its
     rows of the sum into resid, stage D reads resid plus the o sums and stores its rows into
-    resid2 (_carry_residual)."""
+    resid2 (_carry_residual). Slot copies issued here: GU_LATE, the gate/up rows once this
+    program's attention parts are stored (else when stage A arrives); O_LATE (with the tensor-core
+    qkv), this layer's o tile once stage A's input is staged (else when the previous layer's MLP
+    arrives)."""
     if STAGE == 0:
         if FUSED_ATTN:
             _carry_residual(resid2_ptr, acc_ptr, COPIES, resid_ptr, acc_o_ptr, pid, num_programs, rows_h, H, BR_H, True)
+            O_HERE: tl.constexpr = O_LATE and SMEM and MMA_QKV != ""
+            if O_HERE:  # the o tile's copy once this stage's input is in, not during its loads
+                _normed_to_shared(resid2_ptr, acc_ptr, _at(base_ptr, layer_ptr, F_LN1), eps, xbuf, H, BK_H,
+                                  qkv_ptr.dtype.element_ty, COPIES)
+                _issue_weights(2, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK,
+                               D, INTER, True, True, RBS, num_programs)
             _stage_qkv(first, base_ptr, layer_ptr, resid2_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
-                       H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS, COPIES)
+                       H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS, COPIES,
+                       O_HERE)
         else:
             _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
                        H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS, COPIES)
@@ -535,6 +496,9 @@ def _layer_stage(
                          NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE,
                          FUSED_ATTN, PERSISTENT)
         if FUSED_ATTN and PERSISTENT:
+            if GU_LATE and SMEM:  # slot X (free since stage A) takes the gate/up rows only now
+                _issue_weights(3, layer_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter,
+                               H, NQ, NK, D, INTER)
             _stage_attn_o(base_ptr, layer_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr, acc_o_ptr, acc_ptr, ctx, pid,
                           num_programs, rows_h, slot_y, bar_y, xbuf, red, probe_row, probe_half, H, NQ, NK, D, SPLIT_MIN,
                           MAX_SPLITS, OWN_SPLIT, BLOCK_G, RBS, BR_OB, BK_OB, MMA_OB, THREADS, SMEM, PERSISTENT, COPIES,
@@ -584,7 +548,8 @@ def _decode_kernel(
     MMA_GU: tl.constexpr = "", MMA_DOWN: tl.constexpr = "", BX_O: tl.constexpr = 16, BX_DOWN: tl.constexpr = 16,
     THREADS: tl.constexpr = 256, KV_PREFETCH_CG: tl.constexpr = False, ACC_COPIES: tl.constexpr = 0,
     BK_DT: tl.constexpr = 16, DOWN_ASM: tl.constexpr = "", FUSED_ATTN: tl.constexpr = False, RBS: tl.constexpr = 1,
-    BR_OB: tl.constexpr = 1, BK_OB: tl.constexpr = 16, MMA_OB: tl.constexpr = "",
+    BR_OB: tl.constexpr = 1, BK_OB: tl.constexpr = 16, MMA_OB: tl.constexpr = "", GU_LATE: tl.constexpr = False,
+    O_LATE: tl.constexpr = False,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -609,7 +574,9 @@ def _decode_kernel(
     transposed weight is read BK_DT columns at a time). FUSED_ATTN (with ACC_COPIES): the o
     projection in the attention stage (_stage_attn_o: RBS rows per item, BR_OB x BK_OB tiles or
     the tensor-core program MMA_OB), three stages per layer, the residual in resid and resid2,
-    the o sums in acc_o (see _layer_stage); the attention parts count at sync_ptr[1 + layer * NK]."""
+    the o sums in acc_o (see _layer_stage); the attention parts count at sync_ptr[1 + layer * NK].
+    GU_LATE, O_LATE (FUSED_ATTN, SMEM_WEIGHTS): when the gate/up rows and the o tile are copied
+    in (see the module docstring and _layer_stage)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
@@ -620,6 +587,7 @@ def _decode_kernel(
     xbuf = 0
     red = 0
     FUSED: tl.constexpr = ACC_COPIES > 0
+    O_IN_A: tl.constexpr = O_LATE and FUSED_ATTN and SMEM_WEIGHTS and MMA_QKV != ""  # see _layer_stage
     if FUSED_ATTN:
         post_ptr = resid2_ptr  # the residual after a layer's MLP (see _layer_stage)
     else:
@@ -636,8 +604,9 @@ def _decode_kernel(
             _table_to_shared(table_ptr, table, NUM_FIELDS * num_layers, 256)
             mbarriers_init(bar_x, bar_y)  # its CTA barrier also orders the table's copy before its reads
             _issue_weights(0, table, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
-            _issue_weights(2, table, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER,
-                           FUSED, FUSED_ATTN, RBS, num_programs)
+            if not O_IN_A:
+                _issue_weights(2, table, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D,
+                               INTER, FUSED, FUSED_ATTN, RBS, num_programs)
         _stage_embed(base_ptr, tok_ptr, post_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
         kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)  # placeholders: set before each use
         kv2 = kv1
@@ -686,7 +655,7 @@ def _decode_kernel(
                             INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV,
                             BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE, SMEM_WEIGHTS, xbuf, red, MMA_QKV, MMA_O,
                             MMA_GU, MMA_DOWN, BK_H, BX_O, BX_DOWN, THREADS, ACC_COPIES, BK_DT, DOWN_ASM, resid2_ptr, acc_o_ptr,
-                            FUSED_ATTN, True, RBS, BR_OB, BK_OB, MMA_OB,
+                            FUSED_ATTN, True, RBS, BR_OB, BK_OB, MMA_OB, GU_LATE, O_LATE,
                         )
                     _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                     seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
@@ -696,7 +665,7 @@ def _decode_kernel(
                     if SMEM_WEIGHTS:
                         # The slot this stage read is free (every thread passed the CTA barrier in
                         # grid_arrive): copy in the stage that uses it next.
-                        if stage == 0:
+                        if stage == 0 and not (GU_LATE and FUSED_ATTN):
                             _issue_weights(3, layer_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter,
                                            H, NQ, NK, D, INTER)
                         elif stage == 1:
@@ -707,7 +676,9 @@ def _decode_kernel(
                             _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
                                            H, NQ, NK, D, INTER, FUSED)
                         elif stage == 3:
-                            if FUSED:  # the next qkv rows are on their way (_stage_gate_up); no stage 4: slot Y is free
+                            if FUSED and O_IN_A:
+                                pass  # the next o tile is copied in stage A (O_LATE)
+                            elif FUSED:  # the next qkv rows are on their way (_stage_gate_up); no stage 4: slot Y is free
                                 _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y, bar_y,
                                                pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER, FUSED, FUSED_ATTN, RBS,
                                                num_programs)
@@ -818,7 +789,9 @@ class PersistentDecoder:
     K/V tile read through the L2 only; 8 us faster), fused_mlp (the MLP in one stage, its down
     sums in acc_copies fp32 copies; None: on with the slots; 39 us faster at context 640),
     fused_attn (the o projection in the attention stage; needs fused_mlp and a program per KV
-    head; None: on with fused_mlp and the slots; 34 us faster), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
+    head; None: on with fused_mlp and the slots; 34 us faster), gate_up_late and o_late (with
+    fused_attn: when the slots' gate/up rows and o tile are copied in; 4-14 us faster and within
+    noise), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
     (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small ones so that
     programs take several items and contexts several splits."""
@@ -830,6 +803,7 @@ class PersistentDecoder:
         probe: bool = False, own_token_split: bool = True, one_thread_barrier: bool = True,
         smem_weights: bool = True, mma_projections: bool = True, kv_prefetch_cg: bool = True,
         fused_mlp: bool | None = None, acc_copies: int = 4, fused_attn: bool | None = None,
+        gate_up_late: bool = True, o_late: bool = True,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -936,7 +910,7 @@ class PersistentDecoder:
         self.o_perm = ([lyr.self_attn.o_proj.weight.view(h, self.num_k, group_width).permute(1, 0, 2).contiguous()
                         for lyr in inner.layers] if self.fused_attn else [None] * self.num_layers)
         if self.fused_attn:
-            self.constexprs.update(FUSED_ATTN=True, RBS=self.rbs, BR_OB=br_ob, BK_OB=bk_ob)
+            self.constexprs.update(FUSED_ATTN=True, RBS=self.rbs, BR_OB=br_ob, BK_OB=bk_ob, GU_LATE=gate_up_late, O_LATE=o_late)
         self._smem_off: int | None = None
         self.mma = (self.smem_weights and mma_projections and self.dtype in (torch.bfloat16, torch.float16)
                     and all(k % MMA_K_STEP == 0 for k in (h, q, self.inter))
