@@ -13,8 +13,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nanovllm.runner.ptx import bulk_copy
-
 # Rows of the per-layer offset table: where each layer's tensors start, in elements from the
 # embedding weight (every tensor has the model's dtype, so one base pointer reaches them all).
 # down_t: the down projection's weight transposed ([intermediate, hidden]; FUSED_MLP only); o_perm:
@@ -161,65 +159,3 @@ def _zero_rows(acc_ptr, COPIES: tl.constexpr, pid, num_programs, rows_h, H: tl.c
     for item in range(pid, tl.cdiv(H, rows_h), num_programs):
         rows, rmask = _rows(item, rows_h, H, BR_H)
         _zero_acc(acc_ptr, rows, rmask, H, COPIES)
-
-
-@triton.jit
-def _up_rows_slot(slot, rows_inter, H: tl.constexpr, ESIZE: tl.constexpr):
-    """Where a program's up rows start in slot X: after its rows_inter gate rows of H weights
-    (_issue_weights copies them there, _stage_gate_up reads them; mma_asm's row2 is the same
-    rows_inter rows further)."""
-    return slot + rows_inter * (H * ESIZE)
-
-
-@triton.jit
-def _issue_weights(
-    STAGE: tl.constexpr, layer_ptr, valid, base_ptr, slot, bar, pid, rows_qkv, rows_h, rows_inter,
-    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
-    FUSED_MLP: tl.constexpr = False, FUSED_ATTN: tl.constexpr = False, RBS: tl.constexpr = 1, num_programs=1,
-):
-    """SMEM_WEIGHTS: copy this program's rows of weight stage STAGE (0 qkv, 2 o, 3 gate and up,
-    4 down; with FUSED_MLP, 4 is the program's rows_inter rows of the transposed down weight) of
-    a layer into `slot`, counted at mbarrier `bar` (gate rows, then up rows rows_inter rows
-    further). valid=False copies nothing but still completes the phase. With FUSED_ATTN, stage 2
-    is the program's o tile (_stage_attn_o's item (pid % NK, pid // NK)), RBS rows of o_perm."""
-    ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
-    if STAGE == 2 and FUSED_ATTN:
-        GD: tl.constexpr = (NQ // NK) * D
-        b = pid // NK
-        has = valid & (pid < NK * (num_programs // NK))
-        tile = _at(base_ptr, layer_ptr, F_O_PERM) + ((pid % NK) * H + b * RBS) * GD
-        tile_bytes = tl.where(has, tl.maximum(tl.minimum(RBS, H - b * RBS), 0), 0) * (GD * ESIZE)
-        bulk_copy(bar, slot, tile, tile_bytes, slot, tile, 0)
-    else:
-        if STAGE == 0:
-            w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
-            rows_per_item = rows_qkv
-            N: tl.constexpr = (NQ + 2 * NK) * D
-            K: tl.constexpr = H
-        elif STAGE == 2:
-            w_ptr = _at(base_ptr, layer_ptr, F_O_W)
-            rows_per_item = rows_h
-            N: tl.constexpr = H
-            K: tl.constexpr = NQ * D
-        elif STAGE == 3:
-            w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
-            rows_per_item = rows_inter
-            N: tl.constexpr = INTER
-            K: tl.constexpr = H
-        elif FUSED_MLP:
-            w_ptr = _at(base_ptr, layer_ptr, F_DOWN_T)
-            rows_per_item = rows_inter
-            N: tl.constexpr = INTER
-            K: tl.constexpr = H
-        else:
-            w_ptr = _at(base_ptr, layer_ptr, F_DOWN_W)
-            rows_per_item = rows_h
-            N: tl.constexpr = H
-            K: tl.constexpr = INTER
-        row0 = pid * rows_per_item
-        nbytes = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0) * (K * ESIZE)
-        src = w_ptr + row0 * K
-        if STAGE == 3:  # the up rows: INTER rows after the gate rows in the packed weight
-            bulk_copy(bar, slot, src, nbytes, _up_rows_slot(slot, rows_per_item, K, ESIZE), src + INTER * K, nbytes)
-        else:
-            bulk_copy(bar, slot, src, nbytes, slot, src, 0)

@@ -146,12 +146,11 @@ from nanovllm.precompile import compiling_only, launch
 from nanovllm.runner.persistent_attention import _first_kv_rows, _kv_load, _stage_attention, _stage_attn_o, _step_values
 from nanovllm.runner.persistent_common import (
     _FIELDS, _LOG2E, _NUM_FIELDS, _PROBE_POINTS, _TILE_ELEMENTS, BLOCK_T, F_DOWN_T, F_DOWN_W, F_GU_W, F_K_CACHE, F_LN1,
-    F_LN2, F_O_W, F_QKV_B, F_QKV_W, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, SPLIT_TOKENS, _at, _item_rows,
-    _issue_weights, _next_layer, _residual, _rows, _stamp, _table_to_shared, _tile_columns, _up_rows_slot, _weight_tile,
-    _zero_acc,
+    F_LN2, F_O_PERM, F_O_W, F_QKV_B, F_QKV_W, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, SPLIT_TOKENS, _at, _item_rows,
+    _next_layer, _residual, _rows, _stamp, _table_to_shared, _tile_columns, _weight_tile, _zero_acc,
 )
 from nanovllm.runner.ptx import (
-    MMA_K_STEP, align_up, down_asm, down_rows, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm,
+    MMA_K_STEP, align_up, bulk_copy, down_asm, down_rows, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm,
     mma_rows, reserve_shared_memory, shared_address, slot_tile, stage_f32_to_shared, stage_to_shared,
 )
 
@@ -443,6 +442,68 @@ def _prefetch(
     else:
         t = _first_tile(_at(base_ptr, layer_ptr, F_DOWN_W), pid, rows_h, H, valid, INTER, BR_H, BK_DOWN)
         return t, t
+
+
+@triton.jit
+def _up_rows_slot(slot, rows_inter, H: tl.constexpr, ESIZE: tl.constexpr):
+    """Where a program's up rows start in slot X: after its rows_inter gate rows of H weights
+    (_issue_weights copies them there, _stage_gate_up reads them; mma_asm's row2 is the same
+    rows_inter rows further)."""
+    return slot + rows_inter * (H * ESIZE)
+
+
+@triton.jit
+def _issue_weights(
+    STAGE: tl.constexpr, layer_ptr, valid, base_ptr, slot, bar, pid, rows_qkv, rows_h, rows_inter,
+    H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    FUSED_MLP: tl.constexpr = False, FUSED_ATTN: tl.constexpr = False, RBS: tl.constexpr = 1, num_programs=1,
+):
+    """SMEM_WEIGHTS: copy this program's rows of weight stage STAGE (0 qkv, 2 o, 3 gate and up,
+    4 down; with FUSED_MLP, 4 is the program's rows_inter rows of the transposed down weight) of
+    a layer into `slot`, counted at mbarrier `bar` (gate rows, then up rows rows_inter rows
+    further). valid=False copies nothing but still completes the phase. With FUSED_ATTN, stage 2
+    is the program's o tile (_stage_attn_o's item (pid % NK, pid // NK)), RBS rows of o_perm."""
+    ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
+    if STAGE == 2 and FUSED_ATTN:
+        GD: tl.constexpr = (NQ // NK) * D
+        b = pid // NK
+        has = valid & (pid < NK * (num_programs // NK))
+        tile = _at(base_ptr, layer_ptr, F_O_PERM) + ((pid % NK) * H + b * RBS) * GD
+        tile_bytes = tl.where(has, tl.maximum(tl.minimum(RBS, H - b * RBS), 0), 0) * (GD * ESIZE)
+        bulk_copy(bar, slot, tile, tile_bytes, slot, tile, 0)
+    else:
+        if STAGE == 0:
+            w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
+            rows_per_item = rows_qkv
+            N: tl.constexpr = (NQ + 2 * NK) * D
+            K: tl.constexpr = H
+        elif STAGE == 2:
+            w_ptr = _at(base_ptr, layer_ptr, F_O_W)
+            rows_per_item = rows_h
+            N: tl.constexpr = H
+            K: tl.constexpr = NQ * D
+        elif STAGE == 3:
+            w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
+            rows_per_item = rows_inter
+            N: tl.constexpr = INTER
+            K: tl.constexpr = H
+        elif FUSED_MLP:
+            w_ptr = _at(base_ptr, layer_ptr, F_DOWN_T)
+            rows_per_item = rows_inter
+            N: tl.constexpr = INTER
+            K: tl.constexpr = H
+        else:
+            w_ptr = _at(base_ptr, layer_ptr, F_DOWN_W)
+            rows_per_item = rows_h
+            N: tl.constexpr = H
+            K: tl.constexpr = INTER
+        row0 = pid * rows_per_item
+        nbytes = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0) * (K * ESIZE)
+        src = w_ptr + row0 * K
+        if STAGE == 3:  # the up rows: INTER rows after the gate rows in the packed weight
+            bulk_copy(bar, slot, src, nbytes, _up_rows_slot(slot, rows_per_item, K, ESIZE), src + INTER * K, nbytes)
+        else:
+            bulk_copy(bar, slot, src, nbytes, slot, src, 0)
 
 
 @triton.jit
