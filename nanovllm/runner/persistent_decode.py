@@ -91,23 +91,28 @@ Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`,
   stage's start (704 -> 772 us; commit eb21c16); a grid barrier of per-program arrival flags
   (1.77 against 0.86 us per barrier; commit 65cf178).
 
-Stages of a layer (each program takes a slice of rows, or of (KV head, context split) pairs):
-  A  RMSNorm of the residual stream (recomputed by every program: hidden_size values), then the
-     packed q/k/v projection rows.
-  B  q/k norm + rotary, attention over the paged KV cache in context splits; the last split
-     also attends to the step's own token and stores its K/V into the cache (or, with
-     own_token_split, one more part per KV head does that alone); the last part to finish for a
-     KV head (an atomic count) combines the parts into the attention output.
-  C  o projection rows plus the residual add.
-  D  RMSNorm again, gate and up rows, SiLU-and-mul.
-  E  down projection rows plus the residual add.
-A barrier follows each stage. With FUSED_MLP, D also does the down projection (split by K, see
-_stage_gate_up) and E does not exist: four stages per layer; with FUSED_ATTN too, B does the o
-projection (_stage_attn_o) and C does not exist: three (see _layer_stage for the residual's two
-buffers). Before the first layer the embedding row becomes the residual
-stream; after the last, the final RMSNorm writes the hidden state. The LM head and the sampler
-run after the kernel, as for every other step (the runner's CUDA graph of the kernel also holds
-the LM head and the greedy argmax: runner/cuda_graph.py).
+Stages of a layer (each program takes a slice of rows, or of (KV head, context split) pairs).
+The default where the weights go through the shared-memory slots (FUSED_MLP and FUSED_ATTN),
+three stages, each followed by a grid barrier:
+  A  RMSNorm of the residual stream (recomputed by every program: hidden_size values, the
+     previous layer's down sums added first), then the packed q/k/v projection rows.
+  B  q/k norm + rotary, attention over the paged KV cache in context splits (one more part per
+     KV head attends to the step's own token and stores its K/V, where that costs no split:
+     own_token_split); each part counts itself in per KV head, then the o projection split by
+     KV head and row block: an item waits for its head's count, combines the parts and adds
+     its rows' sums into an fp32 accumulator with atomics (_stage_attn_o).
+  D  RMSNorm of the residual plus the o sums, gate and up rows, SiLU-and-mul, then the down
+     projection split by K: each program's [hidden] partial sum added into accumulator copies
+     with atomics (_stage_gate_up), which the next layer's A adds to the residual.
+See _layer_stage for the residual's two buffers. Without the fused o projection, B's last part
+per KV head (an atomic count) combines the parts into the attention output and a stage C does
+the o projection rows plus the residual add: four stages; without the fused MLP either, D stops
+at SiLU-and-mul and a stage E does the down projection rows plus the residual add: five (what
+models whose slices do not fit the slots, and the stepwise launches by default, run). Before
+the first layer the embedding row becomes the residual stream; after the last, the final
+RMSNorm writes the hidden state. The LM head and the sampler run after the kernel, as for every
+other step (the runner's CUDA graph of the kernel also holds the LM head and the greedy argmax:
+runner/cuda_graph.py).
 
 Numerics follow the per-op path (layers/fused.py): every value the reference rounds to the
 activation dtype (projection outputs, the residual sums, normalised values, rotary products,
