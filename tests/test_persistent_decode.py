@@ -236,7 +236,7 @@ class FakeGraphs:
         self.graphs: dict[int, object] = {8: object()}
         self.fail = fail
 
-    def capture_single(self, single, head, greedy=None) -> None:
+    def capture_single(self, single, head, greedy) -> None:
         if self.fail:
             raise RuntimeError("capture failed")
         self.graphs[1] = single

@@ -14,12 +14,12 @@ context measured (H200, Qwen3-0.6B, per token: 0.70 vs 1.19 ms at 640 tokens, 1.
 16,384; benchmarks/persistent_decode.py). That graph also holds the LM head and the greedy
 argmax (fused_sampler.GreedyRow: one launch across the vocabulary, 3.6 us per token on the H200
 against torch.argmax's one-block 8.8 us), which it writes over its own input token, so that a
-greedy stream's next step finds its input in place; its inputs are views of one byte buffer (SingleDecodeInputs) that one
-host-to-device copy fills. Each launch left outside the graph cost the host ~10-65 us per token
-(torch profiler, H200, W5). Otherwise the smallest graph has 8 rows: cuBLAS picks
-a slow kernel for some projections below 8 rows (Qwen3-0.6B's o_proj took 12.6 us at 1 row and
-5.9 us at 8 on the H200, `benchmarks/small_gemm.py`), and the other kernels cost the same for 1
-or 8 rows, so a lone sequence runs faster padded to 8.
+greedy stream's next step finds its input in place; its inputs are views of one byte buffer
+(SingleDecodeInputs) that one host-to-device copy fills. Each launch left outside the graph
+cost the host ~10-65 us per token (torch profiler, H200, W5). Otherwise the smallest graph has
+8 rows: cuBLAS picks a slow kernel for some projections below 8 rows (Qwen3-0.6B's o_proj took
+12.6 us at 1 row and 5.9 us at 8 on the H200, `benchmarks/small_gemm.py`), and the other kernels
+cost the same for 1 or 8 rows, so a lone sequence runs faster padded to 8.
 """
 from __future__ import annotations
 
@@ -187,11 +187,11 @@ class CudaGraphRunner:
         self,
         single: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
         head: Callable[[torch.Tensor], torch.Tensor],
-        greedy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        greedy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
         """Capture `single` (one decoding sequence's forward over `self.single`, compiled
         already), then `head` (hidden -> logits) and the greedy argmax into `self.single.token`
-        (`greedy(logits, out)`, compiled already, e.g. fused_sampler.GreedyRow; None: torch.argmax),
+        (`greedy(logits, out)`, compiled already: fused_sampler.GreedyRow),
         as the graph of size 1, in the pool of the others. Runs between steps, on the thread that
         runs them: the warm-up launch reads the static inputs, so they are first made to store
         nothing (slot -1) and attend to nothing cached (length 1: its own token only)."""
@@ -204,10 +204,7 @@ class CudaGraphRunner:
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             hidden = single(s.token, s.position, meta)
             logits = head(hidden)
-            if greedy is None:
-                torch.argmax(logits, dim=-1, out=s.token)
-            else:
-                greedy(logits, s.token)
+            greedy(logits, s.token)
             return hidden, logits
 
         forward()

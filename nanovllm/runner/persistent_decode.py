@@ -526,7 +526,7 @@ def _layer_stage(
     BK_H: tl.constexpr, BX_O: tl.constexpr, BX_DOWN: tl.constexpr, THREADS: tl.constexpr, COPIES: tl.constexpr,
     BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr, resid2_ptr, acc_o_ptr, FUSED_ATTN: tl.constexpr,
     PERSISTENT: tl.constexpr, RBS: tl.constexpr, BR_OB: tl.constexpr, BK_OB: tl.constexpr, MMA_OB: tl.constexpr,
-    GU_LATE: tl.constexpr = False, O_LATE: tl.constexpr = False,
+    GU_IN_B: tl.constexpr = False, O_IN_A: tl.constexpr = False,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
     `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
@@ -536,22 +536,20 @@ def _layer_stage(
     stepwise launches, where kernel boundaries order it after every part), and the residual
     lives in two buffers: stage A reads resid2 (after the MLP) plus the down sums and stores its
     rows of the sum into resid, stage D reads resid plus the o sums and stores its rows into
-    resid2 (_carry_residual). Slot copies issued here: GU_LATE, the gate/up rows once this
-    program's attention parts are stored (else when stage A arrives); O_LATE (with the tensor-core
-    qkv), this layer's o tile once stage A's input is staged (else when the previous layer's MLP
-    arrives)."""
+    resid2 (_carry_residual). Slot copies issued here (see _decode_kernel): GU_IN_B, the gate/up
+    rows once this program's attention parts are stored (else when stage A arrives); O_IN_A, this
+    layer's o tile once stage A's input is staged (else when the previous layer's MLP arrives)."""
     if STAGE == 0:
         if FUSED_ATTN:
             _carry_residual(resid2_ptr, acc_ptr, COPIES, resid_ptr, acc_o_ptr, pid, num_programs, rows_h, H, BR_H, True)
-            O_HERE: tl.constexpr = O_LATE and SMEM and MMA_QKV != ""
-            if O_HERE:  # the o tile's copy once this stage's input is in, not during its loads
+            if O_IN_A:  # the o tile's copy once this stage's input is in, not during its loads
                 _normed_to_shared(resid2_ptr, acc_ptr, _at(base_ptr, layer_ptr, F_LN1), eps, xbuf, H, BK_H,
                                   qkv_ptr.dtype.element_ty, COPIES)
                 _issue_weights(2, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK,
                                D, INTER, True, True, RBS, num_programs)
             _stage_qkv(first, base_ptr, layer_ptr, resid2_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
                        H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS, COPIES,
-                       O_HERE)
+                       O_IN_A)
         else:
             _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
                        H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS, COPIES)
@@ -562,7 +560,7 @@ def _layer_stage(
                          NQ, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, BLOCK_T, PROBE,
                          FUSED_ATTN, PERSISTENT)
         if FUSED_ATTN and PERSISTENT:
-            if GU_LATE and SMEM:  # slot X (free since stage A) takes the gate/up rows only now
+            if GU_IN_B:  # slot X (free since stage A) takes the gate/up rows only now
                 _issue_weights(3, layer_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter,
                                H, NQ, NK, D, INTER)
             _stage_attn_o(base_ptr, layer_ptr, attn_ptr, part_acc_ptr, part_ml_ptr, count_ptr, acc_o_ptr, acc_ptr, ctx, pid,
@@ -653,7 +651,9 @@ def _decode_kernel(
     xbuf = 0
     red = 0
     FUSED: tl.constexpr = ACC_COPIES > 0
-    O_IN_A: tl.constexpr = O_LATE and FUSED_ATTN and SMEM_WEIGHTS and MMA_QKV != ""  # see _layer_stage
+    # Where the gate/up rows and the o tile are copied into their slots (see _layer_stage).
+    GU_IN_B: tl.constexpr = GU_LATE and FUSED_ATTN and SMEM_WEIGHTS
+    O_IN_A: tl.constexpr = O_LATE and FUSED_ATTN and SMEM_WEIGHTS and MMA_QKV != ""  # A stages its input first
     if FUSED_ATTN:
         post_ptr = resid2_ptr  # the residual after a layer's MLP (see _layer_stage)
     else:
@@ -721,7 +721,7 @@ def _decode_kernel(
                             INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV,
                             BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE, SMEM_WEIGHTS, xbuf, red, MMA_QKV, MMA_O,
                             MMA_GU, MMA_DOWN, BK_H, BX_O, BX_DOWN, THREADS, ACC_COPIES, BK_DT, DOWN_ASM, resid2_ptr, acc_o_ptr,
-                            FUSED_ATTN, True, RBS, BR_OB, BK_OB, MMA_OB, GU_LATE, O_LATE,
+                            FUSED_ATTN, True, RBS, BR_OB, BK_OB, MMA_OB, GU_IN_B, O_IN_A,
                         )
                     _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                     seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
@@ -731,7 +731,7 @@ def _decode_kernel(
                     if SMEM_WEIGHTS:
                         # The slot this stage read is free (every thread passed the CTA barrier in
                         # grid_arrive): copy in the stage that uses it next.
-                        if stage == 0 and not (GU_LATE and FUSED_ATTN):
+                        if stage == 0 and not GU_IN_B:
                             _issue_weights(3, layer_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter,
                                            H, NQ, NK, D, INTER)
                         elif stage == 1:
@@ -742,12 +742,11 @@ def _decode_kernel(
                             _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
                                            H, NQ, NK, D, INTER, FUSED)
                         elif stage == 3:
-                            if FUSED and O_IN_A:
-                                pass  # the next o tile is copied in stage A (O_LATE)
-                            elif FUSED:  # the next qkv rows are on their way (_stage_gate_up); no stage 4: slot Y is free
-                                _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y, bar_y,
-                                               pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER, FUSED, FUSED_ATTN, RBS,
-                                               num_programs)
+                            if FUSED:  # the next qkv rows are on their way (_stage_gate_up); no stage 4: slot Y is free
+                                if not O_IN_A:  # (else the next o tile is copied in its stage A)
+                                    _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y,
+                                                   bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER, FUSED,
+                                                   FUSED_ATTN, RBS, num_programs)
                             else:
                                 _issue_weights(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_x, bar_x,
                                                pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
