@@ -34,6 +34,10 @@ class EngineConfig:
     # Triton kernel (runner/persistent_decode.py) instead of the per-op graph, once its compile,
     # started in the background after start-up, is done (docs/benchmarks.md, W5).
     persistent_decode: bool = True
+    # Greedy decode steps a lone sequence runs per engine step, back to back on the device (a
+    # decode burst: engine/scheduler.py). None = 8 once the persistent kernel's graphs are
+    # captured (CUDA), else 1; any value > 1 also runs elsewhere, as steps launched in a loop.
+    decode_burst: int | None = None
     seed: int = 0
     # Schedule step N+1 while step N runs on the device (outputs trail by one step). None = on
     # where there is a device to overlap with (CUDA); on the CPU the host *is* the device.
@@ -62,6 +66,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(name, "must be a positive integer")
+        if self.decode_burst is not None:
+            if not isinstance(self.decode_burst, int) or isinstance(self.decode_burst, bool) or self.decode_burst < 1:
+                raise bad("decode_burst", "must be a positive integer or None")
+            if self.decode_burst > 1 and self.tensor_parallel_size != 1:
+                raise bad("decode_burst", "decode bursts run on one rank (tensor_parallel_size=1)")
         if self.kvcache_block_size & (self.kvcache_block_size - 1):
             raise bad("kvcache_block_size", "must be a power of two")
         if self.num_kvcache_blocks is not None and (

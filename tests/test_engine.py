@@ -354,3 +354,98 @@ def test_engine_freezes_startup_objects_out_of_gc(qwen3_tiny):
     llm = engine(qwen3_tiny)
     assert gc.get_freeze_count() > 0
     assert "gc_freeze" in llm.engine.startup_seconds
+
+
+def count_bursts(llm):
+    """Wrap the runner's burst entry point; returns the list its calls' step counts land in."""
+    runner = llm.engine.executor.runner
+    calls, inner = [], runner._execute_burst
+
+    def counted(item):
+        calls.append(item.num_steps)
+        return inner(item)
+
+    runner._execute_burst = counted
+    return calls
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_bursts_equal_single_steps(qwen3_tiny, async_scheduling):
+    """A lone greedy sequence decodes 3 steps per engine step (blocks of 4 positions: bursts cross
+    block boundaries; 20 tokens: the last ones as single steps); the tokens equal one step at a
+    time, and a second request added mid-stream ends the bursts until it is done."""
+    prompts = random_prompts(384, [3, 40, 17], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    single = engine(qwen3_tiny, kvcache_block_size=4, decode_burst=1, async_scheduling=async_scheduling)
+    expected = [single.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    llm = engine(qwen3_tiny, kvcache_block_size=4, decode_burst=3, async_scheduling=async_scheduling)
+    bursts = count_bursts(llm)
+    assert [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts] == expected
+    assert bursts and set(bursts) == {3}
+    assert_free(llm)
+    eng = llm.engine
+    eng.add_request("a", prompts[0], params)
+    for _ in range(4):
+        eng.step()
+    eng.add_request("b", prompts[1], params)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in eng.step() if o.finished)
+    assert done == {"a": expected[0], "b": expected[1]}
+    assert_free(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_burst_stops_inside_a_burst(qwen3_tiny, async_scheduling):
+    """EOS, a stop token id, a stop string and max_tokens landing inside a burst of 4: the
+    output ends where it would one step at a time, and the tokens after it are dropped."""
+    kw = dict(kvcache_block_size=4, async_scheduling=async_scheduling)
+    prompt = [[20, 21, 22]]
+    base = engine(qwen3_tiny, decode_burst=1, **kw).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    ids, text = base.token_ids, base.text
+    eos = ids[6]
+    first_eos = ids.index(eos)
+    llm = engine(qwen3_tiny, decode_burst=4, eos=eos, **kw)
+    bursts = count_bursts(llm)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == ids[: first_eos + 1]
+    by_id = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[ids[9]]),
+                         use_tqdm=False)[0].outputs[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == ids[: ids.index(ids[9]) + 1]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop)]
+    for n in (5, 14):  # 1 + 4 and 1 + 3 * 4 + 1: the last token alone
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "length" and out.token_ids == ids[:n]
+    assert bursts
+    assert_free(llm)
+
+
+def test_decode_burst_streams_and_prefix_caches_what_it_made(qwen3_tiny):
+    """Streaming over bursts yields every token once, in order (several per output); the blocks
+    a burst filled are cached with the right tokens: a prompt that continues the output hits
+    them and goes on exactly as the first generation did."""
+    llm = engine(qwen3_tiny, kvcache_block_size=4, decode_burst=4, async_scheduling=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = [50, 51, 52, 53, 54]
+    outs = list(llm.stream(prompt, params))
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths) and lengths[-1] == 24 and any(b - a > 1 for a, b in zip(lengths, lengths[1:]))
+    ids = outs[-1].outputs[0].token_ids
+    follow = llm.generate([prompt + ids[:15]], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)[0]
+    assert follow.num_cached_tokens >= 16
+    assert follow.outputs[0].token_ids == ids[15:]
+    assert_free(llm)
+
+
+def test_decode_burst_is_validated():
+    from nanovllm.config import EngineConfig
+
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="decode_burst"):
+            EngineConfig(decode_burst=bad)
+    with pytest.raises(ValueError, match="one rank"):
+        EngineConfig(decode_burst=4, tensor_parallel_size=2)

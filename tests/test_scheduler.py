@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,10 +21,15 @@ class FakeEngine:
     position p of a sequence is the tuple of its tokens [0..p], and the sampled token is a
     deterministic function of that prefix, so any wrong cache reuse changes the output."""
 
-    def __init__(self, num_blocks, block_size, max_num_seqs, budget, prefix_caching=True, async_mode=False):
+    def __init__(self, num_blocks, block_size, max_num_seqs, budget, prefix_caching=True, async_mode=False, decode_burst=1,
+                 stop_every=0):
         self.async_mode = async_mode
+        self.decode_burst = decode_burst
+        self.bursts = 0
+        self.stop_every = stop_every  # a sampled token t with t % stop_every == 0 stops its sequence
         self.in_flight = None  # async: (output, sampled) of the launched step not yet resolved
         self.device_prev: dict[int, int] = {}  # async: the last step's sampled ids, "on the device"
+        self.sampled_at: dict[int, dict[int, int]] = {}  # every id sampled, by sequence and index
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(self.bm, max_num_seqs, budget)
         self.kv: dict[int, tuple] = {}
@@ -32,7 +39,7 @@ class FakeEngine:
         self.steps = 0
 
     def add(self, prompt, max_tokens):
-        seq = Sequence(self.next_id, str(self.next_id), list(prompt), SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
+        seq = Sequence(self.next_id, str(self.next_id), list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens), max_tokens=max_tokens)
         self.next_id += 1
         self.seqs[seq.seq_id] = seq
         self.max_tokens[seq.seq_id] = max_tokens
@@ -43,7 +50,7 @@ class FakeEngine:
         return seq_table[pos // self.bm.block_size] * self.bm.block_size + pos % self.bm.block_size
 
     def step(self):
-        out = self.sched.schedule()
+        out = self.sched.schedule(self.decode_burst)
         self.steps += 1
         assert out.num_batched_tokens <= self.sched.max_num_batched_tokens
         assert len(self.sched.running) <= self.sched.max_num_seqs
@@ -55,16 +62,29 @@ class FakeEngine:
             seq = self.seqs[item.seq_id]
             # the "device" substitutes the previous step's sampled id for a placeholder input
             new = [self.device_prev[item.seq_id] if t == PLACEHOLDER_TOKEN else t for t in item.token_ids]
-            assert PLACEHOLDER_TOKEN not in seq.token_ids[: item.start_pos]
-            full = seq.token_ids[: item.start_pos] + new
+            # tokens before start_pos may still be on their way to the host (a burst's, async);
+            # the K/V check reads what the device sampled there
+            sampled_at = self.sampled_at.setdefault(item.seq_id, {})
+            history = seq.token_ids[: item.start_pos]
+            assert all(sampled_at.get(i) is not None for i, t in enumerate(history) if t == PLACEHOLDER_TOKEN)
+            full = [sampled_at[i] if t == PLACEHOLDER_TOKEN else t for i, t in enumerate(history)] + new
             # every cached position this step attends to holds the right prefix
             for pos in range(item.start_pos):
                 assert self.kv[self.slot(item.block_table, pos)] == tuple(full[: pos + 1])
             for j in range(len(new)):
                 pos = item.start_pos + j
                 self.kv[self.slot(item.block_table, pos)] = tuple(full[: pos + 1])
-            if item.sample:
+            if item.num_steps > 1:  # a burst: only for a greedy decode alone, nothing waiting
+                assert len(out.seqs) == 1 and len(new) == 1 and not self.sched.waiting
+                self.bursts += 1
+            token = None
+            for j in range(item.num_steps if item.sample else 0):
+                if j:  # the burst's next step: the token just sampled goes in
+                    full.append(token)
+                    pos = item.start_pos + j
+                    self.kv[self.slot(item.block_table, pos)] = tuple(full[: pos + 1])
                 token = hash(tuple(full)) % 1000
+                sampled_at[len(full)] = token
                 sampled.append(token)
                 device_now[item.seq_id] = token
         self.device_prev = device_now
@@ -84,8 +104,12 @@ class FakeEngine:
 
     def _resolve(self, out, sampled):
         for seq, index in self.sched.resolve(out, self.seqs, sampled):
-            if index + 1 - seq.num_prompt_tokens >= self.max_tokens[seq.seq_id]:
-                self.sched.finish(seq, "length")
+            if seq.is_finished:
+                continue  # a burst's tokens after its stop, as LLMEngine._process skips them
+            if self.stop_every and seq.token_ids[index] % self.stop_every == 0:
+                self.sched.finish(seq, "stop", num_tokens=index + 1)
+            elif index + 1 - seq.num_prompt_tokens >= self.max_tokens[seq.seq_id]:
+                self.sched.finish(seq, "length", num_tokens=index + 1)
 
     def has_unfinished(self):
         return self.sched.has_unfinished() or self.in_flight is not None
@@ -96,10 +120,12 @@ class FakeEngine:
             assert self.steps < max_steps, "scheduler made no progress"
 
 
-def reference_tokens(prompt, max_tokens):
+def reference_tokens(prompt, max_tokens, stop_every=0):
     tokens = list(prompt)
     for _ in range(max_tokens):
         tokens.append(hash(tuple(tokens)) % 1000)
+        if stop_every and tokens[-1] % stop_every == 0:
+            break
     return tokens[len(prompt):]
 
 
@@ -185,9 +211,12 @@ def test_prefix_hit_skips_cached_tokens():
     budget=st.integers(1, 40),
     prefix_caching=st.booleans(),
     async_mode=st.booleans(),
+    decode_burst=st.sampled_from([1, 1, 2, 3, 8]),
+    stop_every=st.sampled_from([0, 0, 7]),
 )
-def test_random_workloads_never_leak_or_corrupt(data, block_size, num_blocks, max_num_seqs, budget, prefix_caching, async_mode):
-    eng = FakeEngine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, async_mode)
+def test_random_workloads_never_leak_or_corrupt(data, block_size, num_blocks, max_num_seqs, budget, prefix_caching, async_mode,
+                                                decode_burst, stop_every):
+    eng = FakeEngine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, async_mode, decode_burst, stop_every)
     rng = random.Random(data.draw(st.integers(0, 2**31)))
     shared = [rng.randrange(50) for _ in range(12)]
     capacity = num_blocks * block_size
@@ -213,7 +242,7 @@ def test_random_workloads_never_leak_or_corrupt(data, block_size, num_blocks, ma
     assert all(b.ref_count == 0 for b in eng.bm.blocks)
     for seq_id, (prompt, max_tokens) in expected.items():
         seq = eng.seqs[seq_id]
-        ref = reference_tokens(prompt, max_tokens)
+        ref = reference_tokens(prompt, max_tokens, stop_every)
         if seq.finish_reason == "length" and seq.num_completion_tokens < max_tokens:
             assert seq.num_tokens > capacity - block_size  # stopped only because the pool is full
             ref = ref[: seq.num_completion_tokens]
@@ -230,3 +259,51 @@ def test_async_mode_gives_the_same_tokens_with_preemption():
         assert s.completion_token_ids == reference_tokens(p, 10)
         assert PLACEHOLDER_TOKEN not in s.token_ids
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+@pytest.mark.parametrize("stop_every", [0, 5])
+def test_decode_bursts_give_the_same_tokens(async_mode, stop_every):
+    """A lone greedy sequence decodes in bursts of 3 steps (blocks of 4 positions, so bursts cross
+    block boundaries); a second request admitted meanwhile ends the bursts until it is done.
+    Tokens after a stop inside a burst are dropped; nothing leaks."""
+    eng = FakeEngine(num_blocks=40, block_size=4, max_num_seqs=4, budget=64, async_mode=async_mode, decode_burst=3,
+                     stop_every=stop_every)
+    first = eng.add(list(range(5)), max_tokens=20)
+    for _ in range(4):
+        eng.step()
+    second = eng.add(list(range(30, 36)), max_tokens=10)
+    eng.run()
+    assert eng.bursts > 0
+    for seq, prompt, n in ((first, list(range(5)), 20), (second, list(range(30, 36)), 10)):
+        assert seq.completion_token_ids == reference_tokens(prompt, n, stop_every)
+        assert PLACEHOLDER_TOKEN not in seq.token_ids
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
+def test_burst_only_where_eligible():
+    """Bursts need one greedy decode alone with nothing waiting, room under max_tokens and no
+    min_tokens ban; otherwise the step is an ordinary one."""
+    bm = BlockManager(64, 4, True)
+    sched = Scheduler(bm, 4, 64)
+
+    def decode_after_prefill(params, max_tokens=50):
+        seq = Sequence(0, "0", [1, 2, 3], params, max_tokens=max_tokens, min_tokens_banned_ids=[7] if params.min_tokens else [])
+        sched.running.clear()
+        sched.waiting.clear()
+        bm.free(seq)
+        sched.add(seq)
+        out = sched.schedule(4)  # the prefill: never a burst
+        assert [s.num_steps for s in out.seqs] == [1]
+        sched.advance(out, {0: seq})
+        sched.resolve(out, {0: seq}, [9])
+        out = sched.schedule(4)
+        sched.finish(seq, "abort")
+        return out.seqs[0].num_steps, out.num_batched_tokens, out.num_decode_tokens
+
+    assert decode_after_prefill(SamplingParams(temperature=0)) == (4, 4, 4)
+    assert decode_after_prefill(SamplingParams(temperature=0.7))[0] == 1
+    assert decode_after_prefill(SamplingParams(temperature=0, logprobs=1))[0] == 1
+    assert decode_after_prefill(SamplingParams(temperature=0, min_tokens=5))[0] == 1
+    assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=4)[0] == 1  # 1 sampled + 4 > 4
+    assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=5)[0] == 4

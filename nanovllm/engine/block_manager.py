@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import xxhash
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 
 ROOT_HASH = 0
 
@@ -128,7 +128,10 @@ class BlockManager:
         """Register every block of seq that is full and computed (prompt or decode alike)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        known = seq.num_computed_tokens  # a burst in flight has computed tokens not yet on the host
+        while known and seq.token_ids[known - 1] == PLACEHOLDER_TOKEN:
+            known -= 1
+        num_full = min(known // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self._block_hashes(seq, num_full)

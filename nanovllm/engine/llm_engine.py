@@ -207,8 +207,9 @@ class LLMEngine:
         """One iteration. With async scheduling, this launches step N and then processes the
         results of step N-1 (so outputs trail the device by one step)."""
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        self.last_step = StepStats(sched.num_batched_tokens - sched.num_decodes, sched.num_decodes, 0.0)
+        sched = self.scheduler.schedule(self.executor.decode_burst)
+        decode_tokens = sched.num_decode_tokens
+        self.last_step = StepStats(sched.num_batched_tokens - decode_tokens, decode_tokens, 0.0)
         if not self.async_scheduling:
             result = self.executor.execute(sched)
             self.scheduler.advance(sched, self.seqs)
@@ -234,6 +235,8 @@ class LLMEngine:
         now = time.monotonic()
         sample_row = {item.seq_id: i for i, item in enumerate(s for s in sched.seqs if s.sample)} if result.logprobs else None
         for seq, index in grew:
+            if seq.is_finished:
+                continue  # a burst's tokens after its stop
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
             if request.first_token_time is None:
@@ -280,7 +283,7 @@ class LLMEngine:
             if params.stop_list and self._truncate_at_stop(detok, params.stop_list):
                 reason = "stop"
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason, num_tokens=index + 1)
 
     @staticmethod
     def _truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str]) -> bool:

@@ -17,6 +17,14 @@ Async scheduling: after a step is launched, `advance` counts its tokens as compu
 each sampling sequence a PLACEHOLDER_TOKEN, so the next step can be scheduled (its decode input
 is gathered on the device) before the sampled ids reach the host; `resolve` later writes the
 real ids in. A synchronous engine calls both back to back.
+
+Decode bursts (`schedule(decode_burst=K)`): a greedy sequence decoding alone, with nothing
+waiting, is given K decode steps at once (`ScheduledSeq.num_steps`), which the runner runs back
+to back on the device, each step's argmax feeding the next. Its blocks are allocated for the K
+positions up front; the K tokens come back together, and the engine drops those after a stop
+(`finish(..., num_tokens=)`). Why: one token of a lone stream takes ~0.55 ms on an H200, and the
+host-device round trip between steps (input copy, graph launch, output copy) was ~15-20 us of
+it (docs/benchmarks.md, W5); a burst pays that once per K tokens.
 """
 from __future__ import annotations
 
@@ -39,18 +47,25 @@ class ScheduledSeq:
     params: SamplingParams
     seed: int | None
     banned_token_ids: list[int] | None  # not samplable yet (min_tokens)
+    # A decode burst (greedy, one token in): K steps back to back, the K/V of token_ids[0] and
+    # of the first K-1 tokens sampled, and K tokens sampled. 1: an ordinary step.
+    num_steps: int = 1
 
 
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq]  # decodes (one token each) first
     num_decodes: int
-    num_batched_tokens: int
+    num_batched_tokens: int  # a burst counts its K steps
     finished_seq_ids: list[int] = field(default_factory=list)  # runner may drop per-seq state
 
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_steps for s in self.seqs[: self.num_decodes])
 
 
 class Scheduler:
@@ -76,8 +91,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End `seq` (stop rule, length, abort): free its blocks and drop it from the queues."""
+    def finish(self, seq: Sequence, reason: str, num_tokens: int | None = None) -> None:
+        """End `seq` (stop rule, length, abort): free its blocks and drop it from the queues.
+        num_tokens: the sequence ends there (a burst's tokens after its stop are dropped)."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -85,6 +101,8 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if num_tokens is not None:
+            seq.truncate(num_tokens)
         while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
             seq.token_ids.pop()  # a token of a step launched after the end: discarded
         seq.status = SequenceStatus.FINISHED
@@ -100,11 +118,34 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def _burst_steps(self, decode_burst: int) -> int:
+        """How many steps the lone running sequence may decode at once: decode_burst when it
+        decodes greedily alone (nothing waiting), has room for them under max_tokens and needs
+        no banned ids, logprobs or seeded sampling; 1 otherwise."""
+        if decode_burst <= 1 or self.waiting or len(self.running) != 1:
+            return 1
+        seq = self.running[0]
+        p = seq.params
+        eligible = (
+            seq.num_tokens - seq.num_computed_tokens == 1
+            and p.greedy and p.logprobs is None and decode_burst <= self.max_num_batched_tokens
+            and seq.max_tokens - seq.num_completion_tokens >= decode_burst
+            and not (seq.min_tokens_banned_ids and seq.num_completion_tokens < p.min_tokens)
+        )
+        return decode_burst if eligible else 1
+
+    def schedule(self, decode_burst: int = 1) -> SchedulerOutput:
+        """The next step. decode_burst > 1: the runner can run that many greedy decode steps
+        of a lone sequence at once (see the module docstring)."""
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         chosen: list[tuple[Sequence, int]] = []
         preempted = False
+        burst = self._burst_steps(decode_burst)
+        if burst > 1:
+            seq = self.running[0]
+            if bm.allocate(seq, burst):
+                return self._output([(seq, 1)], burst, self.max_num_batched_tokens - burst)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -115,8 +156,13 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.allocate(seq, num_new):
                 if len(self.running) == 1:
-                    # Alone and still out of blocks: this sequence can never grow here.
-                    self.finish(seq, "length")
+                    # Alone and still out of blocks: this sequence can never grow here. Tokens
+                    # of a step still in flight (a burst's: several) are its last: it finishes
+                    # once they are in, at the next step.
+                    if seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+                        i += 1
+                    else:
+                        self.finish(seq, "length")
                     break
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -128,7 +174,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
                 continue
-            # seq was preempted or finished: it left self.running, index i is the next one
+            # seq was preempted or finished (it left self.running, index i is the next one), or waits
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
@@ -143,6 +189,9 @@ class Scheduler:
                 chosen.append((seq, num_new))
                 budget -= num_new
 
+        return self._output(chosen, 1, budget)
+
+    def _output(self, chosen: list[tuple[Sequence, int]], num_steps: int, budget: int) -> SchedulerOutput:
         decodes, prefills = [], []
         for seq, num_new in chosen:
             start = seq.num_computed_tokens
@@ -159,6 +208,7 @@ class Scheduler:
                 params=seq.params,
                 seed=seq.seed,
                 banned_token_ids=banned,
+                num_steps=num_steps,
             )
             (decodes if num_new == 1 else prefills).append(item)
         decodes.sort(key=attrgetter("start_pos"), reverse=True)  # stable: ties keep their order
@@ -175,24 +225,25 @@ class Scheduler:
         sequence a placeholder for the token it will receive."""
         for item in output.seqs:
             seq = seqs[item.seq_id]
-            seq.num_computed_tokens += len(item.token_ids)
+            seq.num_computed_tokens += len(item.token_ids) + item.num_steps - 1
             if item.sample:
-                seq.append_token(PLACEHOLDER_TOKEN)
+                seq.token_ids.extend([PLACEHOLDER_TOKEN] * item.num_steps)
 
     def resolve(self, output: SchedulerOutput, seqs: dict[int, Sequence], sampled: list[int]) -> list[tuple[Sequence, int]]:
-        """Write the step's sampled ids over their placeholders (in order of the sampling rows)
-        and register newly full blocks in the prefix cache. Returns (sequence, index of its new
-        token) for every live sequence that got one; sequences finished meanwhile are skipped."""
+        """Write the step's sampled ids over their placeholders (in order of the sampling rows; a
+        burst's row has its num_steps ids in a row) and register newly full blocks in the prefix
+        cache. Returns (sequence, index of a new token) for every new token of every live
+        sequence, in order; sequences finished meanwhile are skipped."""
         grew: list[tuple[Sequence, int]] = []
         it = iter(sampled)
         for item in output.seqs:
             seq = seqs.get(item.seq_id)
-            token = next(it) if item.sample else None
+            tokens = [next(it) for _ in range(item.num_steps)] if item.sample else []
             if seq is None or seq.is_finished:
                 continue
-            if token is not None:
-                index = item.start_pos + len(item.token_ids)
-                seq.token_ids[index] = token
-                grew.append((seq, index))
+            first = item.start_pos + len(item.token_ids)
+            for j, token in enumerate(tokens):
+                seq.token_ids[first + j] = token
+                grew.append((seq, first + j))
             self.block_manager.cache_full_blocks(seq)
         return grew

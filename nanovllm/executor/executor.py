@@ -25,6 +25,7 @@ EXECUTOR_ENV = "NANOVLLM_EXECUTOR"
 
 class Executor(Protocol):
     num_kvcache_blocks: int
+    decode_burst: int
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
@@ -45,6 +46,11 @@ class InProcessExecutor:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(out)
+
+    @property
+    def decode_burst(self) -> int:
+        """Decode steps a lone greedy sequence may run per engine step (Scheduler.schedule)."""
+        return self.runner.decode_burst
 
     def execute_async(self, out: SchedulerOutput):
         """Launch the step; `.result()` on the return value waits for its sampled ids."""

@@ -453,6 +453,7 @@ class MultiprocExecutor:
             self._fail(exc, "start-up")
             raise
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+        self.decode_burst = 1  # bursts run on one rank (EngineConfig checks decode_burst)
         logger.info("tensor parallel: %d ranks (%s), pids %s", world, backend, [p.pid for p in self._workers.procs])
 
     @property
