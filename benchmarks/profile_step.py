@@ -59,28 +59,34 @@ def profile_steps(engine, steps: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from nanovllm.runner.model_runner import PendingOutput
+    from nanovllm.runner.model_runner import BurstOutput, PendingOutput
 
     # Time the host spends waiting for the GPU (the step's sampled ids): the rest of the wall
     # time is host work. Host work per step above the GPU's time means the host is the limit.
     waited = [0.0]
-    result = PendingOutput.result
+    results = {cls: cls.result for cls in (PendingOutput, BurstOutput)}
 
-    def timed_result(self):
-        t0 = time.perf_counter()
-        if self.event is not None:
-            self.event.synchronize()
-        waited[0] += time.perf_counter() - t0
-        return result(self)
+    def timed(result):
+        def timed_result(self):
+            t0 = time.perf_counter()
+            if self.event is not None:
+                self.event.synchronize()
+            waited[0] += time.perf_counter() - t0
+            return result(self)
+        return timed_result
 
-    PendingOutput.result = timed_result
+    for cls, result in results.items():
+        cls.result = timed(result)
     torch.cuda.synchronize()
     t = time.perf_counter()
+    tokens = 0
     for _ in range(steps):
         engine.step()
+        tokens += engine.last_step.num_decode_tokens
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / steps
-    PendingOutput.result = result
+    for cls, result in results.items():
+        cls.result = result
     host = wall - waited[0] / steps
 
     prof_steps = min(steps, 20)
@@ -103,7 +109,8 @@ def profile_steps(engine, steps: int) -> None:
     print(s.getvalue())
     print(f"\nbatch {len(engine.scheduler.running)}: wall {wall * 1e3:.3f} ms/step (no profiler), "
           f"GPU busy {gpu:.3f} ms/step (profiler), difference {wall * 1e3 - gpu:.3f} ms/step; "
-          f"host work {host * 1e3:.3f} ms/step (wall minus waiting for the sampled ids)")
+          f"host work {host * 1e3:.3f} ms/step (wall minus waiting for the sampled ids); "
+          f"{tokens / steps:.2f} decode tokens per step (decode bursts: several), wall {wall * steps / max(tokens, 1) * 1e3:.4f} ms/token")
 
 
 def graph_replay(runner, context: int) -> None:

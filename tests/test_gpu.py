@@ -155,10 +155,9 @@ def test_persistent_kernel_is_adopted_while_serving_and_handles_long_contexts(ch
         assert time.monotonic() < deadline, "the persistent kernel was never adopted"
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
         time.sleep(0.2)
-    counted = CountedGraph(runner.graph_runner.graphs[1])
-    runner.graph_runner.graphs[1] = counted
+    counted = LoneSequenceGraphs(runner.graph_runner)
     assert llm.generate(ps, params, use_tqdm=False)[0].outputs[0].token_ids == expected
-    assert counted.replays >= 15  # every decode step after the prefill
+    assert counted.steps >= 15  # every decode step after the prefill
 
 
 def test_lone_sequence_graph_feeds_the_sampler_when_not_plain_greedy(checkpoint_factory):
@@ -177,8 +176,7 @@ def test_lone_sequence_graph_feeds_the_sampler_when_not_plain_greedy(checkpoint_
         runner = llm.engine.executor.runner
         if mode == "persistent":
             runner.finish_background_compile()
-            counted = CountedGraph(runner.graph_runner.graphs[1])
-            runner.graph_runner.graphs[1] = counted
+            counted = LoneSequenceGraphs(runner.graph_runner)
         ps = prompts(llm.engine.vocab_size, [21, 6], seed=7)
         first = llm.generate([ps[0]], params[0], use_tqdm=False)[0].outputs[0]
         llm.engine.async_scheduling = False
@@ -189,7 +187,7 @@ def test_lone_sequence_graph_feeds_the_sampler_when_not_plain_greedy(checkpoint_
         assert eager.keys() == persistent.keys()
         for token, lp in eager.items():
             assert persistent[token] == pytest.approx(lp, abs=1e-3)
-    assert counted.replays >= 2 * 11  # every decode step of both requests
+    assert counted.steps >= 2 * 11  # every decode step of both requests
 
 
 class CountedGraph:
@@ -199,6 +197,20 @@ class CountedGraph:
     def replay(self) -> None:
         self.replays += 1
         self.graph.replay()
+
+
+class LoneSequenceGraphs:
+    """Counts the decode steps that the persistent kernel's graphs ran: one per replay of the
+    graph of one step, burst_steps per replay of the decode burst's graph."""
+
+    def __init__(self, graph_runner) -> None:
+        self.graph_runner = graph_runner
+        self.single = graph_runner.graphs[1] = CountedGraph(graph_runner.graphs[1])
+        self.burst = graph_runner.burst_graph = CountedGraph(graph_runner.burst_graph)
+
+    @property
+    def steps(self) -> int:
+        return self.single.replays + self.graph_runner.burst_steps * self.burst.replays
 
 
 def test_start_up_leaves_the_largest_step_memory_cached(checkpoint_factory):
@@ -218,3 +230,37 @@ def test_start_up_leaves_the_largest_step_memory_cached(checkpoint_factory):
     outs = llm.generate(ps, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
     assert torch.cuda.memory_stats()["num_device_alloc"] == mallocs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
+    """With the persistent kernel adopted, a lone greedy sequence replays the burst graph (8
+    steps per replay, each step's argmax the next one's input, the tokens read back rotated:
+    SingleDecodeInputs); its tokens equal one step per replay, across KV-block boundaries, with
+    the last tokens of a request as single steps, an EOS inside a burst, and a batch between."""
+    path = checkpoint_factory("qwen3")
+    outs = {}
+    for burst in (1, None):
+        llm = LLM(str(path), device="cuda", dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.3,
+                  decode_burst=burst)
+        runner = llm.engine.executor.runner
+        runner.finish_background_compile()
+        g = runner.graph_runner
+        assert (g.burst_graph is not None) == (burst is None) and runner.decode_burst == (8 if burst is None else 1)
+        if burst is None:
+            counted = g.burst_graph = CountedGraph(g.burst_graph)
+        ps = prompts(llm.engine.vocab_size, [5, 40, 9, 200], seed=4)
+        params = SamplingParams(temperature=0, max_tokens=45, ignore_eos=True)
+        alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+        batch = [o.outputs[0].token_ids for o in llm.generate(ps[:2], params, use_tqdm=False)]
+        outs[burst] = alone, batch
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    assert outs[None] == outs[1]
+    assert counted.replays >= 4 * 5  # per prompt: 44 tokens after the prefill's = 5 bursts + 4 single steps
+    ids = outs[1][0][0]
+    eos = ids[10]
+    llm = LLM(str(path), device="cuda", dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.3, eos=eos)
+    llm.engine.executor.runner.finish_background_compile()
+    out = llm.generate([ps[0]], SamplingParams(temperature=0, max_tokens=45), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == ids[: ids.index(eos) + 1]

@@ -229,6 +229,32 @@ def test_single_decode_inputs_arrive_in_one_copy(host_knows_token):
     assert all((v.data_ptr() - s.buffer.data_ptr()) % 16 == 0 for v in views)
 
 
+def test_decode_burst_inputs_fill_one_record_per_step():
+    """A burst's inputs: one 64-byte record per step (position, slot, context length; the token of
+    the first only), the block table after the records, every view 16-byte aligned. The graph
+    writes step i's token into record i + 1 and the last into record 0, so its tokens in order
+    are records 1..K-1, then 0 (BurstOutput.in_order)."""
+    from nanovllm.runner.cuda_graph import SingleDecodeInputs
+    from nanovllm.runner.model_runner import BurstOutput
+
+    s = SingleDecodeInputs(max_blocks=6, max_model_len=96, device=torch.device("cpu"), steps=3)
+    assert [v.item() for v in s.slots] == [-1] * 3 and [v.item() for v in s.seq_lens] == [1] * 3
+    host = torch.zeros(s.nbytes, dtype=torch.uint8).numpy()
+    s.fill_host(host, token=42, position=15, block_table=[9, 4, 7], block_size=8, steps=3)
+    s.buffer.copy_(torch.from_numpy(host))
+    assert s.token.item() == 42 and s.tokens[0] is s.token
+    assert [p.item() for p in s.positions] == [15, 16, 17]
+    assert [v.item() for v in s.slots] == [4 * 8 + 7, 7 * 8 + 0, 7 * 8 + 1]  # position 16 starts block 2
+    assert [v.item() for v in s.seq_lens] == [16, 17, 18]
+    assert s.block_table[0, :3].tolist() == [9, 4, 7]
+    views = (*s.tokens, *s.positions, *s.slots, *s.seq_lens, s.block_table)
+    assert all((v.data_ptr() - s.buffer.data_ptr()) % 16 == 0 for v in views)
+    for i, t in enumerate((101, 102, 103)):  # what the burst graph leaves: step i's token in record i + 1
+        s.tokens[(i + 1) % 3].fill_(t)
+    assert s.records[:, 0].tolist() == [103, 101, 102]
+    assert BurstOutput.in_order(s.records[:, 0].tolist()) == [101, 102, 103]
+
+
 class FakeGraphs:
     """Stands in for CudaGraphRunner in the adoption tests: records capture_single's calls."""
 
@@ -236,10 +262,11 @@ class FakeGraphs:
         self.graphs: dict[int, object] = {8: object()}
         self.fail = fail
 
-    def capture_single(self, single, head, greedy) -> None:
+    def capture_single(self, single, head_greedy, burst=1) -> None:
         if self.fail:
             raise RuntimeError("capture failed")
         self.graphs[1] = single
+        self.burst = burst
 
 
 def runner_with_background_compile(graphs: FakeGraphs, dry_pass):
@@ -248,8 +275,8 @@ def runner_with_background_compile(graphs: FakeGraphs, dry_pass):
 
     runner = ModelRunner.__new__(ModelRunner)
     runner.graph_runner, runner.persistent_decoder = graphs, object()
-    runner.model = SimpleNamespace(compute_logits=lambda hidden: hidden)  # captured after the kernel
     runner.greedy_row = None
+    runner.config = SimpleNamespace(decode_burst=None)
     runner._persistent_dry_pass, runner._persistent_pending = dry_pass, None
     return runner
 
@@ -261,6 +288,7 @@ def test_background_compile_is_adopted_or_leaves_the_per_op_path(caplog):
     decoder = runner.persistent_decoder
     runner.finish_background_compile()
     assert ran == [True] and runner.graph_runner.graphs[1] is decoder and runner.persistent_decoder is decoder
+    assert runner.graph_runner.burst == 8  # the default decode burst's graph is captured with it
     runner.finish_background_compile()  # nothing left to do
     assert ran == [True]
 

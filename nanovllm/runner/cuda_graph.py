@@ -16,7 +16,10 @@ argmax (fused_sampler.GreedyRow: one launch across the vocabulary, 3.6 us per to
 against torch.argmax's one-block 8.8 us), which it writes over its own input token, so that a
 greedy stream's next step finds its input in place; its inputs are views of one byte buffer
 (SingleDecodeInputs) that one host-to-device copy fills. Each launch left outside the graph
-cost the host ~10-65 us per token (torch profiler, H200, W5). Otherwise the smallest graph has
+cost the host ~10-65 us per token (torch profiler, H200, W5). A second graph holds a decode
+burst (engine/scheduler.py): K such steps in a row, each step's argmax the next one's input,
+so that a greedy stream pays the input copy, the graph launch and the output copy once per K
+tokens (W5 on the H200: 1,799 -> 1,848 tok/s with K = 8, 1,851 with 16). Otherwise the smallest graph has
 8 rows: cuBLAS picks a slow kernel for some projections below 8 rows (Qwen3-0.6B's o_proj took
 12.6 us at 1 row and 5.9 us at 8 on the H200, `benchmarks/small_gemm.py`), and the other kernels
 cost the same for 1 or 8 rows, so a lone sequence runs faster padded to 8.
@@ -41,42 +44,66 @@ MIN_GRAPH_BATCH = 8
 
 
 class SingleDecodeInputs:
-    """The lone-sequence graph's static inputs: typed views of one device byte buffer, so that a
+    """The lone-sequence graphs' static inputs: typed views of one device byte buffer, so that a
     step's inputs arrive in one copy (`fill_host`, then copy the bytes from POSITION, or from 0
-    when the host knows the input token). Each view starts 16 bytes apart: Triton compiles a
-    kernel variant per pointer alignment, and the compile (dry pass) and the capture use these
-    same views."""
+    when the host knows the input token). One 64-byte record (token, position, slot, context
+    length) per step of a decode burst (`steps` records; the graph of one step reads record 0),
+    then the block table. Each view starts 16 bytes apart: Triton compiles a kernel variant per
+    pointer alignment, and the compile (dry pass) and every capture use such views.
 
-    TOKEN, POSITION, SLOT, SEQ_LEN, BLOCK_TABLE = 0, 16, 32, 48, 64  # byte offsets
+    A burst's step i reads record i and writes its greedy token into record i + 1's token, the
+    last step into record 0's, where the next burst (or single step) finds its input; so after
+    a burst of K steps, its tokens in order are those of records 1..K-1, then record 0's."""
 
-    def __init__(self, max_blocks: int, max_model_len: int, device: torch.device) -> None:
+    TOKEN, POSITION, SLOT, SEQ_LEN = 0, 16, 32, 48  # byte offsets within a record
+    RECORD = 64
+
+    def __init__(self, max_blocks: int, max_model_len: int, device: torch.device, steps: int = 1) -> None:
+        self.steps = steps
+        self.BLOCK_TABLE = self.RECORD * steps
         self.nbytes = self.BLOCK_TABLE + 4 * max_blocks
         self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         b = self.buffer
-        self.token = b[self.TOKEN : self.TOKEN + 8].view(torch.int64)
-        self.position = b[self.POSITION : self.POSITION + 8].view(torch.int64)
-        self.slot = b[self.SLOT : self.SLOT + 8].view(torch.int64)
-        self.seq_len = b[self.SEQ_LEN : self.SEQ_LEN + 4].view(torch.int32)
+        r = [i * self.RECORD for i in range(steps)]
+        self.tokens = [b[o + self.TOKEN : o + self.TOKEN + 8].view(torch.int64) for o in r]
+        self.positions = [b[o + self.POSITION : o + self.POSITION + 8].view(torch.int64) for o in r]
+        self.slots = [b[o + self.SLOT : o + self.SLOT + 8].view(torch.int64) for o in r]
+        self.seq_lens = [b[o + self.SEQ_LEN : o + self.SEQ_LEN + 4].view(torch.int32) for o in r]
+        # [steps, 8] int64: column 0 holds each record's token (a burst's outputs, see above)
+        self.records = b[: self.BLOCK_TABLE].view(torch.int64).view(steps, self.RECORD // 8)
+        self.token, self.position, self.slot, self.seq_len = self.tokens[0], self.positions[0], self.slots[0], self.seq_lens[0]
         self.block_table = b[self.BLOCK_TABLE :].view(torch.int32).view(1, max_blocks)
-        self.slot.fill_(-1)  # until a step fills them: store nothing
-        self.seq_len.fill_(1)
+        self.store_nothing()
         self.max_model_len = max_model_len
         self._query_start_loc = torch.arange(2, dtype=torch.int32, device=device)
 
-    def meta(self) -> AttentionMetadata:
+    def store_nothing(self) -> None:
+        """Make every record store no K/V (slot -1) and attend to its own token only (length
+        1): what a warm-up launch before a capture may safely read."""
+        for slot, seq_len in zip(self.slots, self.seq_lens):
+            slot.fill_(-1)
+            seq_len.fill_(1)
+
+    def meta(self, step: int = 0) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot, query_start_loc=self._query_start_loc, seq_lens=self.seq_len,
+            slot_mapping=self.slots[step], query_start_loc=self._query_start_loc, seq_lens=self.seq_lens[step],
             block_tables=self.block_table, num_decodes=1, max_query_len=1, max_seq_len=self.max_model_len,
             query_lens_cpu=[1], seq_lens_cpu=[self.max_model_len],
         )
 
-    def fill_host(self, host: np.ndarray, token: int, position: int, block_table: list[int], block_size: int) -> None:
-        """Write one decode step's inputs into `host` (nbytes uint8, the device buffer's layout)."""
-        ints = host[: self.SEQ_LEN].view(np.int64)
+    def fill_host(self, host: np.ndarray, token: int, position: int, block_table: list[int], block_size: int,
+                  steps: int = 1) -> None:
+        """Write the inputs of `steps` decode steps from `position` on into `host` (nbytes uint8,
+        the device buffer's layout); only the first step's token is known."""
+        ints = host[: self.BLOCK_TABLE].view(np.int64)
+        ints32 = host[: self.BLOCK_TABLE].view(np.int32)
         ints[self.TOKEN // 8] = token
-        ints[self.POSITION // 8] = position
-        ints[self.SLOT // 8] = block_table[position // block_size] * block_size + position % block_size
-        host[self.SEQ_LEN : self.SEQ_LEN + 4].view(np.int32)[0] = position + 1
+        for i in range(steps):
+            p = position + i
+            r = i * self.RECORD
+            ints[(r + self.POSITION) // 8] = p
+            ints[(r + self.SLOT) // 8] = block_table[p // block_size] * block_size + p % block_size
+            ints32[(r + self.SEQ_LEN) // 4] = p + 1
         host[self.BLOCK_TABLE : self.BLOCK_TABLE + 4 * len(block_table)].view(np.int32)[:] = block_table
 
 
@@ -117,6 +144,7 @@ def capture_sizes(max_batch: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(
         self, model: nn.Module, device: torch.device, max_batch: int, max_blocks_per_seq: int, max_model_len: int,
+        burst: int = 1,
     ) -> None:
         self.model = model
         self.sizes = capture_sizes(max_batch)  # the per-op graphs
@@ -128,8 +156,10 @@ class CudaGraphRunner:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.single = SingleDecodeInputs(max_blocks_per_seq, max_model_len, device)
+        self.single = SingleDecodeInputs(max_blocks_per_seq, max_model_len, device, steps=max(1, burst))
         self.single_logits: torch.Tensor | None = None
+        self.burst_graph: torch.cuda.CUDAGraph | None = None  # capture_single(burst=K > 1)
+        self.burst_steps = 1
         self.max_model_len = max_model_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -186,44 +216,57 @@ class CudaGraphRunner:
     def capture_single(
         self,
         single: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-        head: Callable[[torch.Tensor], torch.Tensor],
-        greedy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        head_greedy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        burst: int = 1,
     ) -> None:
         """Capture `single` (one decoding sequence's forward over `self.single`, compiled
-        already), then `head` (hidden -> logits) and the greedy argmax into `self.single.token`
-        (`greedy(logits, out)`, compiled already: fused_sampler.GreedyRow),
-        as the graph of size 1, in the pool of the others. Runs between steps, on the thread that
-        runs them: the warm-up launch reads the static inputs, so they are first made to store
-        nothing (slot -1) and attend to nothing cached (length 1: its own token only)."""
+        already), then the LM head and the greedy argmax into `self.single.token`
+        (`head_greedy(hidden, out) -> logits`, compiled already: layers/greedy_head.py),
+        as the graph of size 1, in the pool of the others; with burst > 1 (at most
+        `self.single.steps`), also the graph of a decode burst: that many such steps, each
+        step's argmax the next one's input (see SingleDecodeInputs). Runs between steps, on the
+        thread that runs them: the warm-up launches read the static inputs, so they are first
+        made to store nothing and attend to nothing cached."""
         t0 = time.perf_counter()
         s = self.single
-        s.slot.fill_(-1)
-        s.seq_len.fill_(1)
-        meta = s.meta()
+        if not 1 <= burst <= s.steps:
+            raise ValueError(f"a decode burst of {burst} steps needs as many input records, there are {s.steps}")
+        s.store_nothing()
 
-        def forward() -> tuple[torch.Tensor, torch.Tensor]:
-            hidden = single(s.token, s.position, meta)
-            logits = head(hidden)
-            greedy(logits, s.token)
-            return hidden, logits
+        def steps(n: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+            metas = [s.meta(i) for i in range(n)]
 
-        forward()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        self.outputs[1], self.single_logits = self._capture(graph, forward)
-        torch.cuda.synchronize()
-        self.graphs[1] = graph
-        logger.info("captured the persistent decode kernel's graph in %.2fs", time.perf_counter() - t0)
+            def forward() -> tuple[torch.Tensor, torch.Tensor]:
+                for i in range(n):
+                    hidden = single(s.tokens[i], s.positions[i], metas[i])
+                    logits = head_greedy(hidden, s.tokens[(i + 1) % n])
+                return hidden, logits
+            return forward
+
+        for n in sorted({1, burst}):
+            forward = steps(n)
+            forward()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            hidden, logits = self._capture(graph, forward)
+            torch.cuda.synchronize()
+            if n == 1:
+                self.outputs[1], self.single_logits = hidden, logits
+                self.graphs[1] = graph
+            else:
+                self.burst_graph, self.burst_steps = graph, n
+        logger.info("captured the persistent decode kernel's graphs (bursts of %d) in %.2fs", burst, time.perf_counter() - t0)
 
     def release(self) -> None:
         """Free the captured graphs. A graph that captured NCCL collectives holds a reference on
         the communicator, and destroying the process group waits for it forever (PyTorch issue
         115388), so tensor parallelism releases the graphs before it destroys the group."""
-        for graph in self.graphs.values():
+        for graph in [*self.graphs.values(), *([self.burst_graph] if self.burst_graph is not None else [])]:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
         self.single_logits = None
+        self.burst_graph, self.burst_steps = None, 1
 
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and 0 < num_seqs <= self.max_batch
@@ -236,6 +279,13 @@ class CudaGraphRunner:
     def graph_size(self, num_seqs: int) -> int:
         """The captured per-op batch size a step of num_seqs decodes replays in `run`."""
         return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+
+    def replay_burst(self) -> torch.Tensor:
+        """Replay the decode burst's graph over `self.single` (filled by the caller for
+        `self.burst_steps` steps); returns the records whose tokens are its outputs (see
+        SingleDecodeInputs)."""
+        self.burst_graph.replay()
+        return self.single.records[: self.burst_steps]
 
     def replay_single(self) -> torch.Tensor:
         """Replay the graph of size 1 over `self.single` (filled by the caller); returns its

@@ -53,6 +53,11 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+# Decode steps per burst where the persistent kernel's graphs serve a lone greedy sequence
+# (EngineConfig.decode_burst=None): see docs/benchmarks.md, W5.
+DEFAULT_DECODE_BURST = 8
+
+
 @dataclass
 class RunnerOutput:
     token_ids: list[int]  # one per sampling row, in scheduler order
@@ -99,6 +104,26 @@ class PendingOutput:
             top = dict(zip(top_ids[i][:k], top_lp[i][:k])) if (k and top_ids is not None) else {}
             logprobs.append((sampled_lp[i], top))
         return RunnerOutput(token_ids, logprobs)
+
+
+class BurstOutput:
+    """The K tokens of a decode burst's graph (CudaGraphRunner.replay_burst), on their way to
+    the host: one copy of the [K, 8] int64 input records, whose column 0 holds the tokens of
+    steps K-1, 0, ..., K-2 (SingleDecodeInputs), queued behind the graph into pinned memory."""
+
+    def __init__(self, records: torch.Tensor) -> None:
+        self.host = torch.empty(records.shape, dtype=records.dtype, pin_memory=True).copy_(records, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def result(self) -> RunnerOutput:
+        self.event.synchronize()
+        return RunnerOutput(self.in_order(self.host[:, 0].tolist()))
+
+    @staticmethod
+    def in_order(record_tokens: list[int]) -> list[int]:
+        """The records' tokens (steps K-1, 0, ..., K-2) in the order of the steps."""
+        return record_tokens[1:] + record_tokens[:1]
 
 
 class _Done:
@@ -154,7 +179,7 @@ class ModelRunner:
         self._prev_rows: dict[int, int] = {}
         self.graph_runner = None
         self.persistent_decoder = None
-        self.greedy_row = None  # the persistent graph's argmax (fused_sampler.GreedyRow)
+        self.greedy_row = None  # the persistent graphs' argmax (fused_sampler.GreedyRow)
         self._staging = HostStaging(self.device, slots=6) if self.device.type == "cuda" else None
         # The torch backend reads host-side lengths, so only the Triton / flash-attn backends are captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
@@ -167,7 +192,7 @@ class ModelRunner:
                 self.greedy_row = GreedyRow(self.model.lm_head.num_embeddings, self.device)
             self.graph_runner = CudaGraphRunner(
                 self.model, self.device, min(config.max_num_seqs, 512),
-                -(-config.max_model_len // self.block_size), config.max_model_len,
+                -(-config.max_model_len // self.block_size), config.max_model_len, burst=self._graph_burst,
             )
         t1 = time.perf_counter()
         # On CUDA the profiling run, a mixed step and a decode forward per graph size are dry
@@ -242,6 +267,20 @@ class ModelRunner:
         logger.info("int4 weights: %d layers quantized, %d kept dense (in-features not a multiple of %d)",
                     done, kept, int4_linear.GROUP_SIZE)
 
+    def _head_greedy(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The lone-sequence graphs' LM head and greedy argmax into `out`; returns the logits.
+        (One Triton kernel for both, each program's rows multiplied and folded into an atomic
+        max, was no faster than cuBLAS's 74.8 us plus GreedyRow's 3.3: 80.5-113 us against
+        80.7 on the H200, docs/benchmarks.md, W5 session 16.)"""
+        logits = self.model.compute_logits(hidden)
+        self.greedy_row(logits, out)
+        return logits
+
+    @property
+    def _graph_burst(self) -> int:
+        """The decode burst the persistent kernel's graphs are captured for (decode_burst)."""
+        return self.config.decode_burst if self.config.decode_burst is not None else DEFAULT_DECODE_BURST
+
     def _build_persistent_decoder(self):
         """The one-sequence decode kernel (runner/persistent_decode.py), or None where it is
         turned off or the model is not one it supports (logged)."""
@@ -277,7 +316,7 @@ class ModelRunner:
         try:
             if not pending.result():
                 raise RuntimeError("this Triton cannot compile in the background")
-            self.graph_runner.capture_single(self.persistent_decoder, self.model.compute_logits, self.greedy_row)
+            self.graph_runner.capture_single(self.persistent_decoder, self._head_greedy, burst=self._graph_burst)
         except Exception as e:  # noqa: BLE001 - an optional fast path: log it and serve without it
             logger.warning("persistent decode off: %s", e)
             self.graph_runner.graphs.pop(1, None)
@@ -495,6 +534,16 @@ class ModelRunner:
             self._adopt_persistent_decoder()
         elif self._persistent_dry_pass is not None and out.num_decodes:
             self._start_background_compile()  # the first decode step: every first token is out
+        if out.num_decodes == 1 and out.seqs[0].num_steps > 1:
+            return self._execute_burst(out.seqs[0])
+        launched = self._launch(out)
+        if launched is None:
+            return _Done(RunnerOutput([]))
+        return PendingOutput(*launched, self.device)
+
+    def _launch(self, out: SchedulerOutput):
+        """Launch one ordinary step; returns (sampling rows, SamplerOutput), or None where this
+        rank samples nothing."""
         if self.graph_runner is not None and self.graph_runner.has_single and len(out.seqs) == 1 and out.num_decodes == 1:
             return self._execute_single(out.seqs[0])
         input_ids, positions, meta, logits_indices = self.prepare(out)
@@ -503,29 +552,57 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, meta)
         if len(logits_indices) == 0:
-            return _Done(RunnerOutput([]))
+            return None
         if len(logits_indices) == hidden.shape[0]:  # every token samples (decodes): no gather
             logits = self.model.compute_logits(hidden)
         else:
             logits = self.model.compute_logits(hidden[self._to_device(logits_indices)])
         if self.rank != 0:
-            return _Done(RunnerOutput([]))
+            return None
         rows = [s for s in out.seqs if s.sample]
         sampled = self._sample(rows, logits)
         self._prev_tokens = sampled.token_ids
         self._prev_rows = {s.seq_id: i for i, s in enumerate(rows)}
-        return PendingOutput(rows, sampled, self.device)
+        return rows, sampled
 
-    def _execute_single(self, item: ScheduledSeq) -> PendingOutput | _Done:
-        """A lone decoding sequence: one copy of its inputs, one replay of the graph of the
-        persistent kernel, LM head and greedy argmax (CudaGraphRunner.capture_single); the
-        sampler runs only for rows that are not plain greedy. A greedy stream's input token is
-        where the last replay wrote it; another one is copied there from the last step's ids."""
+    @property
+    def decode_burst(self) -> int:
+        """How many greedy decode steps of a lone sequence one engine step may run
+        (Scheduler.schedule): config.decode_burst where given, else the burst graph's size once
+        the persistent kernel's graphs are captured (1 before)."""
+        if self.config.decode_burst is not None:
+            return self.config.decode_burst
         g = self.graph_runner
-        s = g.single
+        return g.burst_steps if g is not None and g.burst_graph is not None else 1
+
+    def _execute_burst(self, item: ScheduledSeq) -> BurstOutput | PendingOutput:
+        """A decode burst (ScheduledSeq.num_steps greedy steps of one sequence): one replay of
+        the burst graph where it has this size; otherwise (the reference path, and any device)
+        that many ordinary steps launched back to back, each one's input gathered on the device
+        from the last one's argmax."""
+        g = self.graph_runner
+        if g is not None and g.burst_graph is not None and g.burst_steps == item.num_steps:
+            s = g.single
+            self._upload_single(item, steps=item.num_steps)
+            records = g.replay_burst()
+            self._prev_tokens, self._prev_rows = s.token, {item.seq_id: 0}
+            return BurstOutput(records)
+        tokens = []
+        for i in range(item.num_steps):
+            step = ScheduledSeq(item.seq_id, item.token_ids if i == 0 else [PLACEHOLDER_TOKEN], item.start_pos + i,
+                                item.block_table, True, item.params, item.seed, None)
+            _, sampled = self._launch(SchedulerOutput([step], num_decodes=1, num_batched_tokens=1))
+            tokens.append(sampled.token_ids.clone())  # the lone-sequence graph writes its argmax in place
+        return PendingOutput([item], SamplerOutput(torch.cat(tokens), None, None, None), self.device)
+
+    def _upload_single(self, item: ScheduledSeq, steps: int = 1) -> None:
+        """Copy the inputs of `steps` decode steps of `item` into the lone-sequence graphs'
+        buffer (SingleDecodeInputs) in one copy. A greedy stream's input token is where the
+        last replay wrote it; another one is copied there from the last step's ids."""
+        s = self.graph_runner.single
         host = self._staging.take(s.nbytes)
         token = item.token_ids[0]
-        s.fill_host(host, token, item.start_pos, item.block_table, self.block_size)
+        s.fill_host(host, token, item.start_pos, item.block_table, self.block_size, steps)
         if token == PLACEHOLDER_TOKEN:
             row = self._prev_rows[item.seq_id]
             if not (self._prev_tokens is s.token and row == 0):
@@ -533,11 +610,20 @@ class ModelRunner:
             self._staging.upload(s.POSITION, s.nbytes, out=s.buffer[s.POSITION :])
         else:
             self._staging.upload(0, s.nbytes, out=s.buffer)
+
+    def _execute_single(self, item: ScheduledSeq):
+        """A lone decoding sequence: one copy of its inputs, one replay of the graph of the
+        persistent kernel, LM head and greedy argmax (CudaGraphRunner.capture_single); the
+        sampler runs only for rows that are not plain greedy. Returns (rows, SamplerOutput) as
+        _launch does."""
+        g = self.graph_runner
+        s = g.single
+        self._upload_single(item)
         if not item.sample and self._prev_tokens is s.token:
             self._prev_tokens = s.token.clone()  # the replay's argmax overwrites them
         logits = g.replay_single()
         if not item.sample:
-            return _Done(RunnerOutput([]))
+            return None
         p = item.params
         if p.greedy and not item.banned_token_ids and p.logprobs is None:
             sampled = SamplerOutput(s.token, None, None, None)  # the graph's argmax
@@ -545,7 +631,7 @@ class ModelRunner:
             sampled = self._sample([item], logits)
         self._prev_tokens = sampled.token_ids
         self._prev_rows = {item.seq_id: 0}
-        return PendingOutput([item], sampled, self.device)
+        return [item], sampled
 
     def _sample(self, rows, logits: torch.Tensor):
         banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]
