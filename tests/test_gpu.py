@@ -237,8 +237,11 @@ def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
     """With the persistent kernel adopted, a lone greedy sequence replays the burst graph (8
     steps per replay, each step's argmax the next one's input, the tokens read back rotated:
     SingleDecodeInputs); its tokens equal one step per replay, across KV-block boundaries, with
-    the last tokens of a request as single steps, an EOS inside a burst, and a batch between."""
-    path = checkpoint_factory("qwen3")
+    the last tokens of a request as single steps, an EOS inside a burst, and a batch between.
+    bf16 takes a shape whose projections run on tensor cores, so the kernel's own LM head and
+    argmax (fused_head) feed the next step; fp32 the cuBLAS head and GreedyRow."""
+    shape = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32) if dtype == "bfloat16" else {}
+    path = checkpoint_factory("qwen3", **shape)
     outs = {}
     for burst in (1, None):
         llm = LLM(str(path), device="cuda", dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.3,
@@ -247,6 +250,7 @@ def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
         runner.finish_background_compile()
         g = runner.graph_runner
         assert (g.burst_graph is not None) == (burst is None) and runner.decode_burst == (8 if burst is None else 1)
+        assert runner.persistent_decoder.fused_head == (dtype == "bfloat16" and torch.cuda.get_device_capability() >= (9, 0))
         if burst is None:
             counted = g.burst_graph = CountedGraph(g.burst_graph)
         ps = prompts(llm.engine.vocab_size, [5, 40, 9, 200], seed=4)

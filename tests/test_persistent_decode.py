@@ -85,6 +85,7 @@ def decode_both(path, context: int, dtype=torch.float32, **decoder_kwargs):
         decoder = PersistentDecoder(model, **decoder_kwargs)
         decoder.bind(k_caches, v_caches)
         got = model.compute_logits(decoder(token, position, meta)).float()
+        decoder.test_inputs = token, position, meta  # what a test may launch it with again
     return expected, got, expected_caches, k_caches + v_caches, decoder
 
 
@@ -262,10 +263,10 @@ class FakeGraphs:
         self.graphs: dict[int, object] = {8: object()}
         self.fail = fail
 
-    def capture_single(self, single, head_greedy, burst=1) -> None:
+    def capture_single(self, step, burst=1) -> None:
         if self.fail:
             raise RuntimeError("capture failed")
-        self.graphs[1] = single
+        self.graphs[1] = step
         self.burst = burst
 
 
@@ -287,7 +288,7 @@ def test_background_compile_is_adopted_or_leaves_the_per_op_path(caplog):
     runner = runner_with_background_compile(FakeGraphs(), lambda: ran.append(True))
     decoder = runner.persistent_decoder
     runner.finish_background_compile()
-    assert ran == [True] and runner.graph_runner.graphs[1] is decoder and runner.persistent_decoder is decoder
+    assert ran == [True] and runner.graph_runner.graphs[1] == runner._lone_step and runner.persistent_decoder is decoder
     assert runner.graph_runner.burst == 8  # the default decode burst's graph is captured with it
     runner.finish_background_compile()  # nothing left to do
     assert ran == [True]
@@ -442,6 +443,42 @@ def test_cuda_fused_mlp_close_to_two_stages(checkpoint_factory, case, dtype, pro
         assert fused.std() > 0.1
     for c, e in zip(caches, expected_caches):
         torch.testing.assert_close(c, e, atol=2e-2 if dtype != torch.float32 else 1e-5, rtol=2e-2 if dtype != torch.float32 else 1e-5)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(MMA_CASES))
+@pytest.mark.parametrize("programs", ["one-per-sm", "8", "3"])
+def test_cuda_fused_head_equals_cublas_logits_and_their_argmax(checkpoint_factory, case, programs):
+    """The LM head and the greedy argmax inside the kernel (fused_head, on by default with the
+    tensor-core slots): the hidden state is the one without it (to the last bits that the MLP's
+    atomics leave to their order); the logits are cuBLAS's of that hidden state to bf16 rounding
+    (the tensor cores sum in another order); the token is torch.argmax of the kernel's own
+    logits, launch after launch (the count resets), and ties go to the lowest id, also across
+    programs."""
+    path, kwargs = slots_case(checkpoint_factory, case, programs)
+    _, _, _, _, plain = decode_both(path, 45, torch.bfloat16, fused_head=False, **kwargs)
+    expected_hidden = plain.out.clone()
+    _, _, _, _, decoder = decode_both(path, 45, torch.bfloat16, **kwargs)
+    assert decoder.fused_head and not plain.fused_head
+    torch.testing.assert_close(decoder.out, expected_hidden, atol=2e-2, rtol=2e-2)
+    head_w = decoder.head_weight
+    reference = torch.nn.functional.linear(decoder.out, head_w).float()
+    torch.testing.assert_close(decoder.logits.float(), reference, atol=2e-2, rtol=2e-2)
+    assert decoder.logits.float().std() > 0.1
+    assert decoder.greedy_token.item() == decoder.logits[0].argmax().item()
+    # A tie: a lower row (another program's, where there is one) gets the winning row's weights.
+    token, position, meta = decoder.test_inputs
+    top = decoder.logits[0].float().argmax().item()
+    low = max(0, top - 5 * decoder.rows_vocab)
+    if low in (top, token.item()):
+        return
+    head_w[low] = head_w[top]  # (tied to the embedding: not the step's token, so the hidden state stays)
+    out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    for _ in range(3):
+        with torch.inference_mode():
+            decoder(token, position, meta, out)
+        assert out.item() == decoder.logits[0].argmax().item() == low
 
 
 def test_tensor_core_program_shape():

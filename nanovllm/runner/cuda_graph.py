@@ -12,8 +12,9 @@ A lone sequence takes the persistent decode kernel once the runner has one
 adds a graph of size 1 that captures that kernel instead of the per-op forward, faster at every
 context measured (H200, Qwen3-0.6B, per token: 0.70 vs 1.19 ms at 640 tokens, 1.84 vs 2.89 ms at
 16,384; benchmarks/persistent_decode.py). That graph also holds the LM head and the greedy
-argmax (fused_sampler.GreedyRow: one launch across the vocabulary, 3.6 us per token on the H200
-against torch.argmax's one-block 8.8 us), which it writes over its own input token, so that a
+argmax (inside the kernel where it can, its fused_head; else cuBLAS and
+fused_sampler.GreedyRow: one launch across the vocabulary, 3.6 us per token on the H200 against
+torch.argmax's one-block 8.8 us), which it writes over its own input token, so that a
 greedy stream's next step finds its input in place; its inputs are views of one byte buffer
 (SingleDecodeInputs) that one host-to-device copy fills. Each launch left outside the graph
 cost the host ~10-65 us per token (torch profiler, H200, W5). A second graph holds a decode
@@ -215,14 +216,13 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture_single(
         self,
-        single: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-        head_greedy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        step: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor],
         burst: int = 1,
     ) -> None:
-        """Capture `single` (one decoding sequence's forward over `self.single`, compiled
-        already), then the LM head and the greedy argmax into `self.single.token`
-        (`head_greedy(hidden, out) -> logits`, compiled already: layers/greedy_head.py),
-        as the graph of size 1, in the pool of the others; with burst > 1 (at most
+        """Capture `step` (`step(token, position, meta, next_token) -> logits`: one decoding
+        sequence's forward over `self.single`, its LM head and its greedy argmax into
+        `self.single.token`, compiled already: ModelRunner._lone_step) as the graph of size 1,
+        in the pool of the others; with burst > 1 (at most
         `self.single.steps`), also the graph of a decode burst: that many such steps, each
         step's argmax the next one's input (see SingleDecodeInputs). Runs between steps, on the
         thread that runs them: the warm-up launches read the static inputs, so they are first
@@ -233,14 +233,13 @@ class CudaGraphRunner:
             raise ValueError(f"a decode burst of {burst} steps needs as many input records, there are {s.steps}")
         s.store_nothing()
 
-        def steps(n: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        def steps(n: int) -> Callable[[], torch.Tensor]:
             metas = [s.meta(i) for i in range(n)]
 
-            def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            def forward() -> torch.Tensor:
                 for i in range(n):
-                    hidden = single(s.tokens[i], s.positions[i], metas[i])
-                    logits = head_greedy(hidden, s.tokens[(i + 1) % n])
-                return hidden, logits
+                    logits = step(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % n])
+                return logits
             return forward
 
         for n in sorted({1, burst}):
@@ -248,10 +247,10 @@ class CudaGraphRunner:
             forward()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            hidden, logits = self._capture(graph, forward)
+            logits = self._capture(graph, forward)
             torch.cuda.synchronize()
             if n == 1:
-                self.outputs[1], self.single_logits = hidden, logits
+                self.single_logits = logits
                 self.graphs[1] = graph
             else:
                 self.burst_graph, self.burst_steps = graph, n

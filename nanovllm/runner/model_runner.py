@@ -237,8 +237,11 @@ class ModelRunner:
 
             def dry_pass() -> None:
                 with torch.cuda.device(self.device), torch.inference_mode():
-                    decoder(ids, pos, meta)
-                    greedy(logits, ids)
+                    if decoder.fused_head:
+                        decoder(ids, pos, meta, ids)
+                    else:
+                        decoder(ids, pos, meta)
+                        greedy(logits, ids)
 
             self._persistent_dry_pass = dry_pass
         # Start-up breakdown in seconds, reported by benchmarks/bench.py and benchmarks/startup.py.
@@ -267,13 +270,19 @@ class ModelRunner:
         logger.info("int4 weights: %d layers quantized, %d kept dense (in-features not a multiple of %d)",
                     done, kept, int4_linear.GROUP_SIZE)
 
-    def _head_greedy(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The lone-sequence graphs' LM head and greedy argmax into `out`; returns the logits.
-        (One Triton kernel for both, each program's rows multiplied and folded into an atomic
-        max, was no faster than cuBLAS's 74.8 us plus GreedyRow's 3.3: 80.5-113 us against
-        80.7 on the H200, docs/benchmarks.md, W5 session 16.)"""
-        logits = self.model.compute_logits(hidden)
-        self.greedy_row(logits, out)
+    def _lone_step(self, token: torch.Tensor, position: torch.Tensor, meta: AttentionMetadata,
+                   next_token: torch.Tensor) -> torch.Tensor:
+        """One decode step of a lone sequence through the persistent kernel, its greedy token
+        into next_token; returns the logits (what the lone-sequence graphs capture). The kernel
+        runs the LM head and the argmax itself where it can (fused_head); else cuBLAS and
+        GreedyRow follow it. (A Triton kernel of the head and the argmax alone was no faster
+        than those two: 80.5-113 us against 80.7 on the H200, docs/benchmarks.md, W5 session 16.)"""
+        decoder = self.persistent_decoder
+        if decoder.fused_head:
+            decoder(token, position, meta, next_token)
+            return decoder.logits
+        logits = self.model.compute_logits(decoder(token, position, meta))
+        self.greedy_row(logits, next_token)
         return logits
 
     @property
@@ -316,7 +325,7 @@ class ModelRunner:
         try:
             if not pending.result():
                 raise RuntimeError("this Triton cannot compile in the background")
-            self.graph_runner.capture_single(self.persistent_decoder, self._head_greedy, burst=self._graph_burst)
+            self.graph_runner.capture_single(self._lone_step, burst=self._graph_burst)
         except Exception as e:  # noqa: BLE001 - an optional fast path: log it and serve without it
             logger.warning("persistent decode off: %s", e)
             self.graph_runner.graphs.pop(1, None)

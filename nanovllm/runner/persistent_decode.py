@@ -110,9 +110,14 @@ the o projection rows plus the residual add: four stages; without the fused MLP 
 at SiLU-and-mul and a stage E does the down projection rows plus the residual add: five (what
 models whose slices do not fit the slots, and the stepwise launches by default, run). Before
 the first layer the embedding row becomes the residual stream; after the last, the final
-RMSNorm writes the hidden state. The LM head and the sampler run after the kernel, as for every
-other step (the runner's CUDA graph of the kernel also holds the LM head and the greedy argmax:
-runner/cuda_graph.py).
+RMSNorm writes the hidden state. With FUSED_HEAD (`fused_head`, on with the tensor-core slots)
+the LM head and the greedy argmax follow in the kernel (_stage_head): every program norms the
+residual itself, streams its share of the vocabulary rows through slots X and Y (the first two
+chunks copied during the last layer's barrier), stores the logits and folds its best into a
+count whose last arrival writes the token. Against cuBLAS's head (74.8 us), GreedyRow (3.3 us)
+and a memset after the kernel: W5 1,855 -> 1,871-1,877 tok/s (H200, session 16). Otherwise the
+LM head and the sampler run after the kernel, as for every other step (the runner's CUDA graphs
+of the kernel hold them: runner/cuda_graph.py).
 
 Numerics follow the per-op path (layers/fused.py): every value the reference rounds to the
 activation dtype (projection outputs, the residual sums, normalised values, rotary products,
@@ -512,6 +517,83 @@ def _issue_weights(
 
 
 @triton.jit
+def _issue_head_chunk(c, base_ptr, head_off, slot, bar, pid, rows_per_program, V, CR: tl.constexpr, H: tl.constexpr):
+    """FUSED_HEAD: copy chunk c (CR vocabulary rows) of this program's rows of the LM head weight
+    into `slot`, counted at `bar`; past the program's rows the copy is empty (the phase still
+    completes)."""
+    ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
+    first = pid * rows_per_program
+    row0 = first + c * CR
+    end = tl.minimum(first + rows_per_program, V)
+    nbytes = tl.maximum(tl.minimum(end - row0, CR), 0) * (H * ESIZE)
+    src = base_ptr + tl.multiple_of(head_off, 16) + row0.to(tl.int64) * H
+    bulk_copy(bar, slot, src, nbytes, slot, src, 0)
+
+
+@triton.jit
+def _head_buffer(c, slot_x, slot_y, bar_x, bar_y, PX: tl.constexpr, PY: tl.constexpr):
+    """FUSED_HEAD: (shared address, mbarrier, phase parity) of the slot that holds the LM head's
+    chunk c: X and Y in turn. PX, PY: the parity of the first head phase of X's and Y's
+    mbarriers (one phase per copy the layers made before). (A third buffer, X's second half with
+    a mbarrier of its own, was no faster: W5 1,868 against 1,871 tok/s on the H200.)"""
+    in_x = c % 2 == 0
+    use = c // 2
+    return tl.where(in_x, slot_x, slot_y), tl.where(in_x, bar_x, bar_y), tl.where(in_x, PX + use, PY + use) % 2
+
+
+@triton.jit
+def _stage_head(
+    base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr, part_val_ptr, part_idx_ptr,
+    count_ptr, pid, num_programs, rows_per_program, V, slot_x, slot_y, bar_x, bar_y, xbuf, red,
+    H: tl.constexpr, BLOCK_X: tl.constexpr, COPIES: tl.constexpr, THREADS: tl.constexpr, CR: tl.constexpr,
+    PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD: tl.constexpr, PARTS: tl.constexpr,
+):
+    """FUSED_HEAD: the LM head and the greedy argmax, after the last layer. Every program norms
+    the residual stream itself (the final RMSNorm, staged at xbuf as stage A stages its input),
+    then multiplies its rows_per_program vocabulary rows, CR at a time, from slots X and Y in
+    turn (_head_buffer; chunks 0 and 1 were issued during the last layer's barrier; each
+    chunk's slot takes chunk c + 2 once it is multiplied): the copies stream the weight while
+    the tensor cores keep up. It stores the logits (rounded to their dtype) and keeps, per
+    thread, the best (value, lowest row); the program's best goes to part_val/part_idx, and the
+    last program to arrive (acq_rel count) writes the winner, lowest row on ties, to next_tok.
+    """
+    dtype = logits_ptr.dtype.element_ty
+    _normed_to_shared(post_ptr, acc_ptr, final_norm_ptr, eps, xbuf, H, BLOCK_X, dtype, COPIES)
+    t = tl.arange(0, THREADS)
+    best_val = tl.full([THREADS], float("-inf"), tl.float32)
+    best_row = tl.zeros([THREADS], tl.int32)
+    first = pid * rows_per_program
+    end = tl.minimum(first + rows_per_program, V)
+    for c in range(0, tl.cdiv(rows_per_program, CR)):
+        slot, bar, parity = _head_buffer(c, slot_x, slot_y, bar_x, bar_y, PX, PY)
+        mbarrier_wait(bar, parity)
+        tl.debug_barrier()  # the staged input (or the previous chunk's reads of `red`)
+        acc, _ = mma_rows(MMA_HEAD, slot, xbuf, red, THREADS)
+        # mma_rows ends with a CTA barrier after every read of the slot: it takes chunk c + 2
+        _issue_head_chunk(c + 2, base_ptr, head_off, slot, bar, pid, rows_per_program, V, CR, H)
+        rows = first + c * CR + t
+        valid = (t < CR) & (rows < end)
+        logit = acc.to(dtype)
+        tl.store(logits_ptr + rows, logit, mask=valid)
+        v = tl.where(valid, logit.to(tl.float32), float("-inf"))
+        better = v > best_val  # rows only grow: ties keep the lower row
+        best_val = tl.where(better, v, best_val)
+        best_row = tl.where(better, rows, best_row)
+    top = tl.max(best_val, axis=0)
+    tl.store(part_val_ptr + pid, top)
+    tl.store(part_idx_ptr + pid, tl.min(tl.where(best_val == top, best_row, 2**31 - 1), axis=0))
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_programs - 1:
+        offs = tl.arange(0, PARTS)
+        live = offs < num_programs
+        # .cg: from the L2, where the other programs' released stores are
+        vals = tl.load(part_val_ptr + offs, mask=live, other=float("-inf"), cache_modifier=".cg")
+        idxs = tl.load(part_idx_ptr + offs, mask=live, other=2**31 - 1, cache_modifier=".cg")
+        best = tl.max(vals, axis=0)
+        tl.store(next_tok_ptr, tl.min(tl.where(live & (vals == best), idxs, 2**31 - 1), axis=0).to(tl.int64))
+
+
+@triton.jit
 def _layer_stage(
     STAGE: tl.constexpr, first, first2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
     acc_ptr, part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
@@ -613,7 +695,9 @@ def _decode_kernel(
     THREADS: tl.constexpr = 256, KV_PREFETCH_CG: tl.constexpr = False, ACC_COPIES: tl.constexpr = 0,
     BK_DT: tl.constexpr = 16, DOWN_ASM: tl.constexpr = "", FUSED_ATTN: tl.constexpr = False, RBS: tl.constexpr = 1,
     BR_OB: tl.constexpr = 1, BK_OB: tl.constexpr = 16, MMA_OB: tl.constexpr = "", GU_LATE: tl.constexpr = False,
-    O_LATE: tl.constexpr = False,
+    O_LATE: tl.constexpr = False, head_off=0, logits_ptr=None, next_tok_ptr=None, head_val_ptr=None, head_idx_ptr=None,
+    vocab=0, rows_vocab=0, FUSED_HEAD: tl.constexpr = False, HEAD_CR: tl.constexpr = 1, HEAD_PX: tl.constexpr = 0,
+    HEAD_PY: tl.constexpr = 0, MMA_HEAD: tl.constexpr = "", HEAD_PARTS: tl.constexpr = 1,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -640,7 +724,11 @@ def _decode_kernel(
     the tensor-core program MMA_OB), three stages per layer, the residual in resid and resid2,
     the o sums in acc_o (see _layer_stage); the attention parts count at sync_ptr[1 + layer * NK].
     GU_LATE, O_LATE (FUSED_ATTN, SMEM_WEIGHTS): when the gate/up rows and the o tile are copied
-    in (see the module docstring and _layer_stage)."""
+    in (see the module docstring and _layer_stage). FUSED_HEAD (persistent, FUSED_ATTN, MMA): the
+    LM head and the greedy argmax follow the last layer (_stage_head: the weight at head_off,
+    `vocab` rows, rows_vocab per program, HEAD_CR per chunk; the logits to logits_ptr, the token
+    to next_tok_ptr, the programs' bests at head_val/head_idx, their count after the attention
+    counts)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
@@ -747,6 +835,12 @@ def _decode_kernel(
                                     _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y,
                                                    bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER, FUSED,
                                                    FUSED_ATTN, RBS, num_programs)
+                                if FUSED_HEAD:
+                                    if layer_i + 1 == num_layers:  # both slots are free: the LM head's first chunks
+                                        _issue_head_chunk(0, base_ptr, head_off, slot_x, bar_x, pid, rows_vocab, vocab,
+                                                          HEAD_CR, H)
+                                        _issue_head_chunk(1, base_ptr, head_off, slot_y, bar_y, pid, rows_vocab, vocab,
+                                                          HEAD_CR, H)
                             else:
                                 _issue_weights(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_x, bar_x,
                                                pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
@@ -773,6 +867,11 @@ def _decode_kernel(
                     grid_wait(sync_ptr, seen, arrivals)
         _stage_final_norm(post_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H,
                           ACC_COPIES)
+        if FUSED_HEAD:
+            _stage_head(base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr, head_val_ptr,
+                        head_idx_ptr, sync_ptr + 1 + num_layers * NK, pid, num_programs, rows_vocab, vocab, slot_x,
+                        slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS, HEAD_CR, HEAD_PX, HEAD_PY,
+                        MMA_HEAD, HEAD_PARTS)
     elif STAGE == -1:
         _stage_embed(base_ptr, tok_ptr, post_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
     elif STAGE == 5:
@@ -856,7 +955,9 @@ class PersistentDecoder:
     fused_attn (the o projection in the attention stage; needs fused_mlp and a program per KV
     head; None: on with fused_mlp and the slots; 34 us faster), gate_up_late and o_late (with
     fused_attn: when the slots' gate/up rows and o tile are copied in; 4-14 us faster and within
-    noise), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
+    noise), fused_head (the LM head and the greedy argmax in the kernel, into self.logits and
+    next_token; None: on with the tensor-core slots and fused_attn; ~1% faster on W5), and two
+    benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
     (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small ones so that
     programs take several items and contexts several splits."""
@@ -868,7 +969,7 @@ class PersistentDecoder:
         probe: bool = False, own_token_split: bool = True, one_thread_barrier: bool = True,
         smem_weights: bool = True, mma_projections: bool = True, kv_prefetch_cg: bool = True,
         fused_mlp: bool | None = None, acc_copies: int = 4, fused_attn: bool | None = None,
-        gate_up_late: bool = True, o_late: bool = True,
+        gate_up_late: bool = True, o_late: bool = True, fused_head: bool | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -908,7 +1009,8 @@ class PersistentDecoder:
         self.resid2, self.acc_o = empty(self.hidden), empty(self.hidden, torch.float32)  # fused_attn
         self.part_acc = empty(self.num_q * max_splits * self.head_dim, torch.float32)
         self.part_ml = empty(self.num_q * max_splits * 2, torch.float32)
-        self.sync = empty(1 + self.num_k * self.num_layers, torch.int32)  # fused_attn: a count per layer and KV head
+        # fused_attn: a count per layer and KV head; fused_head: one more
+        self.sync = empty(2 + self.num_k * self.num_layers, torch.int32)
         # probe: [2 (global ns, SM cycles), layers, PROBE_POINTS, programs] stamps, 0 = not reached
         self.probe = empty(2 * self.num_layers * _PROBE_POINTS * num_programs if probe else 1, torch.int64)
         self.rows_qkv = -(-n_qkv // num_programs)
@@ -993,6 +1095,47 @@ class PersistentDecoder:
             )
             if self.fused_attn and group_width % MMA_K_STEP == 0 and self.rbs <= num_warps * 32:
                 self.constexprs.update(MMA_OB=mma_asm(self.rbs, group_width, num_warps, 0, self.dtype))
+        self._setup_fused_head(model, fused_head, o_late, device)
+
+    def _setup_fused_head(self, model: Any, fused_head: bool | None, o_late: bool, device: torch.device) -> None:
+        """The LM head and the greedy argmax inside the kernel (FUSED_HEAD, `fused_head`; None: on
+        where the projections run on tensor cores from the slots with the o projection fused,
+        and the LM head is one rank's whole vocabulary). Its chunks alternate between slots X and
+        Y, so a chunk is as many rows as the smaller slot holds."""
+        head = getattr(model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        possible = (self.mma and self.fused_attn and weight is not None and getattr(head, "tp_size", 1) == 1
+                    and tuple(weight.shape) == (head.num_embeddings, self.hidden) and weight.is_contiguous())
+        self.fused_head = possible if fused_head is None else fused_head
+        self.logits: torch.Tensor | None = None
+        self.greedy_token = torch.zeros(1, dtype=torch.int64, device=device)
+        if not self.fused_head:
+            return
+        if not possible:
+            raise ValueError("fused_head needs mma projections with fused_attn, and one rank's whole LM head")
+        item = self.dtype.itemsize
+        # at most a slot's rows, and the most rows whose sums `red` holds (red_bytes)
+        cr = min(self.num_warps * 32, min(self.slot_x_bytes, self.slot_y_bytes) // (self.hidden * item),
+                 max(self.rows_qkv, self.rows_h, 2 * self.rows_inter, self.rbs))
+        if cr < 1:
+            raise ValueError("fused_head: a slot does not hold one row of the LM head")
+        self.head_weight = weight
+        self.vocab = head.num_embeddings
+        self.rows_vocab = -(-self.vocab // self.num_programs)
+        self.logits = torch.zeros((1, self.vocab), dtype=self.dtype, device=device)
+        self.head_val = torch.zeros(self.num_programs, dtype=torch.float32, device=device)
+        self.head_idx = torch.zeros(self.num_programs, dtype=torch.int32, device=device)
+        # The head's first copy into each slot follows every copy the layers made there: slot X
+        # takes the first qkv rows, then per layer the gate/up rows and the next qkv rows (the
+        # last layer's empty); slot Y per layer the o tile (copied in stage A with o_late, else
+        # once ahead plus after each MLP) and the down rows. An mbarrier phase per copy.
+        copies_x = 1 + 2 * self.num_layers
+        copies_y = 2 * self.num_layers + (0 if (o_late and self.mma) else 1)
+        self.constexprs.update(
+            FUSED_HEAD=True, HEAD_CR=cr, HEAD_PX=copies_x % 2, HEAD_PY=copies_y % 2,
+            MMA_HEAD=mma_asm(cr, self.hidden, self.num_warps, 0, self.dtype),
+            HEAD_PARTS=triton.next_power_of_2(self.num_programs),
+        )
 
     def _smem_weights_fit(self, device: torch.device, k_and_chunks: list[tuple[int, int]]) -> bool:
         """Whether weights can go through shared-memory slots here: a persistent launch on an
@@ -1040,14 +1183,22 @@ class PersistentDecoder:
             }
             rows.append([offset(fields[name]) for name in _FIELDS])
         self.table = torch.tensor(rows, dtype=torch.int64, device=base.device)
+        self.head_off = offset(self.head_weight) if self.fused_head else 0
         self.kv_block_size = k_caches[0].shape[1]
         self.stride_cb, self.stride_cs = k_caches[0].stride(0), k_caches[0].stride(1)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 next_token: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden state [1, H]. With fused_head, also the logits (into self.logits) and their
+        argmax, lowest id on ties, into next_token ([1] int64; None: self.greedy_token)."""
         if self.table is None:
             raise RuntimeError("PersistentDecoder: call bind() with the KV caches first")
         if input_ids.shape[0] != 1 or meta.num_decodes != 1:
             raise ValueError("persistent decode runs exactly one decoding sequence")
+        if next_token is None:
+            next_token = self.greedy_token
+        if self.fused_head and (next_token.shape != (1,) or next_token.dtype != torch.int64):
+            raise ValueError(f"persistent decode: next_token must be [1] int64, got {tuple(next_token.shape)} {next_token.dtype}")
         self.sync.zero_()
         args = (
             self._base(), self.table, self.model.model.norm.weight, input_ids, self.resid, self.qkv, self.attn_out,
@@ -1057,6 +1208,9 @@ class PersistentDecoder:
         )
         counts = (self.rows_qkv, self.rows_h, self.rows_inter)
         common = dict(self.constexprs, KV_BLOCK_SIZE=self.kv_block_size, num_warps=self.num_warps, enable_fp_fusion=False)
+        if self.fused_head:
+            common.update(head_off=self.head_off, logits_ptr=self.logits, next_tok_ptr=next_token, head_val_ptr=self.head_val,
+                          head_idx_ptr=self.head_idx, vocab=self.vocab, rows_vocab=self.rows_vocab)
         grid = (self.num_programs,)
         if self.persistent:
             common.update(PERSISTENT=True, STAGE=0, SMEM_WEIGHTS=self.smem_weights,
