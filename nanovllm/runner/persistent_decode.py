@@ -544,7 +544,7 @@ def _head_buffer(c, slot_x, slot_y, bar_x, bar_y, PX: tl.constexpr, PY: tl.const
 @triton.jit
 def _stage_head(
     base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr, part_val_ptr, part_idx_ptr,
-    count_ptr, pid, num_programs, rows_per_program, V, slot_x, slot_y, bar_x, bar_y, xbuf, red,
+    sync_ptr, sync_n, pid, num_programs, rows_per_program, V, slot_x, slot_y, bar_x, bar_y, xbuf, red,
     H: tl.constexpr, BLOCK_X: tl.constexpr, COPIES: tl.constexpr, THREADS: tl.constexpr, CR: tl.constexpr,
     PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD: tl.constexpr, PARTS: tl.constexpr,
 ):
@@ -555,7 +555,8 @@ def _stage_head(
     chunk's slot takes chunk c + 2 once it is multiplied): the copies stream the weight while
     the tensor cores keep up. It stores the logits (rounded to their dtype) and keeps, per
     thread, the best (value, lowest row); the program's best goes to part_val/part_idx, and the
-    last program to arrive (acq_rel count) writes the winner, lowest row on ties, to next_tok.
+    last program to arrive (acq_rel count, the last of the sync_n sync words) writes the winner,
+    lowest row on ties, to next_tok, and zeroes the sync words for the next launch.
     """
     dtype = logits_ptr.dtype.element_ty
     _normed_to_shared(post_ptr, acc_ptr, final_norm_ptr, eps, xbuf, H, BLOCK_X, dtype, COPIES)
@@ -582,7 +583,7 @@ def _stage_head(
     top = tl.max(best_val, axis=0)
     tl.store(part_val_ptr + pid, top)
     tl.store(part_idx_ptr + pid, tl.min(tl.where(best_val == top, best_row, 2**31 - 1), axis=0))
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    arrived = tl.atomic_add(sync_ptr + sync_n - 1, 1, sem="acq_rel", scope="gpu")  # the last sync word
     if arrived == num_programs - 1:
         offs = tl.arange(0, PARTS)
         live = offs < num_programs
@@ -591,6 +592,10 @@ def _stage_head(
         idxs = tl.load(part_idx_ptr + offs, mask=live, other=2**31 - 1, cache_modifier=".cg")
         best = tl.max(vals, axis=0)
         tl.store(next_tok_ptr, tl.min(tl.where(live & (vals == best), idxs, 2**31 - 1), axis=0).to(tl.int64))
+        # Every program has passed every barrier and count of this launch: put them back to 0 for
+        # the next one (which then needs no memset before it).
+        for z in range(0, sync_n, PARTS):
+            tl.store(sync_ptr + z + offs, tl.zeros([PARTS], tl.int32), mask=z + offs < sync_n)
 
 
 @triton.jit
@@ -869,7 +874,7 @@ def _decode_kernel(
                           ACC_COPIES)
         if FUSED_HEAD:
             _stage_head(base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr, head_val_ptr,
-                        head_idx_ptr, sync_ptr + 1 + num_layers * NK, pid, num_programs, rows_vocab, vocab, slot_x,
+                        head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs, rows_vocab, vocab, slot_x,
                         slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS, HEAD_CR, HEAD_PX, HEAD_PY,
                         MMA_HEAD, HEAD_PARTS)
     elif STAGE == -1:
@@ -1199,7 +1204,8 @@ class PersistentDecoder:
             next_token = self.greedy_token
         if self.fused_head and (next_token.shape != (1,) or next_token.dtype != torch.int64):
             raise ValueError(f"persistent decode: next_token must be [1] int64, got {tuple(next_token.shape)} {next_token.dtype}")
-        self.sync.zero_()
+        if not self.fused_head:  # (a fused head's last program zeroes them: _stage_head)
+            self.sync.zero_()
         args = (
             self._base(), self.table, self.model.model.norm.weight, input_ids, self.resid, self.qkv, self.attn_out,
             self.act, self.out, self.acc, self.resid2, self.acc_o, self.part_acc, self.part_ml, self.sync, positions, meta.slot_mapping, meta.seq_lens,
