@@ -262,6 +262,13 @@ def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
         assert bm.num_free_blocks == bm.num_blocks
     assert outs[None] == outs[1]
     assert counted.replays >= 4 * 5  # per prompt: 44 tokens after the prefill's = 5 bursts + 4 single steps
+    # Not plain greedy (logprobs): single steps whose sampler reads the graph's logits (the
+    # kernel's own with fused_head): the same tokens, each the most likely one.
+    out = llm.generate([ps[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == outs[1][0][0][:20]
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert entry[token] == max(entry.values())
     ids = outs[1][0][0]
     eos = ids[10]
     llm = LLM(str(path), device="cuda", dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.3, eos=eos)

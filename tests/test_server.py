@@ -34,7 +34,8 @@ from nanovllm.entrypoints.server import create_app
 
 KEY = "test-key"
 MODEL = "tiny"
-ENGINE_KW = dict(device="cpu", max_model_len=512, kvcache_block_size=4, num_kvcache_blocks=96)
+# decode_burst=3: greedy lone requests decode 3 steps per engine step, as the GPU does (8)
+ENGINE_KW = dict(device="cpu", max_model_len=512, kvcache_block_size=4, num_kvcache_blocks=96, decode_burst=3)
 
 
 @contextlib.contextmanager
@@ -542,9 +543,10 @@ def test_engine_flags_map_onto_engine_config():
     parser = build_parser()
     default = engine_kwargs(parser.parse_args(["generate", "--model", "m", "hi"]))
     assert set(default) <= {f.name for f in fields(EngineConfig)}
-    assert default["persistent_decode"] is True and default["async_scheduling"] is None
-    off = engine_kwargs(parser.parse_args(["serve", "m", "--no-persistent-decode", "--no-async-scheduling"]))
-    assert off["persistent_decode"] is False and off["async_scheduling"] is False
+    assert default["persistent_decode"] is True and default["async_scheduling"] is None and default["decode_burst"] is None
+    off = engine_kwargs(parser.parse_args(["serve", "m", "--no-persistent-decode", "--no-async-scheduling",
+                                           "--decode-burst", "1"]))
+    assert off["persistent_decode"] is False and off["async_scheduling"] is False and off["decode_burst"] == 1
 
 
 def test_cli_generate_chat_bench_and_help(qwen3_tiny, live, monkeypatch, capsys):

@@ -42,6 +42,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="wait for each step's tokens before scheduling the next (default: async on CUDA)")
     g.add_argument("--no-persistent-decode", dest="persistent_decode", action="store_false",
                    help="a lone sequence decodes through the per-op CUDA graph, not the persistent kernel")
+    g.add_argument("--decode-burst", type=int, default=None,
+                   help="greedy decode steps a lone sequence runs per engine step (default: 8 with the persistent kernel)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quantization", default=None, choices=["int4"],
                    help="CPU only: int4 weights with bf16 activations (faster single-stream decode, approximate)")
@@ -51,7 +53,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     names = (
         "device", "attention_backend", "tensor_parallel_size", "dtype", "max_model_len", "max_num_seqs",
         "max_num_batched_tokens", "kvcache_block_size", "num_kvcache_blocks", "gpu_memory_utilization",
-        "enable_prefix_caching", "enforce_eager", "seed", "async_scheduling", "persistent_decode", "quantization",
+        "enable_prefix_caching", "enforce_eager", "seed", "async_scheduling", "persistent_decode", "decode_burst",
+        "quantization",
     )
     return {n: getattr(args, n) for n in names}
 
