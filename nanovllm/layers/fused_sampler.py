@@ -191,6 +191,19 @@ GREEDY_BLOCK = 2048
 
 
 @triton.jit
+def best_part(part_val_ptr, part_idx_ptr, n, PARTS: tl.constexpr):
+    """The index of the best of n parts' (value, index) pairs, the lowest index among equal
+    values: what the last program of a split argmax picks (GreedyRow, and the persistent decode
+    kernel's LM head). Reads through the L2 (.cg), where the other programs' released stores are."""
+    offs = tl.arange(0, PARTS)
+    live = offs < n
+    vals = tl.load(part_val_ptr + offs, mask=live, other=float("-inf"), cache_modifier=".cg")
+    idxs = tl.load(part_idx_ptr + offs, mask=live, other=2**31 - 1, cache_modifier=".cg")
+    top = tl.max(vals, axis=0)
+    return tl.min(tl.where(live & (vals == top), idxs, 2**31 - 1), axis=0)
+
+
+@triton.jit
 def _greedy_row_kernel(logits_ptr, part_val_ptr, part_idx_ptr, count_ptr, out_ptr, vocab_size,
                        BLOCK: tl.constexpr, PARTS: tl.constexpr):
     """Program p takes columns [p * BLOCK, (p + 1) * BLOCK), stores its best (value, lowest
@@ -206,13 +219,7 @@ def _greedy_row_kernel(logits_ptr, part_val_ptr, part_idx_ptr, count_ptr, out_pt
     tl.store(part_idx_ptr + pid, best_col)
     arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == n - 1:
-        offs = tl.arange(0, PARTS)
-        live = offs < n
-        # .cg: from the L2, where the other programs' released stores are
-        vals = tl.load(part_val_ptr + offs, mask=live, other=float("-inf"), cache_modifier=".cg")
-        idxs = tl.load(part_idx_ptr + offs, mask=live, other=2**31 - 1, cache_modifier=".cg")
-        top = tl.max(vals, axis=0)
-        tl.store(out_ptr, tl.min(tl.where(live & (vals == top), idxs, 2**31 - 1), axis=0).to(tl.int64))
+        tl.store(out_ptr, best_part(part_val_ptr, part_idx_ptr, n, PARTS).to(tl.int64))
         tl.store(count_ptr, 0)
 
 

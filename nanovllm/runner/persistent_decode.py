@@ -152,6 +152,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.attention.backend import AttentionMetadata
+from nanovllm.layers.fused_sampler import best_part
 from nanovllm.precompile import compiling_only, launch
 from nanovllm.runner.persistent_attention import _first_kv_rows, _kv_load, _stage_attention, _stage_attn_o, _step_values
 from nanovllm.runner.persistent_common import (
@@ -585,15 +586,10 @@ def _stage_head(
     tl.store(part_idx_ptr + pid, tl.min(tl.where(best_val == top, best_row, 2**31 - 1), axis=0))
     arrived = tl.atomic_add(sync_ptr + sync_n - 1, 1, sem="acq_rel", scope="gpu")  # the last sync word
     if arrived == num_programs - 1:
-        offs = tl.arange(0, PARTS)
-        live = offs < num_programs
-        # .cg: from the L2, where the other programs' released stores are
-        vals = tl.load(part_val_ptr + offs, mask=live, other=float("-inf"), cache_modifier=".cg")
-        idxs = tl.load(part_idx_ptr + offs, mask=live, other=2**31 - 1, cache_modifier=".cg")
-        best = tl.max(vals, axis=0)
-        tl.store(next_tok_ptr, tl.min(tl.where(live & (vals == best), idxs, 2**31 - 1), axis=0).to(tl.int64))
+        tl.store(next_tok_ptr, best_part(part_val_ptr, part_idx_ptr, num_programs, PARTS).to(tl.int64))
         # Every program has passed every barrier and count of this launch: put them back to 0 for
         # the next one (which then needs no memset before it).
+        offs = tl.arange(0, PARTS)
         for z in range(0, sync_n, PARTS):
             tl.store(sync_ptr + z + offs, tl.zeros([PARTS], tl.int32), mask=z + offs < sync_n)
 
