@@ -550,7 +550,7 @@ class ModelRunner:
             return _Done(RunnerOutput([]))
         return PendingOutput(*launched, self.device)
 
-    def _launch(self, out: SchedulerOutput):
+    def _launch(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], SamplerOutput] | None:
         """Launch one ordinary step; returns (sampling rows, SamplerOutput), or None where this
         rank samples nothing."""
         if self.graph_runner is not None and self.graph_runner.has_single and len(out.seqs) == 1 and out.num_decodes == 1:
@@ -620,7 +620,7 @@ class ModelRunner:
         else:
             self._staging.upload(0, s.nbytes, out=s.buffer)
 
-    def _execute_single(self, item: ScheduledSeq):
+    def _execute_single(self, item: ScheduledSeq) -> tuple[list[ScheduledSeq], SamplerOutput] | None:
         """A lone decoding sequence: one copy of its inputs, one replay of the graph of the
         persistent kernel, LM head and greedy argmax (CudaGraphRunner.capture_single); the
         sampler runs only for rows that are not plain greedy. Returns (rows, SamplerOutput) as
