@@ -67,8 +67,8 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(name, "must be a positive integer")
         if self.decode_burst is not None:
-            if not isinstance(self.decode_burst, int) or isinstance(self.decode_burst, bool) or self.decode_burst < 1:
-                raise bad("decode_burst", "must be a positive integer or None")
+            if not isinstance(self.decode_burst, int) or isinstance(self.decode_burst, bool) or not 1 <= self.decode_burst <= 64:
+                raise bad("decode_burst", "must be an integer in [1, 64] (a graph holds that many steps) or None")
             if self.decode_burst > 1 and self.tensor_parallel_size != 1:
                 raise bad("decode_burst", "decode bursts run on one rank (tensor_parallel_size=1)")
         if self.kvcache_block_size & (self.kvcache_block_size - 1):

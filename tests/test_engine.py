@@ -444,7 +444,7 @@ def test_decode_burst_streams_and_prefix_caches_what_it_made(qwen3_tiny):
 def test_decode_burst_is_validated():
     from nanovllm.config import EngineConfig
 
-    for bad in (0, -2, 2.5, True):
+    for bad in (0, -2, 2.5, True, 65):
         with pytest.raises(ValueError, match="decode_burst"):
             EngineConfig(decode_burst=bad)
     with pytest.raises(ValueError, match="one rank"):
