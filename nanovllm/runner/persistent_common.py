@@ -1,17 +1,20 @@
 """What every stage of the persistent decode kernel (runner/persistent_decode.py) shares: the
 per-layer offset table that addresses a layer's weights and KV cache, the PROBE build's time
-stamps, the index helpers for a program's rows and a weight tile's columns, and the residual
-stream as it is read while a projection's sums still sit in an fp32 accumulator.
+stamps, the index helpers for a program's rows and a weight tile's columns, the residual
+stream as it is read while a projection's sums still sit in an fp32 accumulator, and its
+RMSNorm staged in shared memory for the tensor cores (stage A, the MLP and the LM head).
 
 Why a module of its own: the kernel is split by what its stages do (this file, the attention
-stage in runner/persistent_attention.py, the projections, the MLP and the launch in
-runner/persistent_decode.py); Triton inlines every jit function into the one kernel, so the
+stage in runner/persistent_attention.py, the LM head in runner/persistent_head.py, the
+projections, the MLP and the launch in runner/persistent_decode.py); Triton inlines every jit function into the one kernel, so the
 split costs nothing at run time (the sm_90 SASS is the same as from the single file).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from nanovllm.runner.ptx import stage_to_shared
 
 # Rows of the per-layer offset table: where each layer's tensors start, in elements from the
 # embedding weight (every tensor has the model's dtype, so one base pointer reaches them all).
@@ -159,3 +162,19 @@ def _zero_rows(acc_ptr, COPIES: tl.constexpr, pid, num_programs, rows_h, H: tl.c
     for item in range(pid, tl.cdiv(H, rows_h), num_programs):
         rows, rmask = _rows(item, rows_h, H, BR_H)
         _zero_acc(acc_ptr, rows, rmask, H, COPIES)
+
+
+@triton.jit
+def _normed_to_shared(resid_ptr, acc_ptr, ln_ptr, eps, xbuf, H: tl.constexpr, BLOCK_X: tl.constexpr, dtype: tl.constexpr,
+                      COPIES: tl.constexpr = 0):
+    """RMSNorm(residual) * weight, rounded as _normed rounds it, staged at xbuf for the tensor-core
+    path. The residual and the norm weights are loaded together, at once: with _rstd and then
+    _normed, the weights' load waited for the sum of squares, a second L2 round trip after the
+    barrier (every acquire empties the L1). The caller's CTA barrier orders the stores before the
+    tensor-core program's reads. COPIES: see _residual."""
+    offs = tl.arange(0, BLOCK_X)
+    mask = offs < H
+    x = _residual(resid_ptr, acc_ptr, offs, mask, H, COPIES)
+    w = tl.load(ln_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) * (1.0 / H) + eps)
+    stage_to_shared(((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), offs, mask, xbuf)

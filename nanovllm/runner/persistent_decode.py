@@ -111,10 +111,10 @@ at SiLU-and-mul and a stage E does the down projection rows plus the residual ad
 models whose slices do not fit the slots, and the stepwise launches by default, run). Before
 the first layer the embedding row becomes the residual stream; after the last, the final
 RMSNorm writes the hidden state. With FUSED_HEAD (`fused_head`, on with the tensor-core slots)
-the LM head and the greedy argmax follow in the kernel (_stage_head): every program norms the
-residual itself, streams its share of the vocabulary rows through slots X and Y (the first two
-chunks copied during the last layer's barrier), stores the logits and folds its best into a
-count whose last arrival writes the token. Against cuBLAS's head (74.8 us), GreedyRow (3.3 us)
+the LM head and the greedy argmax follow in the kernel (runner/persistent_head.py): every
+program norms the residual itself, streams its share of the vocabulary rows through slots X and
+Y (the first two chunks copied during the last layer's barrier), stores the logits and folds its
+best into a count whose last arrival writes the token. Against cuBLAS's head (74.8 us), GreedyRow (3.3 us)
 and a memset after the kernel: W5 1,855 -> 1,871-1,877 tok/s (H200, session 16). Otherwise the
 LM head and the sampler run after the kernel, as for every other step (the runner's CUDA graphs
 of the kernel hold them: runner/cuda_graph.py).
@@ -126,8 +126,9 @@ attention combines splits like the split-KV decode kernel, so results agree to r
 
 Where the code is: this module holds the projection and MLP stages, the kernel's layer loop and
 the host side (PersistentDecoder); the attention stage is in runner/persistent_attention.py, the
-offset table, time stamps and index helpers every stage uses in runner/persistent_common.py, and
-the inline PTX (barriers, bulk copies, tensor-core and K-split programs) in runner/ptx.py.
+LM head and argmax (FUSED_HEAD) in runner/persistent_head.py, the offset table, time stamps,
+index helpers and normed input every stage uses in runner/persistent_common.py, and the inline
+PTX (barriers, bulk copies, tensor-core and K-split programs) in runner/ptx.py.
 
 Reference path and tests: the same stage code also runs as one launch per stage ("stepwise"),
 where kernel boundaries are the barriers. That is what runs on the CPU under TRITON_INTERPRET=1
@@ -152,14 +153,14 @@ import triton
 import triton.language as tl
 
 from nanovllm.attention.backend import AttentionMetadata
-from nanovllm.layers.fused_sampler import best_part
 from nanovllm.precompile import compiling_only, launch
 from nanovllm.runner.persistent_attention import _first_kv_rows, _kv_load, _stage_attention, _stage_attn_o, _step_values
 from nanovllm.runner.persistent_common import (
     _FIELDS, _LOG2E, _NUM_FIELDS, _PROBE_POINTS, _TILE_ELEMENTS, BLOCK_T, F_DOWN_T, F_DOWN_W, F_GU_W, F_K_CACHE, F_LN1,
     F_LN2, F_O_PERM, F_O_W, F_QKV_B, F_QKV_W, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, SPLIT_TOKENS, _at, _item_rows,
-    _next_layer, _residual, _rows, _stamp, _table_to_shared, _tile_columns, _weight_tile, _zero_acc,
+    _next_layer, _normed_to_shared, _residual, _rows, _stamp, _table_to_shared, _tile_columns, _weight_tile, _zero_acc,
 )
+from nanovllm.runner.persistent_head import _issue_head_chunk, _stage_head
 from nanovllm.runner.ptx import (
     MMA_K_STEP, align_up, bulk_copy, down_asm, down_rows, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm,
     mma_rows, reserve_shared_memory, shared_address, slot_tile, stage_f32_to_shared, stage_to_shared,
@@ -203,22 +204,6 @@ def _first_tile(w_ptr, pid, rows_per_item, N, valid, K: tl.constexpr, BLOCK_R: t
     depend on the other programs' results). valid=False reads nothing."""
     rows, rmask = _rows(pid, rows_per_item, N, BLOCK_R)
     return _weight_tile(w_ptr, rows, rmask & valid, 0, K, BLOCK_K)
-
-
-@triton.jit
-def _normed_to_shared(resid_ptr, acc_ptr, ln_ptr, eps, xbuf, H: tl.constexpr, BLOCK_X: tl.constexpr, dtype: tl.constexpr,
-                      COPIES: tl.constexpr = 0):
-    """RMSNorm(residual) * weight, rounded as _normed rounds it, staged at xbuf for the tensor-core
-    path. The residual and the norm weights are loaded together, at once: with _rstd and then
-    _normed, the weights' load waited for the sum of squares, a second L2 round trip after the
-    barrier (every acquire empties the L1). The caller's CTA barrier orders the stores before the
-    tensor-core program's reads. COPIES: see _residual."""
-    offs = tl.arange(0, BLOCK_X)
-    mask = offs < H
-    x = _residual(resid_ptr, acc_ptr, offs, mask, H, COPIES)
-    w = tl.load(ln_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) * (1.0 / H) + eps)
-    stage_to_shared(((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), offs, mask, xbuf)
 
 
 @triton.jit
@@ -515,83 +500,6 @@ def _issue_weights(
             bulk_copy(bar, slot, src, nbytes, _up_rows_slot(slot, rows_per_item, K, ESIZE), src + INTER * K, nbytes)
         else:
             bulk_copy(bar, slot, src, nbytes, slot, src, 0)
-
-
-@triton.jit
-def _issue_head_chunk(c, base_ptr, head_off, slot, bar, pid, rows_per_program, V, CR: tl.constexpr, H: tl.constexpr):
-    """FUSED_HEAD: copy chunk c (CR vocabulary rows) of this program's rows of the LM head weight
-    into `slot`, counted at `bar`; past the program's rows the copy is empty (the phase still
-    completes)."""
-    ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
-    first = pid * rows_per_program
-    row0 = first + c * CR
-    end = tl.minimum(first + rows_per_program, V)
-    nbytes = tl.maximum(tl.minimum(end - row0, CR), 0) * (H * ESIZE)
-    src = base_ptr + tl.multiple_of(head_off, 16) + row0.to(tl.int64) * H
-    bulk_copy(bar, slot, src, nbytes, slot, src, 0)
-
-
-@triton.jit
-def _head_buffer(c, slot_x, slot_y, bar_x, bar_y, PX: tl.constexpr, PY: tl.constexpr):
-    """FUSED_HEAD: (shared address, mbarrier, phase parity) of the slot that holds the LM head's
-    chunk c: X and Y in turn. PX, PY: the parity of the first head phase of X's and Y's
-    mbarriers (one phase per copy the layers made before). (A third buffer, X's second half with
-    a mbarrier of its own, was no faster: W5 1,868 against 1,871 tok/s on the H200.)"""
-    in_x = c % 2 == 0
-    use = c // 2
-    return tl.where(in_x, slot_x, slot_y), tl.where(in_x, bar_x, bar_y), tl.where(in_x, PX + use, PY + use) % 2
-
-
-@triton.jit
-def _stage_head(
-    base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr, part_val_ptr, part_idx_ptr,
-    sync_ptr, sync_n, pid, num_programs, rows_per_program, V, slot_x, slot_y, bar_x, bar_y, xbuf, red,
-    H: tl.constexpr, BLOCK_X: tl.constexpr, COPIES: tl.constexpr, THREADS: tl.constexpr, CR: tl.constexpr,
-    PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD: tl.constexpr, PARTS: tl.constexpr,
-):
-    """FUSED_HEAD: the LM head and the greedy argmax, after the last layer. Every program norms
-    the residual stream itself (the final RMSNorm, staged at xbuf as stage A stages its input),
-    then multiplies its rows_per_program vocabulary rows, CR at a time, from slots X and Y in
-    turn (_head_buffer; chunks 0 and 1 were issued during the last layer's barrier; each
-    chunk's slot takes chunk c + 2 once it is multiplied): the copies stream the weight while
-    the tensor cores keep up. It stores the logits (rounded to their dtype) and keeps, per
-    thread, the best (value, lowest row); the program's best goes to part_val/part_idx, and the
-    last program to arrive (acq_rel count, the last of the sync_n sync words) writes the winner,
-    lowest row on ties, to next_tok, and zeroes the sync words for the next launch.
-    """
-    dtype = logits_ptr.dtype.element_ty
-    _normed_to_shared(post_ptr, acc_ptr, final_norm_ptr, eps, xbuf, H, BLOCK_X, dtype, COPIES)
-    t = tl.arange(0, THREADS)
-    best_val = tl.full([THREADS], float("-inf"), tl.float32)
-    best_row = tl.zeros([THREADS], tl.int32)
-    first = pid * rows_per_program
-    end = tl.minimum(first + rows_per_program, V)
-    for c in range(0, tl.cdiv(rows_per_program, CR)):
-        slot, bar, parity = _head_buffer(c, slot_x, slot_y, bar_x, bar_y, PX, PY)
-        mbarrier_wait(bar, parity)
-        tl.debug_barrier()  # the staged input (or the previous chunk's reads of `red`)
-        acc, _ = mma_rows(MMA_HEAD, slot, xbuf, red, THREADS)
-        # mma_rows ends with a CTA barrier after every read of the slot: it takes chunk c + 2
-        _issue_head_chunk(c + 2, base_ptr, head_off, slot, bar, pid, rows_per_program, V, CR, H)
-        rows = first + c * CR + t
-        valid = (t < CR) & (rows < end)
-        logit = acc.to(dtype)
-        tl.store(logits_ptr + rows, logit, mask=valid)
-        v = tl.where(valid, logit.to(tl.float32), float("-inf"))
-        better = v > best_val  # rows only grow: ties keep the lower row
-        best_val = tl.where(better, v, best_val)
-        best_row = tl.where(better, rows, best_row)
-    top = tl.max(best_val, axis=0)
-    tl.store(part_val_ptr + pid, top)
-    tl.store(part_idx_ptr + pid, tl.min(tl.where(best_val == top, best_row, 2**31 - 1), axis=0))
-    arrived = tl.atomic_add(sync_ptr + sync_n - 1, 1, sem="acq_rel", scope="gpu")  # the last sync word
-    if arrived == num_programs - 1:
-        tl.store(next_tok_ptr, best_part(part_val_ptr, part_idx_ptr, num_programs, PARTS).to(tl.int64))
-        # Every program has passed every barrier and count of this launch: put them back to 0 for
-        # the next one (which then needs no memset before it).
-        offs = tl.arange(0, PARTS)
-        for z in range(0, sync_n, PARTS):
-            tl.store(sync_ptr + z + offs, tl.zeros([PARTS], tl.int32), mask=z + offs < sync_n)
 
 
 @triton.jit
