@@ -605,8 +605,8 @@ def _decode_kernel(
     BK_DT: tl.constexpr = 16, DOWN_ASM: tl.constexpr = "", FUSED_ATTN: tl.constexpr = False, RBS: tl.constexpr = 1,
     BR_OB: tl.constexpr = 1, BK_OB: tl.constexpr = 16, MMA_OB: tl.constexpr = "", GU_LATE: tl.constexpr = False,
     O_LATE: tl.constexpr = False, head_off=0, logits_ptr=None, next_tok_ptr=None, head_val_ptr=None, head_idx_ptr=None,
-    vocab=0, rows_vocab=0, FUSED_HEAD: tl.constexpr = False, HEAD_CR: tl.constexpr = 1, HEAD_PX: tl.constexpr = 0,
-    HEAD_PY: tl.constexpr = 0, MMA_HEAD: tl.constexpr = "", HEAD_PARTS: tl.constexpr = 1,
+    vocab=0, rows_vocab=0, FUSED_HEAD: tl.constexpr = False, HEAD_CR: tl.constexpr = 1, MMA_HEAD: tl.constexpr = "",
+    HEAD_PARTS: tl.constexpr = 1,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -651,6 +651,12 @@ def _decode_kernel(
     # Where the gate/up rows and the o tile are copied into their slots (see _layer_stage).
     GU_IN_B: tl.constexpr = GU_LATE and FUSED_ATTN and SMEM_WEIGHTS
     O_IN_A: tl.constexpr = O_LATE and FUSED_ATTN and SMEM_WEIGHTS and MMA_QKV != ""  # A stages its input first
+    # FUSED_HEAD: the parity of the LM head's first mbarrier phase in each slot, one phase per copy
+    # the layers made there before it. X: the first qkv rows, then per layer the gate/up rows and
+    # the next qkv rows (the last layer's empty): odd. Y: per layer the o tile (in stage A with
+    # O_IN_A, else once ahead and after each MLP) and the down rows: even with O_IN_A.
+    HEAD_PX: tl.constexpr = 1
+    HEAD_PY: tl.constexpr = 0 if O_IN_A else 1
     if FUSED_ATTN:
         post_ptr = resid2_ptr  # the residual after a layer's MLP (see _layer_stage)
     else:
@@ -957,7 +963,8 @@ class PersistentDecoder:
         # Tensor-core projections (mma_asm): the input staged at xbuf, the warps' sums at red.
         q, h = self.num_q * self.head_dim, self.hidden
         self.xbuf_bytes = align_up(max(max(h, q, self.inter) * item, self.rows_inter * 4), 128)  # or fused_mlp's act (fp32)
-        red_bytes = align_up(num_warps * max(self.rows_qkv + 1, self.rows_h + 1, 2 * self.rows_inter + 1, self.rbs + 1) * 4, 128)
+        self.red_rows = max(self.rows_qkv, self.rows_h, 2 * self.rows_inter, self.rbs)  # the most rows of one projection
+        red_bytes = align_up(num_warps * (self.red_rows + 1) * 4, 128)
         self.smem_bytes = 128 + self.table_bytes + self.slot_x_bytes + self.slot_y_bytes + self.xbuf_bytes + red_bytes
         self.smem_weights = smem_weights and self._smem_weights_fit(device, [
             (self.hidden, bk_qkv), (self.num_q * self.head_dim, bk_o), (self.inter, bk_down), (self.hidden, bk_inter),
@@ -1004,9 +1011,9 @@ class PersistentDecoder:
             )
             if self.fused_attn and group_width % MMA_K_STEP == 0 and self.rbs <= num_warps * 32:
                 self.constexprs.update(MMA_OB=mma_asm(self.rbs, group_width, num_warps, 0, self.dtype))
-        self._setup_fused_head(model, fused_head, o_late, device)
+        self._setup_fused_head(model, fused_head, device)
 
-    def _setup_fused_head(self, model: Any, fused_head: bool | None, o_late: bool, device: torch.device) -> None:
+    def _setup_fused_head(self, model: Any, fused_head: bool | None, device: torch.device) -> None:
         """The LM head and the greedy argmax inside the kernel (FUSED_HEAD, `fused_head`; None: on
         where the projections run on tensor cores from the slots with the o projection fused,
         and the LM head is one rank's whole vocabulary). Its chunks alternate between slots X and
@@ -1023,9 +1030,8 @@ class PersistentDecoder:
         if not possible:
             raise ValueError("fused_head needs mma projections with fused_attn, and one rank's whole LM head")
         item = self.dtype.itemsize
-        # at most a slot's rows, and the most rows whose sums `red` holds (red_bytes)
-        cr = min(self.num_warps * 32, min(self.slot_x_bytes, self.slot_y_bytes) // (self.hidden * item),
-                 max(self.rows_qkv, self.rows_h, 2 * self.rows_inter, self.rbs))
+        # at most a slot's rows, and the most rows whose sums `red` holds
+        cr = min(self.num_warps * 32, min(self.slot_x_bytes, self.slot_y_bytes) // (self.hidden * item), self.red_rows)
         if cr < 1:
             raise ValueError("fused_head: a slot does not hold one row of the LM head")
         self.head_weight = weight
@@ -1034,14 +1040,8 @@ class PersistentDecoder:
         self.logits = torch.zeros((1, self.vocab), dtype=self.dtype, device=device)
         self.head_val = torch.zeros(self.num_programs, dtype=torch.float32, device=device)
         self.head_idx = torch.zeros(self.num_programs, dtype=torch.int32, device=device)
-        # The head's first copy into each slot follows every copy the layers made there: slot X
-        # takes the first qkv rows, then per layer the gate/up rows and the next qkv rows (the
-        # last layer's empty); slot Y per layer the o tile (copied in stage A with o_late, else
-        # once ahead plus after each MLP) and the down rows. An mbarrier phase per copy.
-        copies_x = 1 + 2 * self.num_layers
-        copies_y = 2 * self.num_layers + (0 if (o_late and self.mma) else 1)
         self.constexprs.update(
-            FUSED_HEAD=True, HEAD_CR=cr, HEAD_PX=copies_x % 2, HEAD_PY=copies_y % 2,
+            FUSED_HEAD=True, HEAD_CR=cr,
             MMA_HEAD=mma_asm(cr, self.hidden, self.num_warps, 0, self.dtype),
             HEAD_PARTS=triton.next_power_of_2(self.num_programs),
         )
