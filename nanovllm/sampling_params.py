@@ -75,3 +75,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this request samples greedily (argmax): temperature below GREEDY_EPS."""
         return self.temperature < GREEDY_EPS
+
+    @property
+    def plain_temperature(self) -> bool:
+        """Whether this request samples at its temperature with nothing else: no top-k, top-p or
+        min-p filter and no seed of its own (a seeded request draws from its own generator). Such
+        a row is one Gumbel-max draw over logits / temperature (layers/fused_sampler.py), which
+        the persistent decode kernel can take too (a lone stream's decode bursts)."""
+        return not self.greedy and self.top_k == -1 and self.top_p == 1.0 and self.min_p == 0.0 and self.seed is None

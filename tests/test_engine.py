@@ -396,6 +396,31 @@ def test_decode_bursts_equal_single_steps(qwen3_tiny, async_scheduling):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sampled_decode_bursts_equal_single_steps(qwen3_tiny, async_scheduling):
+    """A lone plain-temperature stream takes bursts too. Here (no persistent kernel) a burst's 3
+    steps each sample with the reference sampler, drawing from torch's RNG in the order single
+    steps do, so from the same seed the tokens equal one step at a time; and they are a sample,
+    not the greedy tokens. A top-p, seeded or logprobs stream takes no burst."""
+    prompt = [[7, 8, 9, 10]]
+    kw = dict(kvcache_block_size=4, async_scheduling=async_scheduling)
+    params = SamplingParams(temperature=1.5, max_tokens=20, ignore_eos=True)
+    expected = engine(qwen3_tiny, decode_burst=1, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = engine(qwen3_tiny, decode_burst=3, **kw)
+    bursts = count_bursts(llm)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert bursts and set(bursts) == {3}
+    greedy_ids = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert greedy_ids != expected
+    for other in (dict(top_p=0.9), dict(seed=4), dict(logprobs=1)):
+        bursts.clear()
+        out = llm.generate(prompt, SamplingParams(temperature=1.5, max_tokens=20, ignore_eos=True, **other),
+                           use_tqdm=False)[0].outputs[0]
+        assert not bursts and len(out.token_ids) == 20, other
+    assert_free(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_decode_burst_stops_inside_a_burst(qwen3_tiny, async_scheduling):
     """EOS, a stop token id, a stop string and max_tokens landing inside a burst of 4: the
     output ends where it would one step at a time, and the tokens after it are dropped."""

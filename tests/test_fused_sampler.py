@@ -162,3 +162,46 @@ def test_greedy_row_equals_torch_argmax(vocab):
     assert greedy.count.item() == 0
     with pytest.raises(ValueError, match="must be"):
         greedy(torch.zeros(2, vocab, device=DEV), out)
+
+
+@triton.jit
+def _score_best_kernel(logits_ptr, temp_ptr, seed_ptr, out_ptr, vocab, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                       FAST: tl.constexpr):
+    """The best column of gumbel_score over one row, CHUNK columns at a time (as the persistent
+    decode kernel's LM head keeps its best of each chunk of rows): the same draw as
+    gumbel_argmax is the claim under test."""
+    t = tl.load(temp_ptr)
+    seed = tl.load(seed_ptr)
+    best_val = tl.full([CHUNK], float("-inf"), tl.float32)
+    best_col = tl.zeros([CHUNK], tl.int32)
+    for start in range(0, vocab, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        valid = cols < vocab
+        x = tl.load(logits_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        v = tl.where(valid, fused_sampler.gumbel_score(x, cols, 1.0 / t, seed, BLOCK, FAST), float("-inf"))
+        better = v > best_val
+        best_val = tl.where(better, v, best_val)
+        best_col = tl.where(better, cols, best_col)
+    top = tl.max(best_val, axis=0)
+    tl.store(out_ptr, tl.min(tl.where(best_val == top, best_col, 2**31 - 1), axis=0).to(tl.int64))
+
+
+@pytest.mark.parametrize("vocab", [300, fused_sampler.BLOCK_V * 2 + 37])
+def test_gumbel_score_draws_what_gumbel_argmax_draws(vocab):
+    """gumbel_score (the noise of one column of row 0, which the persistent kernel's LM head adds
+    to its logits to sample) picks, over chunks of another width, the very token gumbel_argmax
+    samples from the same logits, temperature and seed; and the draws vary with the seed."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, vocab, device=DEV).to(torch.bfloat16)
+    seen = set()
+    for seed in (0, 1, 7, 12345, 2**31 - 2):
+        for temperature in (0.3, 1.0, 2.5):
+            t = torch.tensor([temperature], device=DEV)
+            s = torch.tensor([seed], dtype=torch.int64, device=DEV)
+            want = fused_sampler.gumbel_argmax(logits, t, s)
+            got = torch.zeros(1, dtype=torch.int64, device=DEV)
+            _score_best_kernel[(1,)](logits, t, s, got, vocab, BLOCK=fused_sampler.BLOCK_V, CHUNK=128,
+                                     FAST=DEV == "cuda")
+            assert got.item() == want.item()
+            seen.add(want.item())
+    assert len(seen) > 3

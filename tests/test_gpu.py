@@ -275,3 +275,40 @@ def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
     llm.engine.executor.runner.finish_background_compile()
     out = llm.generate([ps[0]], SamplingParams(temperature=0, max_tokens=45), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids == ids[: ids.index(eos) + 1]
+
+
+def test_sampled_stream_bursts_in_the_graph_equal_single_steps(checkpoint_factory):
+    """A plain-temperature stream alone, with the kernel's own LM head (bf16, tensor cores):
+    the graphs sample in the kernel (each record carries the temperature and a seed drawn on
+    the host from torch's RNG), so the stream takes bursts of 8 in the burst graph; from the
+    same seed its tokens equal one step per replay of the single graph, they are not the greedy
+    tokens, and a top-p stream (sampled after the graph, from its logits) takes no burst."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the fused head needs the shared-memory slots (sm_90)")
+    path = checkpoint_factory("qwen3", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    params = SamplingParams(temperature=1.5, max_tokens=45, ignore_eos=True)
+    outs = {}
+    for burst in (1, None):
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+                  decode_burst=burst)
+        runner = llm.engine.executor.runner
+        runner.finish_background_compile()
+        assert runner.lone_sampling
+        g = runner.graph_runner
+        single = g.graphs[1] = CountedGraph(g.graphs[1])
+        if burst is None:
+            counted = g.burst_graph = CountedGraph(g.burst_graph)
+        ps = prompts(llm.engine.vocab_size, [5, 40, 200], seed=6)
+        outs[burst] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+        assert single.replays >= (4 if burst is None else 3 * 44)
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    assert outs[None] == outs[1]
+    assert counted.replays >= 3 * 5
+    greedy = [llm.generate([p], SamplingParams(temperature=0, max_tokens=45, ignore_eos=True), use_tqdm=False)[0]
+              .outputs[0].token_ids for p in ps]
+    assert greedy != outs[1]
+    before = counted.replays
+    out = llm.generate([ps[0]], SamplingParams(temperature=1.5, top_p=0.9, max_tokens=20, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 20 and counted.replays == before

@@ -231,10 +231,12 @@ def test_single_decode_inputs_arrive_in_one_copy(host_knows_token):
 
 
 def test_decode_burst_inputs_fill_one_record_per_step():
-    """A burst's inputs: one 64-byte record per step (position, slot, context length; the token of
-    the first only), the block table after the records, every view 16-byte aligned. The graph
-    writes step i's token into record i + 1 and the last into record 0, so its tokens in order
-    are records 1..K-1, then 0 (BurstOutput.in_order)."""
+    """A burst's inputs: one 96-byte record per step (position, slot, context length, temperature
+    and seed; the token of the first only), the block table after the records, every view
+    16-byte aligned. The graph writes step i's token into record i + 1 and the last into record
+    0, so its tokens in order are records 1..K-1, then 0 (BurstOutput.in_order). A greedy
+    stream's records say temperature 0; a sampling stream's, its temperature and a seed per
+    step."""
     from nanovllm.runner.cuda_graph import SingleDecodeInputs
     from nanovllm.runner.model_runner import BurstOutput
 
@@ -248,8 +250,14 @@ def test_decode_burst_inputs_fill_one_record_per_step():
     assert [v.item() for v in s.slots] == [4 * 8 + 7, 7 * 8 + 0, 7 * 8 + 1]  # position 16 starts block 2
     assert [v.item() for v in s.seq_lens] == [16, 17, 18]
     assert s.block_table[0, :3].tolist() == [9, 4, 7]
-    views = (*s.tokens, *s.positions, *s.slots, *s.seq_lens, s.block_table)
+    assert [v.item() for v in s.temperatures] == [0.0] * 3 and [v.item() for v in s.seeds] == [0] * 3
+    views = (*s.tokens, *s.positions, *s.slots, *s.seq_lens, *s.temperatures, *s.seeds, s.block_table)
     assert all((v.data_ptr() - s.buffer.data_ptr()) % 16 == 0 for v in views)
+    s.fill_host(host, token=42, position=15, block_table=[9, 4, 7], block_size=8, steps=3, temperature=0.75,
+                seeds=[5, 6, 2**31 - 2])
+    s.buffer.copy_(torch.from_numpy(host))
+    assert [v.item() for v in s.temperatures] == [0.75] * 3 and [v.item() for v in s.seeds] == [5, 6, 2**31 - 2]
+    assert [p.item() for p in s.positions] == [15, 16, 17] and s.token.item() == 42
     for i, t in enumerate((101, 102, 103)):  # what the burst graph leaves: step i's token in record i + 1
         s.tokens[(i + 1) % 3].fill_(t)
     assert s.records[:, 0].tolist() == [103, 101, 102]
@@ -479,6 +487,39 @@ def test_cuda_fused_head_equals_cublas_logits_and_their_argmax(checkpoint_factor
         with torch.inference_mode():
             decoder(token, position, meta, out)
         assert out.item() == decoder.logits[0].argmax().item() == low
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(MMA_CASES))
+@pytest.mark.parametrize("programs", ["one-per-sm", "3"])
+def test_cuda_fused_head_samples_what_gumbel_argmax_samples(checkpoint_factory, case, programs):
+    """A temperature above 0 makes the fused head sample: the token is the one
+    fused_sampler.gumbel_argmax draws from the kernel's own logits at that temperature and seed
+    (the same Gumbel noise per row), the logits stay the unperturbed ones, different seeds give
+    different tokens, and temperature 0 is the argmax again."""
+    from nanovllm.layers.fused_sampler import gumbel_argmax
+
+    path, kwargs = slots_case(checkpoint_factory, case, programs)
+    _, _, _, _, decoder = decode_both(path, 45, torch.bfloat16, **kwargs)
+    assert decoder.fused_head
+    token, position, meta = decoder.test_inputs
+    greedy_logits = decoder.logits.clone()
+    out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    drawn = set()
+    for seed in (0, 3, 99, 2**31 - 2, 123456):
+        for t in (0.5, 1.0, 3.0):
+            temperature = torch.tensor([t], device=DEVICE)
+            seed_t = torch.tensor([seed], dtype=torch.int64, device=DEVICE)
+            with torch.inference_mode():
+                decoder(token, position, meta, out, temperature, seed_t)
+            torch.testing.assert_close(decoder.logits, greedy_logits, atol=0, rtol=0)
+            assert out.item() == gumbel_argmax(decoder.logits, temperature, seed_t).item(), (seed, t)
+            drawn.add(out.item())
+    assert len(drawn) > 3
+    with torch.inference_mode():
+        decoder(token, position, meta, out, torch.zeros(1, device=DEVICE), torch.tensor([5], device=DEVICE))
+    assert out.item() == greedy_logits[0].argmax().item()
 
 
 def test_tensor_core_program_shape():

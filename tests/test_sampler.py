@@ -349,3 +349,11 @@ def test_cuda_sampling_does_not_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.token_ids.is_cuda and out.top_token_ids.shape == (3, 3)
+
+
+def test_plain_temperature_is_sampling_with_nothing_else():
+    """The rows the persistent kernel's LM head may sample (a lone stream's decode bursts)."""
+    assert SamplingParams(temperature=0.7).plain_temperature
+    assert not SamplingParams(temperature=0).plain_temperature  # greedy
+    for kw in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(seed=3)):
+        assert not SamplingParams(temperature=0.7, **kw).plain_temperature, kw

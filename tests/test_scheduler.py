@@ -282,8 +282,9 @@ def test_decode_bursts_give_the_same_tokens(async_mode, stop_every):
 
 
 def test_burst_only_where_eligible():
-    """Bursts need one greedy decode alone with nothing waiting, room under max_tokens and no
-    min_tokens ban; otherwise the step is an ordinary one."""
+    """Bursts need one decode alone, greedy or at a plain temperature (no filter, no seed), with
+    nothing waiting, room under max_tokens, no logprobs and no min_tokens ban; otherwise the step
+    is an ordinary one."""
     bm = BlockManager(64, 4, True)
     sched = Scheduler(bm, 4, 64)
 
@@ -302,7 +303,9 @@ def test_burst_only_where_eligible():
         return out.seqs[0].num_steps, out.num_batched_tokens, out.num_decode_tokens
 
     assert decode_after_prefill(SamplingParams(temperature=0)) == (4, 4, 4)
-    assert decode_after_prefill(SamplingParams(temperature=0.7))[0] == 1
+    assert decode_after_prefill(SamplingParams(temperature=0.7)) == (4, 4, 4)
+    for kw in (dict(top_k=3), dict(top_p=0.9), dict(min_p=0.1), dict(seed=5), dict(logprobs=0)):
+        assert decode_after_prefill(SamplingParams(temperature=0.7, **kw))[0] == 1, kw
     assert decode_after_prefill(SamplingParams(temperature=0, logprobs=1))[0] == 1
     assert decode_after_prefill(SamplingParams(temperature=0, min_tokens=5))[0] == 1
     assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=4)[0] == 1  # 1 sampled + 4 > 4

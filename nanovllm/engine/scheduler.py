@@ -18,9 +18,9 @@ each sampling sequence a PLACEHOLDER_TOKEN, so the next step can be scheduled (i
 is gathered on the device) before the sampled ids reach the host; `resolve` later writes the
 real ids in. A synchronous engine calls both back to back.
 
-Decode bursts (`schedule(decode_burst=K)`): a greedy sequence decoding alone, with nothing
-waiting, is given K decode steps at once (`ScheduledSeq.num_steps`), which the runner runs back
-to back on the device, each step's argmax feeding the next. Its blocks are allocated for the K
+Decode bursts (`schedule(decode_burst=K)`): a sequence decoding alone, greedily or at a plain
+temperature, with nothing waiting, is given K decode steps at once (`ScheduledSeq.num_steps`),
+which the runner runs back to back on the device, each step's token feeding the next. Its blocks are allocated for the K
 positions up front; the K tokens come back together, and the engine drops those after a stop
 (`finish(..., num_tokens=)`). Why: one token of a lone stream takes ~0.55 ms on an H200, and the
 host-device round trip between steps (input copy, graph launch, output copy) was ~15-20 us of
@@ -47,8 +47,9 @@ class ScheduledSeq:
     params: SamplingParams
     seed: int | None
     banned_token_ids: list[int] | None  # not samplable yet (min_tokens)
-    # A decode burst (greedy, one token in): K steps back to back, the K/V of token_ids[0] and
-    # of the first K-1 tokens sampled, and K tokens sampled. 1: an ordinary step.
+    # A decode burst (greedy or plain temperature, one token in): K steps back to back, the K/V
+    # of token_ids[0] and of the first K-1 tokens sampled, and K tokens sampled. 1: an ordinary
+    # step.
     num_steps: int = 1
 
 
@@ -120,23 +121,24 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def _burst_steps(self, decode_burst: int) -> int:
         """How many steps the lone running sequence may decode at once: decode_burst when it
-        decodes greedily alone (nothing waiting), has room for them under max_tokens and needs
-        no banned ids, logprobs or seeded sampling; 1 otherwise."""
+        decodes alone (nothing waiting), greedily or at a plain temperature
+        (SamplingParams.plain_temperature: no filter, no seed), has room for them under
+        max_tokens and needs no banned ids or logprobs; 1 otherwise."""
         if decode_burst <= 1 or self.waiting or len(self.running) != 1:
             return 1
         seq = self.running[0]
         p = seq.params
         eligible = (
             seq.num_tokens - seq.num_computed_tokens == 1
-            and p.greedy and p.logprobs is None and decode_burst <= self.max_num_batched_tokens
+            and (p.greedy or p.plain_temperature) and p.logprobs is None and decode_burst <= self.max_num_batched_tokens
             and seq.max_tokens - seq.num_completion_tokens >= decode_burst
             and not (seq.min_tokens_banned_ids and seq.num_completion_tokens < p.min_tokens)
         )
         return decode_burst if eligible else 1
 
     def schedule(self, decode_burst: int = 1) -> SchedulerOutput:
-        """The next step. decode_burst > 1: the runner can run that many greedy decode steps
-        of a lone sequence at once (see the module docstring)."""
+        """The next step. decode_burst > 1: the runner can run that many decode steps of a lone
+        greedy or plain-temperature sequence at once (see the module docstring)."""
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         chosen: list[tuple[Sequence, int]] = []

@@ -80,6 +80,20 @@ def _gumbel(u, FAST: tl.constexpr):
 
 
 @triton.jit
+def gumbel_score(x, cols, inv_t, seed, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    """x * inv_t plus the Gumbel noise that _gumbel_argmax_kernel (tiles of BLOCK) adds to column
+    `cols` of row 0 under `seed`: the same Philox call, counter and lane, so a kernel that keeps
+    the best of these scores over a row samples the token gumbel_argmax would (the persistent
+    decode kernel's LM head does, runner/persistent_head.py). cols: int32 columns."""
+    QUARTER: tl.constexpr = BLOCK // 4
+    within = cols % BLOCK
+    u0, u1, u2, u3 = tl.rand4x(seed, (cols - within) // 4 + within % QUARTER)
+    lane = within // QUARTER
+    u = tl.where(lane == 0, u0, tl.where(lane == 1, u1, tl.where(lane == 2, u2, u3)))
+    return x * inv_t + _gumbel(u, FAST)
+
+
+@triton.jit
 def _keep_best(best_val, best_idx, row_ptr, cols, hi, u, inv_t, noise_scale, FAST: tl.constexpr):
     """Fold one quarter-tile into the per-lane running best (no cross-lane reduction)."""
     valid = cols < hi
@@ -152,17 +166,22 @@ def _best_split_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_splits, MAX: tl.
 
 
 def gumbel_argmax(
-    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, num_splits: int | None = None
+    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of logits [B, V] at the row's temperature (0 = greedy).
 
     temperature: [B] float32 on the device; seed: a one-element int64 device tensor.
     num_splits: vocabulary chunks per row (a power of two up to MAX_SPLITS); None chooses from
-    the shapes. It is a runtime argument: one compiled kernel serves every batch."""
+    the shapes. It is a runtime argument: one compiled kernel serves every batch. out: a [B]
+    int64 tensor to write the tokens into (None: a new one)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"gumbel_argmax: logits must be [B, V] with contiguous rows, got {tuple(logits.shape)}")
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64:
+        raise ValueError(f"gumbel_argmax: out must be [{rows}] int64, got {tuple(out.shape)} {out.dtype}")
     if not rows:
         return out
     if num_splits is None:

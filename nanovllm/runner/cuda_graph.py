@@ -47,17 +47,19 @@ MIN_GRAPH_BATCH = 8
 class SingleDecodeInputs:
     """The lone-sequence graphs' static inputs: typed views of one device byte buffer, so that a
     step's inputs arrive in one copy (`fill_host`, then copy the bytes from POSITION, or from 0
-    when the host knows the input token). One 64-byte record (token, position, slot, context
-    length) per step of a decode burst (`steps` records; the graph of one step reads record 0),
-    then the block table. Each view starts 16 bytes apart: Triton compiles a kernel variant per
-    pointer alignment, and the compile (dry pass) and every capture use such views.
+    when the host knows the input token). One 96-byte record (token, position, slot, context
+    length, temperature, seed) per step of a decode burst (`steps` records; the graph of one
+    step reads record 0), then the block table. A temperature above 0 makes the kernel's LM
+    head sample the step's token under the record's seed (a plain-temperature stream; 0:
+    greedy). Each view starts 16 bytes apart: Triton compiles a kernel variant per pointer
+    alignment, and the compile (dry pass) and every capture use such views.
 
     A burst's step i reads record i and writes its greedy token into record i + 1's token, the
     last step into record 0's, where the next burst (or single step) finds its input; so after
     a burst of K steps, its tokens in order are those of records 1..K-1, then record 0's."""
 
-    TOKEN, POSITION, SLOT, SEQ_LEN = 0, 16, 32, 48  # byte offsets within a record
-    RECORD = 64
+    TOKEN, POSITION, SLOT, SEQ_LEN, TEMPERATURE, SEED = 0, 16, 32, 48, 64, 80  # byte offsets within a record
+    RECORD = 96
 
     def __init__(self, max_blocks: int, max_model_len: int, device: torch.device, steps: int = 1) -> None:
         self.steps = steps
@@ -70,7 +72,9 @@ class SingleDecodeInputs:
         self.positions = [b[o + self.POSITION : o + self.POSITION + 8].view(torch.int64) for o in r]
         self.slots = [b[o + self.SLOT : o + self.SLOT + 8].view(torch.int64) for o in r]
         self.seq_lens = [b[o + self.SEQ_LEN : o + self.SEQ_LEN + 4].view(torch.int32) for o in r]
-        # [steps, 8] int64: column 0 holds each record's token (a burst's outputs, see above)
+        self.temperatures = [b[o + self.TEMPERATURE : o + self.TEMPERATURE + 4].view(torch.float32) for o in r]
+        self.seeds = [b[o + self.SEED : o + self.SEED + 8].view(torch.int64) for o in r]
+        # [steps, 12] int64: column 0 holds each record's token (a burst's outputs, see above)
         self.records = b[: self.BLOCK_TABLE].view(torch.int64).view(steps, self.RECORD // 8)
         self.token, self.position, self.slot, self.seq_len = self.tokens[0], self.positions[0], self.slots[0], self.seq_lens[0]
         self.block_table = b[self.BLOCK_TABLE :].view(torch.int32).view(1, max_blocks)
@@ -93,11 +97,13 @@ class SingleDecodeInputs:
         )
 
     def fill_host(self, host: np.ndarray, token: int, position: int, block_table: list[int], block_size: int,
-                  steps: int = 1) -> None:
+                  steps: int = 1, temperature: float = 0.0, seeds: list[int] | None = None) -> None:
         """Write the inputs of `steps` decode steps from `position` on into `host` (nbytes uint8,
-        the device buffer's layout); only the first step's token is known."""
+        the device buffer's layout); only the first step's token is known. temperature > 0: the
+        steps sample at it, step i under seeds[i] (else greedy)."""
         ints = host[: self.BLOCK_TABLE].view(np.int64)
         ints32 = host[: self.BLOCK_TABLE].view(np.int32)
+        floats = host[: self.BLOCK_TABLE].view(np.float32)
         ints[self.TOKEN // 8] = token
         for i in range(steps):
             p = position + i
@@ -105,6 +111,8 @@ class SingleDecodeInputs:
             ints[(r + self.POSITION) // 8] = p
             ints[(r + self.SLOT) // 8] = block_table[p // block_size] * block_size + p % block_size
             ints32[(r + self.SEQ_LEN) // 4] = p + 1
+            floats[(r + self.TEMPERATURE) // 4] = temperature
+            ints[(r + self.SEED) // 8] = seeds[i] if temperature > 0 else 0
         host[self.BLOCK_TABLE : self.BLOCK_TABLE + 4 * len(block_table)].view(np.int32)[:] = block_table
 
 
@@ -216,12 +224,13 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture_single(
         self,
-        step: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor],
+        step: Callable[..., torch.Tensor],
         burst: int = 1,
     ) -> None:
-        """Capture `step` (`step(token, position, meta, next_token) -> logits`: one decoding
-        sequence's forward over `self.single`, its LM head and its greedy argmax into
-        `self.single.token`, compiled already: ModelRunner._lone_step) as the graph of size 1,
+        """Capture `step` (`step(token, position, meta, next_token, temperature, seed) -> logits`:
+        one decoding sequence's forward over `self.single`, its LM head and its greedy argmax (or
+        its sample, where it can: see SingleDecodeInputs) into `self.single.token`, compiled
+        already: ModelRunner._lone_step) as the graph of size 1,
         in the pool of the others; with burst > 1 (at most
         `self.single.steps`), also the graph of a decode burst: that many such steps, each
         step's argmax the next one's input (see SingleDecodeInputs). Runs between steps, on the
@@ -238,7 +247,7 @@ class CudaGraphRunner:
 
             def forward() -> torch.Tensor:
                 for i in range(n):
-                    logits = step(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % n])
+                    logits = step(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % n], s.temperatures[i], s.seeds[i])
                 return logits
             return forward
 

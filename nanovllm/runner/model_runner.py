@@ -238,7 +238,7 @@ class ModelRunner:
             def dry_pass() -> None:
                 with torch.cuda.device(self.device), torch.inference_mode():
                     if decoder.fused_head:
-                        decoder(ids, pos, meta, ids)
+                        decoder(ids, pos, meta, ids, g.single.temperatures[0], g.single.seeds[0])
                     else:
                         decoder(ids, pos, meta)
                         greedy(logits, ids)
@@ -271,19 +271,30 @@ class ModelRunner:
                     done, kept, int4_linear.GROUP_SIZE)
 
     def _lone_step(self, token: torch.Tensor, position: torch.Tensor, meta: AttentionMetadata,
-                   next_token: torch.Tensor) -> torch.Tensor:
+                   next_token: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
         """One decode step of a lone sequence through the persistent kernel, its greedy token
         into next_token; returns the logits (what the lone-sequence graphs capture). The kernel
-        runs the LM head and the argmax itself where it can (fused_head); else cuBLAS and
-        GreedyRow follow it. (A Triton kernel of the head and the argmax alone was no faster
-        than those two: 80.5-113 us against 80.7 on the H200, docs/benchmarks.md, W5 session 16.)"""
+        runs the LM head and the argmax itself where it can (fused_head), and then samples the
+        token instead where `temperature` ([1] float32, SingleDecodeInputs) is above 0
+        (`lone_sampling`); else cuBLAS and GreedyRow follow it. (A Triton kernel of the head and
+        the argmax alone was no faster than those two: 80.5-113 us against 80.7 on the H200,
+        docs/benchmarks.md, W5 session 16.)"""
         decoder = self.persistent_decoder
         if decoder.fused_head:
-            decoder(token, position, meta, next_token)
+            decoder(token, position, meta, next_token, temperature, seed)
             return decoder.logits
         logits = self.model.compute_logits(decoder(token, position, meta))
         self.greedy_row(logits, next_token)
         return logits
+
+    @property
+    def lone_sampling(self) -> bool:
+        """Whether the lone-sequence graphs sample a plain-temperature stream themselves (the
+        persistent kernel's fused head: SamplingParams.plain_temperature), so that such a stream
+        takes decode bursts in one graph too. Else it samples after each graph, from its logits."""
+        g = self.graph_runner
+        return (g is not None and g.has_single and self.persistent_decoder is not None
+                and self.persistent_decoder.fused_head)
 
     @property
     def _graph_burst(self) -> int:
@@ -585,12 +596,14 @@ class ModelRunner:
         return g.burst_steps if g is not None and g.burst_graph is not None else 1
 
     def _execute_burst(self, item: ScheduledSeq) -> BurstOutput | PendingOutput:
-        """A decode burst (ScheduledSeq.num_steps greedy steps of one sequence): one replay of
-        the burst graph where it has this size; otherwise (the reference path, and any device)
-        that many ordinary steps launched back to back, each one's input gathered on the device
-        from the last one's argmax."""
+        """A decode burst (ScheduledSeq.num_steps steps of one greedy or plain-temperature
+        sequence): one replay of the burst graph where it has this size (and samples, for a
+        sampling stream: `lone_sampling`); otherwise (the reference path, and any device) that
+        many ordinary steps launched back to back, each one's input gathered on the device from
+        the last one's token."""
         g = self.graph_runner
-        if g is not None and g.burst_graph is not None and g.burst_steps == item.num_steps:
+        if (g is not None and g.burst_graph is not None and g.burst_steps == item.num_steps
+                and (item.params.greedy or self.lone_sampling)):
             s = g.single
             self._upload_single(item, steps=item.num_steps)
             records = g.replay_burst()
@@ -611,7 +624,12 @@ class ModelRunner:
         s = self.graph_runner.single
         host = self._staging.take(s.nbytes)
         token = item.token_ids[0]
-        s.fill_host(host, token, item.start_pos, item.block_table, self.block_size, steps)
+        p = item.params
+        if self._samples_in_graph(item):
+            seeds = torch.randint(0, 2**31 - 1, (steps,)).tolist()  # torch.manual_seed governs them
+            s.fill_host(host, token, item.start_pos, item.block_table, self.block_size, steps, p.temperature, seeds)
+        else:
+            s.fill_host(host, token, item.start_pos, item.block_table, self.block_size, steps)
         if token == PLACEHOLDER_TOKEN:
             row = self._prev_rows[item.seq_id]
             if not (self._prev_tokens is s.token and row == 0):
@@ -634,13 +652,21 @@ class ModelRunner:
         if not item.sample:
             return None
         p = item.params
-        if p.greedy and not item.banned_token_ids and p.logprobs is None:
-            sampled = SamplerOutput(s.token, None, None, None)  # the graph's argmax
+        if (p.greedy and not item.banned_token_ids and p.logprobs is None) or self._samples_in_graph(item):
+            sampled = SamplerOutput(s.token, None, None, None)  # the graph's argmax (or sample)
         else:
             sampled = self._sample([item], logits)
         self._prev_tokens = sampled.token_ids
         self._prev_rows = {item.seq_id: 0}
         return [item], sampled
+
+    def _samples_in_graph(self, item: ScheduledSeq) -> bool:
+        """Whether the lone-sequence graphs draw this sequence's token themselves: a
+        plain-temperature stream (no filter, no seed of its own) without logprobs or banned ids,
+        where the kernel can (`lone_sampling`)."""
+        p = item.params
+        return (p.plain_temperature and item.seed is None and p.logprobs is None and not item.banned_token_ids
+                and item.sample and self.lone_sampling)
 
     def _sample(self, rows, logits: torch.Tensor):
         banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]

@@ -153,6 +153,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.attention.backend import AttentionMetadata
+from nanovllm.layers.fused_sampler import BLOCK_V as GUMBEL_BLOCK
 from nanovllm.precompile import compiling_only, launch
 from nanovllm.runner.persistent_attention import _first_kv_rows, _kv_load, _stage_attention, _stage_attn_o, _step_values
 from nanovllm.runner.persistent_common import (
@@ -606,7 +607,7 @@ def _decode_kernel(
     BR_OB: tl.constexpr = 1, BK_OB: tl.constexpr = 16, MMA_OB: tl.constexpr = "", GU_LATE: tl.constexpr = False,
     O_LATE: tl.constexpr = False, head_off=0, logits_ptr=None, next_tok_ptr=None, head_val_ptr=None, head_idx_ptr=None,
     vocab=0, rows_vocab=0, FUSED_HEAD: tl.constexpr = False, HEAD_CR: tl.constexpr = 1, MMA_HEAD: tl.constexpr = "",
-    HEAD_PARTS: tl.constexpr = 1,
+    HEAD_PARTS: tl.constexpr = 1, temp_ptr=None, seed_ptr=None, SAMPLE_BLOCK: tl.constexpr = 2048,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -637,7 +638,8 @@ def _decode_kernel(
     LM head and the greedy argmax follow the last layer (_stage_head: the weight at head_off,
     `vocab` rows, rows_vocab per program, HEAD_CR per chunk; the logits to logits_ptr, the token
     to next_tok_ptr, the programs' bests at head_val/head_idx, their count after the attention
-    counts)."""
+    counts; a temperature above 0 at temp_ptr samples the token instead, under the seed at
+    seed_ptr, as fused_sampler.gumbel_argmax with tiles of SAMPLE_BLOCK would)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
@@ -786,7 +788,7 @@ def _decode_kernel(
             _stage_head(base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr, head_val_ptr,
                         head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs, rows_vocab, vocab, slot_x,
                         slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS, HEAD_CR, HEAD_PX, HEAD_PY,
-                        MMA_HEAD, HEAD_PARTS)
+                        MMA_HEAD, HEAD_PARTS, temp_ptr, seed_ptr, SAMPLE_BLOCK)
     elif STAGE == -1:
         _stage_embed(base_ptr, tok_ptr, post_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
     elif STAGE == 5:
@@ -1025,6 +1027,8 @@ class PersistentDecoder:
         self.fused_head = possible if fused_head is None else fused_head
         self.logits: torch.Tensor | None = None
         self.greedy_token = torch.zeros(1, dtype=torch.int64, device=device)
+        self.greedy_temperature = torch.zeros(1, dtype=torch.float32, device=device)  # 0: the argmax
+        self.no_seed = torch.zeros(1, dtype=torch.int64, device=device)
         if not self.fused_head:
             return
         if not possible:
@@ -1043,7 +1047,7 @@ class PersistentDecoder:
         self.constexprs.update(
             FUSED_HEAD=True, HEAD_CR=cr,
             MMA_HEAD=mma_asm(cr, self.hidden, self.num_warps, 0, self.dtype),
-            HEAD_PARTS=triton.next_power_of_2(self.num_programs),
+            HEAD_PARTS=triton.next_power_of_2(self.num_programs), SAMPLE_BLOCK=GUMBEL_BLOCK,
         )
 
     def _smem_weights_fit(self, device: torch.device, k_and_chunks: list[tuple[int, int]]) -> bool:
@@ -1097,9 +1101,12 @@ class PersistentDecoder:
         self.stride_cb, self.stride_cs = k_caches[0].stride(0), k_caches[0].stride(1)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 next_token: torch.Tensor | None = None) -> torch.Tensor:
+                 next_token: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+                 seed: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden state [1, H]. With fused_head, also the logits (into self.logits) and their
-        argmax, lowest id on ties, into next_token ([1] int64; None: self.greedy_token)."""
+        argmax, lowest id on ties, into next_token ([1] int64; None: self.greedy_token); or, where
+        the [1] float32 `temperature` is above 0, the token fused_sampler.gumbel_argmax(logits,
+        temperature, seed) would sample (seed: [1] int64). None: greedy."""
         if self.table is None:
             raise RuntimeError("PersistentDecoder: call bind() with the KV caches first")
         if input_ids.shape[0] != 1 or meta.num_decodes != 1:
@@ -1108,6 +1115,10 @@ class PersistentDecoder:
             next_token = self.greedy_token
         if self.fused_head and (next_token.shape != (1,) or next_token.dtype != torch.int64):
             raise ValueError(f"persistent decode: next_token must be [1] int64, got {tuple(next_token.shape)} {next_token.dtype}")
+        temperature = self.greedy_temperature if temperature is None else temperature
+        seed = self.no_seed if seed is None else seed
+        if temperature.shape != (1,) or temperature.dtype != torch.float32 or seed.shape != (1,) or seed.dtype != torch.int64:
+            raise ValueError("persistent decode: temperature must be [1] float32 and seed [1] int64")
         if not self.fused_head:  # (a fused head's last program zeroes them: _stage_head)
             self.sync.zero_()
         args = (
@@ -1120,7 +1131,8 @@ class PersistentDecoder:
         common = dict(self.constexprs, KV_BLOCK_SIZE=self.kv_block_size, num_warps=self.num_warps, enable_fp_fusion=False)
         if self.fused_head:
             common.update(head_off=self.head_off, logits_ptr=self.logits, next_tok_ptr=next_token, head_val_ptr=self.head_val,
-                          head_idx_ptr=self.head_idx, vocab=self.vocab, rows_vocab=self.rows_vocab)
+                          head_idx_ptr=self.head_idx, vocab=self.vocab, rows_vocab=self.rows_vocab, temp_ptr=temperature,
+                          seed_ptr=seed)
         grid = (self.num_programs,)
         if self.persistent:
             common.update(PERSISTENT=True, STAGE=0, SMEM_WEIGHTS=self.smem_weights,

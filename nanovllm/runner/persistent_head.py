@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nanovllm.layers.fused_sampler import best_part
+from nanovllm.layers.fused_sampler import best_part, gumbel_score
 from nanovllm.runner.persistent_common import _normed_to_shared
 from nanovllm.runner.ptx import bulk_copy, mbarrier_wait, mma_rows
 
@@ -54,7 +54,8 @@ def _stage_head(
     base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr, part_val_ptr, part_idx_ptr,
     sync_ptr, sync_n, pid, num_programs, rows_per_program, V, slot_x, slot_y, bar_x, bar_y, xbuf, red,
     H: tl.constexpr, BLOCK_X: tl.constexpr, COPIES: tl.constexpr, THREADS: tl.constexpr, CR: tl.constexpr,
-    PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD: tl.constexpr, PARTS: tl.constexpr,
+    PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD: tl.constexpr, PARTS: tl.constexpr, temp_ptr, seed_ptr,
+    SAMPLE_BLOCK: tl.constexpr,
 ):
     """FUSED_HEAD: the LM head and the greedy argmax, after the last layer. Every program norms
     the residual stream itself (the final RMSNorm, staged at xbuf as stage A stages its input),
@@ -64,7 +65,10 @@ def _stage_head(
     the tensor cores keep up. It stores the logits (rounded to their dtype) and keeps, per
     thread, the best (value, lowest row); the program's best goes to part_val/part_idx, and the
     last program to arrive (acq_rel count, the last of the sync_n sync words) writes the winner,
-    lowest row on ties, to next_tok, and zeroes the sync words for the next launch.
+    lowest row on ties, to next_tok, and zeroes the sync words for the next launch. A temperature
+    above 0 at temp_ptr samples instead: the best of logit / temperature plus the Gumbel noise
+    that fused_sampler.gumbel_argmax (tiles of SAMPLE_BLOCK) would add under the seed at
+    seed_ptr, so the token is the one gumbel_argmax would draw from the stored logits.
     """
     dtype = logits_ptr.dtype.element_ty
     _normed_to_shared(post_ptr, acc_ptr, final_norm_ptr, eps, xbuf, H, BLOCK_X, dtype, COPIES)
@@ -73,6 +77,10 @@ def _stage_head(
     best_row = tl.zeros([THREADS], tl.int32)
     first = pid * rows_per_program
     end = tl.minimum(first + rows_per_program, V)
+    temperature = tl.load(temp_ptr)
+    sampled = temperature > 0.0
+    inv_t = 1.0 / tl.where(sampled, temperature, 1.0)
+    seed = tl.load(seed_ptr)
     for c in range(0, tl.cdiv(rows_per_program, CR)):
         slot, bar, parity = _head_buffer(c, slot_x, slot_y, bar_x, bar_y, PX, PY)
         mbarrier_wait(bar, parity)
@@ -84,7 +92,10 @@ def _stage_head(
         valid = (t < CR) & (rows < end)
         logit = acc.to(dtype)
         tl.store(logits_ptr + rows, logit, mask=valid)
-        v = tl.where(valid, logit.to(tl.float32), float("-inf"))
+        v = logit.to(tl.float32)
+        if sampled:  # (the same for every thread: no divergence)
+            v = gumbel_score(v, rows, inv_t, seed, SAMPLE_BLOCK, True)
+        v = tl.where(valid, v, float("-inf"))
         better = v > best_val  # rows only grow: ties keep the lower row
         best_val = tl.where(better, v, best_val)
         best_row = tl.where(better, rows, best_row)
