@@ -34,8 +34,8 @@ class EngineConfig:
     # Triton kernel (runner/persistent_decode.py) instead of the per-op graph, once its compile,
     # started in the background after start-up, is done (docs/benchmarks.md, W5).
     persistent_decode: bool = True
-    # Greedy decode steps a lone sequence runs per engine step, back to back on the device (a
-    # decode burst: engine/scheduler.py). None = 8 once the persistent kernel's graphs are
+    # Decode steps a lone greedy or plain-temperature sequence runs per engine step, back to
+    # back on the device (a decode burst: engine/scheduler.py). None = 8 once the persistent kernel's graphs are
     # captured (CUDA), else 1; any value > 1 also runs elsewhere, as steps launched in a loop.
     decode_burst: int | None = None
     seed: int = 0

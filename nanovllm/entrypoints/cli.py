@@ -43,7 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-persistent-decode", dest="persistent_decode", action="store_false",
                    help="a lone sequence decodes through the per-op CUDA graph, not the persistent kernel")
     g.add_argument("--decode-burst", type=int, default=None,
-                   help="greedy decode steps a lone sequence runs per engine step (default: 8 with the persistent kernel)")
+                   help="decode steps a lone greedy or plain-temperature sequence runs per engine step "
+                        "(default: 8 with the persistent kernel)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quantization", default=None, choices=["int4"],
                    help="CPU only: int4 weights with bf16 activations (faster single-stream decode, approximate)")

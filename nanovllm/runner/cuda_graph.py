@@ -17,10 +17,13 @@ fused_sampler.GreedyRow: one launch across the vocabulary, 3.6 us per token on t
 torch.argmax's one-block 8.8 us), which it writes over its own input token, so that a
 greedy stream's next step finds its input in place; its inputs are views of one byte buffer
 (SingleDecodeInputs) that one host-to-device copy fills. Each launch left outside the graph
-cost the host ~10-65 us per token (torch profiler, H200, W5). A second graph holds a decode
-burst (engine/scheduler.py): K such steps in a row, each step's argmax the next one's input,
-so that a greedy stream pays the input copy, the graph launch and the output copy once per K
-tokens (W5 on the H200: 1,799 -> 1,848 tok/s with K = 8, 1,851 with 16). Otherwise the smallest graph has
+cost the host ~10-65 us per token (torch profiler, H200, W5). With the kernel's own LM head,
+the graph samples a plain-temperature stream's token too (the temperature and a seed per step
+are in the input record): the kernel adds fused_sampler's Gumbel noise to its logits. A second
+graph holds a decode burst (engine/scheduler.py): K such steps in a row, each step's token the
+next one's input, so that a greedy or plain-temperature stream pays the input copy, the graph
+launch and the output copy once per K tokens (W5 on the H200: 1,799 -> 1,848 tok/s with K = 8,
+1,851 with 16; a stream at temperature 0.7, 1,579 -> 1,859). Otherwise the smallest graph has
 8 rows: cuBLAS picks a slow kernel for some projections below 8 rows (Qwen3-0.6B's o_proj took
 12.6 us at 1 row and 5.9 us at 8 on the H200, `benchmarks/small_gemm.py`), and the other kernels
 cost the same for 1 or 8 rows, so a lone sequence runs faster padded to 8.

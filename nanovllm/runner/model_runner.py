@@ -53,8 +53,9 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-# Decode steps per burst where the persistent kernel's graphs serve a lone greedy sequence
-# (EngineConfig.decode_burst=None): see docs/benchmarks.md, W5.
+# Decode steps per burst where the persistent kernel's graphs serve a lone greedy (or, with
+# its fused LM head, plain-temperature) sequence (EngineConfig.decode_burst=None): see
+# docs/benchmarks.md, W5.
 DEFAULT_DECODE_BURST = 8
 
 

@@ -1,5 +1,5 @@
 """The persistent decode kernel's last stage (runner/persistent_decode.py, FUSED_HEAD): the LM
-head and the greedy argmax of the step, after the last layer.
+head and the greedy argmax of the step, after the last layer, or a temperature sample.
 
 Why in the kernel: after the layers, a lone greedy stream's step was three more launches on its
 critical path, cuBLAS's LM head (for Qwen3-0.6B a [151,936 x 1,024] weight, 311 MB: 74.8 us on
@@ -10,6 +10,13 @@ layer's barrier) and multiply them on the tensor cores with the layers' program;
 a count whose last arrival picks the best part. W5 1,855 -> 1,871-1,877 tok/s (H200, session 16,
 docs/benchmarks.md); eager launches at context 384: 472 us without the head, 533-537 with it
 (the weight's bytes alone take 65 us at 4.8 TB/s).
+
+Sampling here too (a temperature above 0 in the step's input record): each row's score is its
+logit / temperature plus the Gumbel noise fused_sampler.gumbel_argmax would add to it
+(`gumbel_score`: the same Philox counter per column), so the best score is the token that
+sampler draws from these logits. A stream with only a temperature then decodes in bursts of
+steps in one graph, as a greedy one does: at temperature 0.7 on an H200, 1,579 -> 1,859 tok/s
+(it sampled after each step's graph, from the logits, with ~6 small launches; session 17).
 
 Why a module of its own: as runner/persistent_attention.py, one stage of the kernel; Triton
 inlines every jit function into the one kernel, so the split costs nothing at run time.
