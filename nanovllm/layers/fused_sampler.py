@@ -166,22 +166,17 @@ def _best_split_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_splits, MAX: tl.
 
 
 def gumbel_argmax(
-    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, num_splits: int | None = None,
-    out: torch.Tensor | None = None,
+    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, num_splits: int | None = None
 ) -> torch.Tensor:
     """Sample one token per row of logits [B, V] at the row's temperature (0 = greedy).
 
     temperature: [B] float32 on the device; seed: a one-element int64 device tensor.
     num_splits: vocabulary chunks per row (a power of two up to MAX_SPLITS); None chooses from
-    the shapes. It is a runtime argument: one compiled kernel serves every batch. out: a [B]
-    int64 tensor to write the tokens into (None: a new one)."""
+    the shapes. It is a runtime argument: one compiled kernel serves every batch."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"gumbel_argmax: logits must be [B, V] with contiguous rows, got {tuple(logits.shape)}")
     rows, vocab = logits.shape
-    if out is None:
-        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    elif out.shape != (rows,) or out.dtype != torch.int64:
-        raise ValueError(f"gumbel_argmax: out must be [{rows}] int64, got {tuple(out.shape)} {out.dtype}")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not rows:
         return out
     if num_splits is None:

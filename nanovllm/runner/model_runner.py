@@ -604,7 +604,7 @@ class ModelRunner:
         the last one's token."""
         g = self.graph_runner
         if (g is not None and g.burst_graph is not None and g.burst_steps == item.num_steps
-                and (item.params.greedy or self.lone_sampling)):
+                and (item.params.greedy or self._samples_in_graph(item))):
             s = g.single
             self._upload_single(item, steps=item.num_steps)
             records = g.replay_burst()
