@@ -158,7 +158,8 @@ def main() -> None:
     ap.add_argument("--no-persistent-decode", dest="persistent_decode", action="store_false",
                     help="lone decodes take the per-op graph, not the persistent kernel")
     ap.add_argument("--decode-burst", type=int, default=None,
-                    help="greedy decode steps of a lone sequence per engine step (default: the engine's)")
+                    help="decode steps of a lone greedy or plain-temperature sequence per engine step "
+                         "(default: the engine's)")
     ap.add_argument("--w5-temperature", type=float, default=0.0,
                     help="W5's stream samples at this temperature instead of greedily (not the W5 workload)")
     ap.add_argument("--json", default=None, help="write results here")

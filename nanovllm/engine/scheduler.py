@@ -20,9 +20,9 @@ real ids in. A synchronous engine calls both back to back.
 
 Decode bursts (`schedule(decode_burst=K)`): a sequence decoding alone, greedily or at a plain
 temperature, with nothing waiting, is given K decode steps at once (`ScheduledSeq.num_steps`),
-which the runner runs back to back on the device, each step's token feeding the next. Its blocks are allocated for the K
-positions up front; the K tokens come back together, and the engine drops those after a stop
-(`finish(..., num_tokens=)`). Why: one token of a lone stream takes ~0.55 ms on an H200, and the
+which the runner runs back to back on the device, each step's token feeding the next. Its blocks
+are allocated for the K positions up front; the K tokens come back together, and the engine
+drops those after a stop (`finish(..., num_tokens=)`). Why: one token of a lone stream takes ~0.55 ms on an H200, and the
 host-device round trip between steps (input copy, graph launch, output copy) was ~15-20 us of
 it (docs/benchmarks.md, W5); a burst pays that once per K tokens.
 """

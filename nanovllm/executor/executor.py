@@ -49,7 +49,8 @@ class InProcessExecutor:
 
     @property
     def decode_burst(self) -> int:
-        """Decode steps a lone greedy sequence may run per engine step (Scheduler.schedule)."""
+        """Decode steps a lone greedy or plain-temperature sequence may run per engine step
+        (Scheduler.schedule)."""
         return self.runner.decode_burst
 
     def execute_async(self, out: SchedulerOutput):

@@ -57,11 +57,11 @@ class SingleDecodeInputs:
     greedy). Each view starts 16 bytes apart: Triton compiles a kernel variant per pointer
     alignment, and the compile (dry pass) and every capture use such views.
 
-    A burst's step i reads record i and writes its greedy token into record i + 1's token, the
+    A burst's step i reads record i and writes its token into record i + 1's token, the
     last step into record 0's, where the next burst (or single step) finds its input; so after
     a burst of K steps, its tokens in order are those of records 1..K-1, then record 0's."""
 
-    TOKEN, POSITION, SLOT, SEQ_LEN, TEMPERATURE, SEED = 0, 16, 32, 48, 64, 80  # byte offsets within a record
+    TOKEN, POSITION, SLOT, SEQ_LEN, TEMPERATURE, SEED = 0, 16, 32, 48, 64, 80  # byte offsets in a record
     RECORD = 96
 
     def __init__(self, max_blocks: int, max_model_len: int, device: torch.device, steps: int = 1) -> None:
@@ -233,10 +233,9 @@ class CudaGraphRunner:
         """Capture `step` (`step(token, position, meta, next_token, temperature, seed) -> logits`:
         one decoding sequence's forward over `self.single`, its LM head and its greedy argmax (or
         its sample, where it can: see SingleDecodeInputs) into `self.single.token`, compiled
-        already: ModelRunner._lone_step) as the graph of size 1,
-        in the pool of the others; with burst > 1 (at most
-        `self.single.steps`), also the graph of a decode burst: that many such steps, each
-        step's argmax the next one's input (see SingleDecodeInputs). Runs between steps, on the
+        already: ModelRunner._lone_step) as the graph of size 1, in the pool of the others; with
+        burst > 1 (at most `self.single.steps`), also the graph of a decode burst: that many such
+        steps, each step's token the next one's input (see SingleDecodeInputs). Runs between steps, on the
         thread that runs them: the warm-up launches read the static inputs, so they are first
         made to store nothing and attend to nothing cached."""
         t0 = time.perf_counter()
@@ -250,7 +249,8 @@ class CudaGraphRunner:
 
             def forward() -> torch.Tensor:
                 for i in range(n):
-                    logits = step(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % n], s.temperatures[i], s.seeds[i])
+                    logits = step(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % n], s.temperatures[i],
+                                  s.seeds[i])
                 return logits
             return forward
 

@@ -109,7 +109,7 @@ class PendingOutput:
 
 class BurstOutput:
     """The K tokens of a decode burst's graph (CudaGraphRunner.replay_burst), on their way to
-    the host: one copy of the [K, 8] int64 input records, whose column 0 holds the tokens of
+    the host: one copy of the [K, 12] int64 input records, whose column 0 holds the tokens of
     steps K-1, 0, ..., K-2 (SingleDecodeInputs), queued behind the graph into pinned memory."""
 
     def __init__(self, records: torch.Tensor) -> None:
@@ -588,8 +588,8 @@ class ModelRunner:
 
     @property
     def decode_burst(self) -> int:
-        """How many greedy decode steps of a lone sequence one engine step may run
-        (Scheduler.schedule): config.decode_burst where given, else the burst graph's size once
+        """How many decode steps of a lone greedy or plain-temperature sequence one engine step
+        may run (Scheduler.schedule): config.decode_burst where given, else the burst graph's size once
         the persistent kernel's graphs are captured (1 before)."""
         if self.config.decode_burst is not None:
             return self.config.decode_burst
@@ -598,13 +598,13 @@ class ModelRunner:
 
     def _execute_burst(self, item: ScheduledSeq) -> BurstOutput | PendingOutput:
         """A decode burst (ScheduledSeq.num_steps steps of one greedy or plain-temperature
-        sequence): one replay of the burst graph where it has this size (and samples, for a
-        sampling stream: `lone_sampling`); otherwise (the reference path, and any device) that
+        sequence): one replay of the burst graph where it has this size and its steps' tokens
+        come from the graph (`_graph_picks_token`); otherwise (the reference path, and any device) that
         many ordinary steps launched back to back, each one's input gathered on the device from
         the last one's token."""
         g = self.graph_runner
         if (g is not None and g.burst_graph is not None and g.burst_steps == item.num_steps
-                and (item.params.greedy or self._samples_in_graph(item))):
+                and self._graph_picks_token(item)):
             s = g.single
             self._upload_single(item, steps=item.num_steps)
             records = g.replay_burst()
@@ -626,7 +626,7 @@ class ModelRunner:
         host = self._staging.take(s.nbytes)
         token = item.token_ids[0]
         p = item.params
-        if self._samples_in_graph(item):
+        if not p.greedy and self._graph_picks_token(item):  # the kernel samples: a seed per step
             seeds = torch.randint(0, 2**31 - 1, (steps,)).tolist()  # torch.manual_seed governs them
             s.fill_host(host, token, item.start_pos, item.block_table, self.block_size, steps, p.temperature, seeds)
         else:
@@ -641,9 +641,9 @@ class ModelRunner:
 
     def _execute_single(self, item: ScheduledSeq) -> tuple[list[ScheduledSeq], SamplerOutput] | None:
         """A lone decoding sequence: one copy of its inputs, one replay of the graph of the
-        persistent kernel, LM head and greedy argmax (CudaGraphRunner.capture_single); the
-        sampler runs only for rows that are not plain greedy. Returns (rows, SamplerOutput) as
-        _launch does."""
+        persistent kernel, LM head and greedy argmax or sample (CudaGraphRunner.capture_single);
+        the sampler runs only for rows whose token the graph does not pick (`_graph_picks_token`).
+        Returns (rows, SamplerOutput) as _launch does."""
         g = self.graph_runner
         s = g.single
         self._upload_single(item)
@@ -652,8 +652,7 @@ class ModelRunner:
         logits = g.replay_single()
         if not item.sample:
             return None
-        p = item.params
-        if (p.greedy and not item.banned_token_ids and p.logprobs is None) or self._samples_in_graph(item):
+        if self._graph_picks_token(item):
             sampled = SamplerOutput(s.token, None, None, None)  # the graph's argmax (or sample)
         else:
             sampled = self._sample([item], logits)
@@ -661,13 +660,14 @@ class ModelRunner:
         self._prev_rows = {item.seq_id: 0}
         return [item], sampled
 
-    def _samples_in_graph(self, item: ScheduledSeq) -> bool:
-        """Whether the lone-sequence graphs draw this sequence's token themselves: a
-        plain-temperature stream (no filter, no seed of its own) without logprobs or banned ids,
-        where the kernel can (`lone_sampling`)."""
+    def _graph_picks_token(self, item: ScheduledSeq) -> bool:
+        """Whether the token the lone-sequence graphs leave in SingleDecodeInputs is this step's
+        token: a sampling step without logprobs or banned ids that is greedy, or at a plain
+        temperature (no filter, no seed of its own) where the kernel samples (`lone_sampling`)."""
         p = item.params
-        return (p.plain_temperature and item.seed is None and p.logprobs is None and not item.banned_token_ids
-                and item.sample and self.lone_sampling)
+        if not item.sample or p.logprobs is not None or item.banned_token_ids:
+            return False
+        return p.greedy or (p.plain_temperature and self.lone_sampling)
 
     def _sample(self, rows, logits: torch.Tensor):
         banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]

@@ -6,8 +6,8 @@ RMSNorm staged in shared memory for the tensor cores (stage A, the MLP and the L
 
 Why a module of its own: the kernel is split by what its stages do (this file, the attention
 stage in runner/persistent_attention.py, the LM head in runner/persistent_head.py, the
-projections, the MLP and the launch in runner/persistent_decode.py); Triton inlines every jit function into the one kernel, so the
-split costs nothing at run time (the sm_90 SASS is the same as from the single file).
+projections, the MLP and the launch in runner/persistent_decode.py); Triton inlines every jit
+function into the one kernel, so the split costs nothing at run time (the sm_90 SASS is the same as from the single file).
 """
 from __future__ import annotations
 

@@ -112,11 +112,11 @@ models whose slices do not fit the slots, and the stepwise launches by default, 
 the first layer the embedding row becomes the residual stream; after the last, the final
 RMSNorm writes the hidden state. With FUSED_HEAD (`fused_head`, on with the tensor-core slots)
 the LM head and the greedy argmax (or, at a temperature above 0, fused_sampler's Gumbel-max
-sample) follow in the kernel (runner/persistent_head.py): every
-program norms the residual itself, streams its share of the vocabulary rows through slots X and
-Y (the first two chunks copied during the last layer's barrier), stores the logits and folds its
-best into a count whose last arrival writes the token. Against cuBLAS's head (74.8 us), GreedyRow (3.3 us)
-and a memset after the kernel: W5 1,855 -> 1,871-1,877 tok/s (H200, session 16). Otherwise the
+sample) follow in the kernel (runner/persistent_head.py): every program norms the residual
+itself, streams its share of the vocabulary rows through slots X and Y (the first two chunks
+copied during the last layer's barrier), stores the logits and folds its best into a count
+whose last arrival writes the token. Against cuBLAS's head (74.8 us), GreedyRow (3.3 us) and a
+memset after the kernel: W5 1,855 -> 1,871-1,877 tok/s (H200, session 16). Otherwise the
 LM head and the sampler run after the kernel, as for every other step (the runner's CUDA graphs
 of the kernel hold them: runner/cuda_graph.py).
 
@@ -873,9 +873,9 @@ class PersistentDecoder:
     fused_attn (the o projection in the attention stage; needs fused_mlp and a program per KV
     head; None: on with fused_mlp and the slots; 34 us faster), gate_up_late and o_late (with
     fused_attn: when the slots' gate/up rows and o tile are copied in; 4-14 us faster and within
-    noise), fused_head (the LM head and the greedy argmax, or a temperature sample, in the kernel,
-    into self.logits and next_token; None: on with the tensor-core slots and fused_attn; ~1% faster on W5), and two
-    benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
+    noise), fused_head (the LM head and the greedy argmax, or a temperature sample, in the
+    kernel, into self.logits and next_token; None: on with the tensor-core slots and fused_attn;
+    ~1% faster on W5), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
     (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small ones so that
     programs take several items and contexts several splits."""
