@@ -88,6 +88,14 @@ def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
             grid_wait(sync_ptr, grid_arrive(sync_ptr, POLL == 3), arrivals)
 
 
+def greedy_pick(d, ids, pos, meta):
+    """One eager launch of decoder d as a greedy stream's step runs it: with a fused head, the
+    token picked (from the int8 head where quantized_head is on) and no logits asked for."""
+    if d.fused_head:
+        return d(ids, pos, meta, d.greedy_token, d.greedy_temperature, d.no_seed)
+    return d(ids, pos, meta)
+
+
 def timeline(dec, runner, ids, pos, meta, dump: str | None = None, **kwargs) -> None:
     """Run a PROBE build of the kernel (it stamps the global timer and the SM's cycle counter at
     PROBE_POINTS of every layer, runner/persistent_decode.py) and print, per stage, the median over
@@ -102,9 +110,9 @@ def timeline(dec, runner, ids, pos, meta, dump: str | None = None, **kwargs) -> 
 
     d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True, **kwargs)
     d.bind(runner.k_caches, runner.v_caches)
-    total_us = timed(lambda: d(ids, pos, meta))
+    total_us = timed(lambda: greedy_pick(d, ids, pos, meta))
     d.probe.zero_()  # stamps of one call only: which program combines a head's splits varies between calls
-    d(ids, pos, meta)
+    greedy_pick(d, ids, pos, meta)
     stamps = d.probe.view(2, dec.num_layers, pd._PROBE_POINTS, dec.num_programs).cpu().numpy().astype(np.float64)
     if dump:
         np.save(dump, stamps)
@@ -230,16 +238,17 @@ def main() -> None:
         return decoders[key]
 
     def persistent(spec: str = "", **kwargs) -> float:
-        """Microseconds per eager launch of decoder(spec, **kwargs)."""
+        """Microseconds per eager launch of decoder(spec, **kwargs), a greedy step's (greedy_pick)."""
         d = decoder(spec, **kwargs)
-        return timed(lambda: d(ids, pos, meta))
+        return timed(lambda: greedy_pick(d, ids, pos, meta))
 
     for spec in args.compare:
         kwargs = keywords(spec)
         for ctx in args.contexts:
             set_context(ctx)
             before, variant, after = persistent(), persistent(spec, **kwargs), persistent()
-            mine, theirs = decoder()(ids, pos, meta).clone(), decoder(spec, **kwargs)(ids, pos, meta).clone()
+            mine = greedy_pick(decoder(), ids, pos, meta).clone()
+            theirs = greedy_pick(decoder(spec, **kwargs), ids, pos, meta).clone()
             diff = (mine.float() - theirs.float()).abs().max().item()
             print(f"context {ctx:5d}: persistent (eager launch), defaults {before:8.1f} / {after:8.1f} us, "
                   f"{spec}: {variant:8.1f} us, hidden state "

@@ -86,6 +86,7 @@ def decode_both(path, context: int, dtype=torch.float32, **decoder_kwargs):
         decoder.bind(k_caches, v_caches)
         got = model.compute_logits(decoder(token, position, meta)).float()
         decoder.test_inputs = token, position, meta  # what a test may launch it with again
+        decoder.test_caches = k_caches, v_caches
     return expected, got, expected_caches, k_caches + v_caches, decoder
 
 
@@ -236,7 +237,7 @@ def test_decode_burst_inputs_fill_one_record_per_step():
     16-byte aligned. The graph writes step i's token into record i + 1 and the last into record
     0, so its tokens in order are records 1..K-1, then 0 (BurstOutput.in_order). A greedy
     stream's records say temperature 0; a sampling stream's, its temperature and a seed per
-    step."""
+    step; a step whose sampler needs every logit, EXACT_LOGITS."""
     from nanovllm.runner.cuda_graph import SingleDecodeInputs
     from nanovllm.runner.model_runner import BurstOutput
 
@@ -258,6 +259,10 @@ def test_decode_burst_inputs_fill_one_record_per_step():
     s.buffer.copy_(torch.from_numpy(host))
     assert [v.item() for v in s.temperatures] == [0.75] * 3 and [v.item() for v in s.seeds] == [5, 6, 2**31 - 2]
     assert [p.item() for p in s.positions] == [15, 16, 17] and s.token.item() == 42
+    s.fill_host(host, token=42, position=15, block_table=[9, 4, 7], block_size=8, steps=1,
+                temperature=s.EXACT_LOGITS)  # a step whose sampler needs every logit
+    s.buffer.copy_(torch.from_numpy(host))
+    assert s.temperatures[0].item() == -1.0 and s.seeds[0].item() == 0
     for i, t in enumerate((101, 102, 103)):  # what the burst graph leaves: step i's token in record i + 1
         s.tokens[(i + 1) % 3].fill_(t)
     assert s.records[:, 0].tolist() == [103, 101, 102]
@@ -522,6 +527,69 @@ def test_cuda_fused_head_samples_what_gumbel_argmax_samples(checkpoint_factory, 
     assert out.item() == greedy_logits[0].argmax().item()
 
 
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(MMA_CASES))
+@pytest.mark.parametrize("programs", ["one-per-sm", "8", "3"])
+def test_cuda_quantized_head_picks_the_exact_heads_token(checkpoint_factory, case, programs):
+    """The pick from the int8 head (quantized_head, on by default with fused_head) against the
+    16-bit head of the same launch (a temperature below 0: every logit stored): over 24 input
+    tokens (24 hidden states), the argmax and the Gumbel-max samples at three temperatures are
+    the 16-bit head's, and the logits are not touched. Then ties, which only the exact
+    recompute settles: a lower row given the top row's weights wins; and with many rows equal
+    (every row a candidate) and 4 candidates per round, the rounds still give the lowest."""
+    from nanovllm.layers.fused_sampler import gumbel_argmax
+
+    path, kwargs = slots_case(checkpoint_factory, case, programs)
+    _, _, _, _, decoder = decode_both(path, 45, torch.bfloat16, **kwargs)
+    assert decoder.fused_head and decoder.quantized_head
+    _, position, meta = decoder.test_inputs
+    out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    exact = torch.tensor([-1.0], device=DEVICE)
+
+    def picks(token, temperature, seed):
+        """(the 16-bit head's token and logits, the int8 head's token) for this input."""
+        t = torch.tensor([token], device=DEVICE)
+        seed_t = torch.tensor([seed], dtype=torch.int64, device=DEVICE)
+        with torch.inference_mode():
+            decoder(t, position, meta, out, exact, seed_t)
+            logits = decoder.logits.clone()
+            want = (logits[0].float().argmax().item() if temperature == 0
+                    else gumbel_argmax(logits, torch.tensor([temperature], device=DEVICE), seed_t).item())
+            decoder.logits.fill_(float("nan"))
+            decoder(t, position, meta, out, torch.tensor([temperature], device=DEVICE), seed_t)
+            assert decoder.logits.isnan().all()  # the int8 pick stores no logits
+            decoder.logits.copy_(logits)
+        return want, out.item()
+
+    seen = set()
+    for token in range(0, 384, 16):
+        for temperature, seed in ((0.0, 0), (0.7, token + 1), (2.0, 7 * token + 3)):
+            want, got = picks(token, temperature, seed)
+            assert got == want, (token, temperature, seed)
+            seen.add(want)
+    assert len(seen) > 10
+    token = decoder.test_inputs[0].item()
+    top, _ = picks(token, 0.0, 0)
+    head_w = decoder.head_weight
+    low = max(0, top - 5 * decoder.rows_vocab)
+    if low not in (top, token):
+        head_w[low] = head_w[top]  # (tied to the embedding: not the step's token, so the hidden state stays)
+        decoder.requantize_head()
+        want, got = picks(token, 0.0, 0)
+        assert got == want == low
+    few = PersistentDecoder(decoder.model, head_candidates=4, **kwargs)
+    few.bind(*decoder.test_caches)
+    assert few.constexprs["HEAD_CAP"] == 4
+    decoder = few
+    rows = [r for r in range(min(3 * decoder.rows_vocab, head_w.shape[0])) if r != token]
+    head_w[rows] = head_w[top].clone()
+    decoder.requantize_head()
+    for temperature, seed in ((0.0, 0), (1.0, 11)):
+        want, got = picks(token, temperature, seed)
+        assert got == want, (temperature, seed)
+
+
 def test_tensor_core_program_shape():
     """mma_asm's PTX: one mma per row pair and 128-column step, split among the warps (whole
     pairs per warp, or warps sharing a pair's steps), and K that is not a multiple of the step
@@ -535,6 +603,22 @@ def test_tensor_core_program_shape():
     assert ptx.count("mma.sync") == 8 and "f16.f16.f32" in ptx and "div.u32 kp, warp, 4" in ptx
     with pytest.raises(ValueError, match="multiple of 128"):
         mma_asm(8, 1000, 8, 0, torch.bfloat16)
+    # int8 rows (the quantized LM head): 48 rows = 24 pairs, 3 per warp; per pair and 128-column
+    # step one ldmatrix.x2 of 128 bytes a row, four byte permutes into fp16 and one fp16 mma.
+    ptx = mma_asm(48, 1024, 8, 0, torch.int8)
+    assert ptx.count("mma.sync") == 3 * 8 and ptx.count("ldmatrix.sync.aligned.m8n8.x2") == 3 * 8
+    assert ptx.count("prmt.b32") == 4 * 3 * 8 and "f32.f16.f16.f32" in ptx and ".x4" not in ptx
+    assert ptx.count("ld.shared.v2.b32 {b0, b1}") == 8  # x: one 8-byte load per step
+
+
+def test_quantized_head_needs_the_fused_head(checkpoint_factory):
+    """On the CPU (no slots, so no fused head) the quantized head is off, and asking for it is
+    refused with the reason."""
+    model, *_ = build(checkpoint_factory("qwen3"))
+    decoder = PersistentDecoder(model, num_programs=3, persistent=False)
+    assert not decoder.fused_head and not decoder.quantized_head
+    with pytest.raises(ValueError, match="quantized_head needs fused_head"):
+        PersistentDecoder(model, num_programs=3, persistent=False, quantized_head=True)
 
 
 def test_k_split_down_program_shape():

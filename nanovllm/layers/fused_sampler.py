@@ -80,17 +80,24 @@ def _gumbel(u, FAST: tl.constexpr):
 
 
 @triton.jit
-def gumbel_score(x, cols, inv_t, seed, BLOCK: tl.constexpr, FAST: tl.constexpr):
-    """x * inv_t plus the Gumbel noise that _gumbel_argmax_kernel (tiles of BLOCK) adds to column
-    `cols` of row 0 under `seed`: the same Philox call, counter and lane, so a kernel that keeps
-    the best of these scores over a row samples the token gumbel_argmax would (the persistent
-    decode kernel's LM head does, runner/persistent_head.py). cols: int32 columns."""
+def gumbel_noise(cols, seed, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    """The Gumbel noise that _gumbel_argmax_kernel (tiles of BLOCK) adds to column `cols` of row 0
+    under `seed`: the same Philox call, counter and lane. cols: int32 columns."""
     QUARTER: tl.constexpr = BLOCK // 4
     within = cols % BLOCK
     u0, u1, u2, u3 = tl.rand4x(seed, (cols - within) // 4 + within % QUARTER)
     lane = within // QUARTER
     u = tl.where(lane == 0, u0, tl.where(lane == 1, u1, tl.where(lane == 2, u2, u3)))
-    return x * inv_t + _gumbel(u, FAST)
+    return _gumbel(u, FAST)
+
+
+@triton.jit
+def gumbel_score(x, cols, inv_t, seed, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    """x * inv_t plus gumbel_noise(cols): a kernel that keeps the best of these scores over a row
+    samples the token gumbel_argmax would (the persistent decode kernel's LM head does,
+    runner/persistent_head.py). The score only grows with x (each rounding does), which the
+    quantized head's bounds rely on."""
+    return x * inv_t + gumbel_noise(cols, seed, BLOCK, FAST)
 
 
 @triton.jit

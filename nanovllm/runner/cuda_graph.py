@@ -54,7 +54,8 @@ class SingleDecodeInputs:
     length, temperature, seed) per step of a decode burst (`steps` records; the graph of one
     step reads record 0), then the block table. A temperature above 0 makes the kernel's LM
     head sample the step's token under the record's seed (a plain-temperature stream; 0:
-    greedy). Each view starts 16 bytes apart: Triton compiles a kernel variant per pointer
+    greedy); EXACT_LOGITS (below 0) asks for every logit, which the sampler needs where the
+    graph does not pick the token (a quantized head picks without storing them). Each view starts 16 bytes apart: Triton compiles a kernel variant per pointer
     alignment, and the compile (dry pass) and every capture use such views.
 
     A burst's step i reads record i and writes its token into record i + 1's token, the
@@ -63,6 +64,7 @@ class SingleDecodeInputs:
 
     TOKEN, POSITION, SLOT, SEQ_LEN, TEMPERATURE, SEED = 0, 16, 32, 48, 64, 80  # byte offsets in a record
     RECORD = 96
+    EXACT_LOGITS = -1.0  # a record's temperature: store every logit (and pick the argmax)
 
     def __init__(self, max_blocks: int, max_model_len: int, device: torch.device, steps: int = 1) -> None:
         self.steps = steps
@@ -103,7 +105,7 @@ class SingleDecodeInputs:
                   steps: int = 1, temperature: float = 0.0, seeds: list[int] | None = None) -> None:
         """Write the inputs of `steps` decode steps from `position` on into `host` (nbytes uint8,
         the device buffer's layout); only the first step's token is known. temperature > 0: the
-        steps sample at it, step i under seeds[i] (else greedy)."""
+        steps sample at it, step i under seeds[i] (else greedy; EXACT_LOGITS: every logit stored)."""
         ints = host[: self.BLOCK_TABLE].view(np.int64)
         ints32 = host[: self.BLOCK_TABLE].view(np.int32)
         floats = host[: self.BLOCK_TABLE].view(np.float32)

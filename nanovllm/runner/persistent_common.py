@@ -174,7 +174,15 @@ def _normed_to_shared(resid_ptr, acc_ptr, ln_ptr, eps, xbuf, H: tl.constexpr, BL
     tensor-core program's reads. COPIES: see _residual."""
     offs = tl.arange(0, BLOCK_X)
     mask = offs < H
+    stage_to_shared(_normed_input(resid_ptr, acc_ptr, ln_ptr, eps, offs, mask, H, dtype, COPIES), offs, mask, xbuf)
+
+
+@triton.jit
+def _normed_input(resid_ptr, acc_ptr, ln_ptr, eps, offs, mask, H: tl.constexpr, dtype: tl.constexpr,
+                  COPIES: tl.constexpr = 0):
+    """RMSNorm(residual) * weight at offs, in dtype, rounded as _normed rounds it (see
+    _normed_to_shared); 0 where not mask."""
     x = _residual(resid_ptr, acc_ptr, offs, mask, H, COPIES)
     w = tl.load(ln_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) * (1.0 / H) + eps)
-    stage_to_shared(((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), offs, mask, xbuf)
+    return ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype)

@@ -115,8 +115,11 @@ the LM head and the greedy argmax (or, at a temperature above 0, fused_sampler's
 sample) follow in the kernel (runner/persistent_head.py): every program norms the residual
 itself, streams its share of the vocabulary rows through slots X and Y (the first two chunks
 copied during the last layer's barrier), stores the logits and folds its best into a count
-whose last arrival writes the token. Against cuBLAS's head (74.8 us), GreedyRow (3.3 us) and a
-memset after the kernel: W5 1,855 -> 1,871-1,877 tok/s (H200, session 16). Otherwise the
+whose last arrival writes the token; that program's rows of the normed state are the hidden
+state output (no final-norm stage). Against cuBLAS's head (74.8 us), GreedyRow (3.3 us) and a
+memset after the kernel: W5 1,855 -> 1,871-1,877 tok/s (H200, session 16). Where the step
+only needs its token, the head's int8 copy picks it, exactly (HEAD_Q, `quantized_head`,
+runner/head_quant.py: half the head's bytes): W5 1,881 -> 1,974 (session 18). Otherwise the
 LM head and the sampler run after the kernel, as for every other step (the runner's CUDA graphs
 of the kernel hold them: runner/cuda_graph.py).
 
@@ -156,13 +159,14 @@ import triton.language as tl
 from nanovllm.attention.backend import AttentionMetadata
 from nanovllm.layers.fused_sampler import BLOCK_V as GUMBEL_BLOCK
 from nanovllm.precompile import compiling_only, launch
+from nanovllm.runner import head_quant
 from nanovllm.runner.persistent_attention import _first_kv_rows, _kv_load, _stage_attention, _stage_attn_o, _step_values
 from nanovllm.runner.persistent_common import (
     _FIELDS, _LOG2E, _NUM_FIELDS, _PROBE_POINTS, _TILE_ELEMENTS, BLOCK_T, F_DOWN_T, F_DOWN_W, F_GU_W, F_K_CACHE, F_LN1,
     F_LN2, F_O_PERM, F_O_W, F_QKV_B, F_QKV_W, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, SPLIT_TOKENS, _at, _item_rows,
     _next_layer, _normed_to_shared, _residual, _rows, _stamp, _table_to_shared, _tile_columns, _weight_tile, _zero_acc,
 )
-from nanovllm.runner.persistent_head import _issue_head_chunk, _stage_head
+from nanovllm.runner.persistent_head import _issue_head_chunk, _issue_head_q_chunk, _stage_head, _stage_head_q
 from nanovllm.runner.ptx import (
     MMA_K_STEP, align_up, bulk_copy, down_asm, down_rows, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm,
     mma_rows, reserve_shared_memory, shared_address, slot_tile, stage_f32_to_shared, stage_to_shared,
@@ -609,6 +613,9 @@ def _decode_kernel(
     O_LATE: tl.constexpr = False, head_off=0, logits_ptr=None, next_tok_ptr=None, head_val_ptr=None, head_idx_ptr=None,
     vocab=0, rows_vocab=0, FUSED_HEAD: tl.constexpr = False, HEAD_CR: tl.constexpr = 1, MMA_HEAD: tl.constexpr = "",
     HEAD_PARTS: tl.constexpr = 1, temp_ptr=None, seed_ptr=None, SAMPLE_BLOCK: tl.constexpr = 2048,
+    head_q_ptr=None, head_meta_ptr=None, HEAD_Q: tl.constexpr = False, HEAD_Q_CR: tl.constexpr = 1,
+    MMA_HEAD_Q: tl.constexpr = "", HEAD_META_OFF: tl.constexpr = 0, HEAD_CAND_OFF: tl.constexpr = 0,
+    HEAD_CAP: tl.constexpr = 1, HEAD_NC: tl.constexpr = 8, HEAD_X_SCALE: tl.constexpr = 1.0,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -640,7 +647,12 @@ def _decode_kernel(
     `vocab` rows, rows_vocab per program, HEAD_CR per chunk; the logits to logits_ptr, the token
     to next_tok_ptr, the programs' bests at head_val/head_idx, their count after the attention
     counts; a temperature above 0 at temp_ptr samples the token instead, under the seed at
-    seed_ptr, as fused_sampler.gumbel_argmax with tiles of SAMPLE_BLOCK would)."""
+    seed_ptr, as fused_sampler.gumbel_argmax with tiles of SAMPLE_BLOCK would). HEAD_Q (with
+    FUSED_HEAD): unless the temperature is below 0 (the caller wants every logit), the token is
+    picked from the head's int8 copy at head_q_ptr with its meta at head_meta_ptr
+    (_stage_head_q: HEAD_Q_CR rows per chunk, MMA_HEAD_Q, the meta and the candidate list
+    HEAD_META_OFF and HEAD_CAND_OFF bytes into slot X, HEAD_CAP candidates per round, HEAD_NC
+    rows per recompute, the input scaled by HEAD_X_SCALE) and no logits are stored."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
@@ -665,6 +677,9 @@ def _decode_kernel(
     else:
         post_ptr = resid_ptr
     if PERSISTENT:
+        head_exact = True  # HEAD_Q: the 16-bit head runs (every logit stored) only where asked
+        if HEAD_Q:
+            head_exact = tl.load(temp_ptr) < 0.0
         if SMEM_WEIGHTS:
             bar_x = shared_address(smem_off)
             bar_y = bar_x + 8
@@ -755,10 +770,22 @@ def _decode_kernel(
                                                    FUSED_ATTN, RBS, num_programs)
                                 if FUSED_HEAD:
                                     if layer_i + 1 == num_layers:  # both slots are free: the LM head's first chunks
-                                        _issue_head_chunk(0, base_ptr, head_off, slot_x, bar_x, pid, rows_vocab, vocab,
-                                                          HEAD_CR, H)
-                                        _issue_head_chunk(1, base_ptr, head_off, slot_y, bar_y, pid, rows_vocab, vocab,
-                                                          HEAD_CR, H)
+                                        if HEAD_Q:
+                                            if head_exact:
+                                                _issue_head_chunk(0, base_ptr, head_off, slot_x, bar_x, pid, rows_vocab,
+                                                                  vocab, HEAD_CR, H)
+                                                _issue_head_chunk(1, base_ptr, head_off, slot_y, bar_y, pid, rows_vocab,
+                                                                  vocab, HEAD_CR, H)
+                                            else:
+                                                _issue_head_q_chunk(0, head_q_ptr, head_meta_ptr, slot_x, bar_x, pid,
+                                                                    rows_vocab, vocab, HEAD_Q_CR, H, HEAD_META_OFF)
+                                                _issue_head_q_chunk(1, head_q_ptr, head_meta_ptr, slot_y, bar_y, pid,
+                                                                    rows_vocab, vocab, HEAD_Q_CR, H, HEAD_META_OFF)
+                                        else:
+                                            _issue_head_chunk(0, base_ptr, head_off, slot_x, bar_x, pid, rows_vocab,
+                                                              vocab, HEAD_CR, H)
+                                            _issue_head_chunk(1, base_ptr, head_off, slot_y, bar_y, pid, rows_vocab,
+                                                              vocab, HEAD_CR, H)
                             else:
                                 _issue_weights(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_x, bar_x,
                                                pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
@@ -783,13 +810,26 @@ def _decode_kernel(
                     _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
                     arrivals += num_programs
                     grid_wait(sync_ptr, seen, arrivals)
-        _stage_final_norm(post_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H,
-                          ACC_COPIES)
-        if FUSED_HEAD:
-            _stage_head(base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr, head_val_ptr,
-                        head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs, rows_vocab, vocab, slot_x,
-                        slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS, HEAD_CR, HEAD_PX, HEAD_PY,
-                        MMA_HEAD, HEAD_PARTS, temp_ptr, seed_ptr, SAMPLE_BLOCK)
+        if not FUSED_HEAD:  # (else the head stores the hidden state: _head_input)
+            _stage_final_norm(post_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H,
+                              ACC_COPIES)
+        else:
+            if not HEAD_Q:
+                _stage_head(base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr,
+                            head_val_ptr, head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs, rows_vocab,
+                            vocab, slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS, HEAD_CR,
+                            HEAD_PX, HEAD_PY, MMA_HEAD, HEAD_PARTS, temp_ptr, seed_ptr, SAMPLE_BLOCK, out_ptr, rows_h)
+            elif head_exact:
+                _stage_head(base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr,
+                            head_val_ptr, head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs, rows_vocab,
+                            vocab, slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS, HEAD_CR,
+                            HEAD_PX, HEAD_PY, MMA_HEAD, HEAD_PARTS, temp_ptr, seed_ptr, SAMPLE_BLOCK, out_ptr, rows_h)
+            else:
+                _stage_head_q(base_ptr, head_off, head_q_ptr, head_meta_ptr, post_ptr, acc_ptr, final_norm_ptr, eps,
+                              next_tok_ptr, head_val_ptr, head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs,
+                              rows_vocab, vocab, slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS,
+                              HEAD_Q_CR, HEAD_PX, HEAD_PY, MMA_HEAD_Q, HEAD_PARTS, temp_ptr, seed_ptr, SAMPLE_BLOCK,
+                              HEAD_META_OFF, HEAD_CAND_OFF, HEAD_CAP, HEAD_NC, HEAD_X_SCALE, out_ptr, rows_h)
     elif STAGE == -1:
         _stage_embed(base_ptr, tok_ptr, post_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
     elif STAGE == 5:
@@ -875,7 +915,10 @@ class PersistentDecoder:
     fused_attn: when the slots' gate/up rows and o tile are copied in; 4-14 us faster and within
     noise), fused_head (the LM head and the greedy argmax, or a temperature sample, in the
     kernel, into self.logits and next_token; None: on with the tensor-core slots and fused_attn;
-    ~1% faster on W5), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
+    ~1% faster on W5), quantized_head (with fused_head: a step that only needs the token
+    picks it from an int8 copy of the head, exactly, see runner/head_quant.py; None: on where
+    slot X holds a chunk, the rows' meta and a candidate list; +155 MB for Qwen3-0.6B; W5 1,881
+    -> 1,974 tok/s; head_candidates: candidates listed per round, for tests), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
     (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small ones so that
     programs take several items and contexts several splits."""
@@ -888,6 +931,7 @@ class PersistentDecoder:
         smem_weights: bool = True, mma_projections: bool = True, kv_prefetch_cg: bool = True,
         fused_mlp: bool | None = None, acc_copies: int = 4, fused_attn: bool | None = None,
         gate_up_late: bool = True, o_late: bool = True, fused_head: bool | None = None,
+        quantized_head: bool | None = None, head_candidates: int | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -1015,6 +1059,50 @@ class PersistentDecoder:
             if self.fused_attn and group_width % MMA_K_STEP == 0 and self.rbs <= num_warps * 32:
                 self.constexprs.update(MMA_OB=mma_asm(self.rbs, group_width, num_warps, 0, self.dtype))
         self._setup_fused_head(model, fused_head, device)
+        self._setup_quantized_head(quantized_head, head_candidates)
+
+    def _setup_quantized_head(self, quantized_head: bool | None, head_candidates: int | None) -> None:
+        """The fused head's pick from an int8 copy of the LM head (HEAD_Q, `quantized_head`; None:
+        on with fused_head where slot X holds a chunk, the program's rows' meta and a candidate
+        list): runner/head_quant.py, runner/persistent_head.py's _stage_head_q. Chunks are as
+        many int8 rows as the smaller slot holds (twice the 16-bit head's); head_candidates caps
+        the candidates listed per round (default: one per thread; tests set fewer)."""
+        self.quantized_head = False
+        self.exact_temperature = torch.full((1,), -1.0, dtype=torch.float32, device=self.greedy_temperature.device)
+        if not self.fused_head or self.hidden % MMA_K_STEP:
+            if quantized_head:
+                raise ValueError(f"quantized_head needs fused_head and hidden_size a multiple of {MMA_K_STEP}")
+            return
+        threads = self.num_warps * 32
+        meta_bytes = align_up(self.rows_vocab * head_quant.META_FIELDS * 4, 128)
+        if head_candidates is not None and head_candidates < 1:
+            raise ValueError(f"head_candidates must be at least 1, got {head_candidates}")
+        need = head_candidates or 16  # list entries (more candidates take more rounds)
+        cr = min(threads, self.red_rows, self.slot_y_bytes // self.hidden, self.slot_x_bytes // self.hidden)
+        room = lambda cr: (self.slot_x_bytes - align_up(cr * self.hidden, 128) - meta_bytes) // 4  # noqa: E731
+        while cr >= 1 and room(cr) < need:
+            cr -= 1
+        if cr < 1:
+            if quantized_head:
+                raise ValueError("quantized_head: slot X cannot hold a chunk, the rows' meta and a candidate list")
+            return
+        self.quantized_head = quantized_head is None or quantized_head
+        if not self.quantized_head:
+            return
+        cand_off = align_up(cr * self.hidden, 128) + meta_bytes
+        cap = head_candidates or min(threads, room(cr))
+        self.head_exponent = head_quant.input_exponent(self.model.model.norm.weight, self.hidden)
+        self.head_q, self.head_meta = head_quant.quantize_head(self.head_weight, self.head_exponent)
+        self.constexprs.update(
+            HEAD_Q=True, HEAD_Q_CR=cr, MMA_HEAD_Q=mma_asm(cr, self.hidden, self.num_warps, 0, torch.int8),
+            HEAD_META_OFF=align_up(cr * self.hidden, 128), HEAD_CAND_OFF=cand_off, HEAD_CAP=cap,
+            HEAD_X_SCALE=2.0 ** -self.head_exponent,
+        )
+
+    def requantize_head(self) -> None:
+        """Make the int8 copy of the LM head again, after its weight changed in place."""
+        if self.quantized_head:
+            self.head_q, self.head_meta = head_quant.quantize_head(self.head_weight, self.head_exponent)
 
     def _setup_fused_head(self, model: Any, fused_head: bool | None, device: torch.device) -> None:
         """The LM head and the greedy argmax inside the kernel (FUSED_HEAD, `fused_head`; None: on
@@ -1107,7 +1195,9 @@ class PersistentDecoder:
         """The hidden state [1, H]. With fused_head, also the logits (into self.logits) and their
         argmax, lowest id on ties, into next_token ([1] int64; None: self.greedy_token); or, where
         the [1] float32 `temperature` is above 0, the token fused_sampler.gumbel_argmax(logits,
-        temperature, seed) would sample (seed: [1] int64). None: greedy."""
+        temperature, seed) would sample (seed: [1] int64). With quantized_head the same token
+        comes from the int8 head and the logits are not stored, unless the temperature is below
+        0 (the argmax, every logit stored). None: -1, the logits and their argmax."""
         if self.table is None:
             raise RuntimeError("PersistentDecoder: call bind() with the KV caches first")
         if input_ids.shape[0] != 1 or meta.num_decodes != 1:
@@ -1116,7 +1206,7 @@ class PersistentDecoder:
             next_token = self.greedy_token
         if self.fused_head and (next_token.shape != (1,) or next_token.dtype != torch.int64):
             raise ValueError(f"persistent decode: next_token must be [1] int64, got {tuple(next_token.shape)} {next_token.dtype}")
-        temperature = self.greedy_temperature if temperature is None else temperature
+        temperature = self.exact_temperature if temperature is None else temperature
         seed = self.no_seed if seed is None else seed
         if temperature.shape != (1,) or temperature.dtype != torch.float32 or seed.shape != (1,) or seed.dtype != torch.int64:
             raise ValueError("persistent decode: temperature must be [1] float32 and seed [1] int64")
@@ -1134,6 +1224,8 @@ class PersistentDecoder:
             common.update(head_off=self.head_off, logits_ptr=self.logits, next_tok_ptr=next_token, head_val_ptr=self.head_val,
                           head_idx_ptr=self.head_idx, vocab=self.vocab, rows_vocab=self.rows_vocab, temp_ptr=temperature,
                           seed_ptr=seed)
+            if self.quantized_head:
+                common.update(head_q_ptr=self.head_q, head_meta_ptr=self.head_meta)
         grid = (self.num_programs,)
         if self.persistent:
             common.update(PERSISTENT=True, STAGE=0, SMEM_WEIGHTS=self.smem_weights,

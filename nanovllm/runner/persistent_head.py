@@ -18,6 +18,14 @@ sampler draws from these logits. A stream with only a temperature then decodes i
 steps in one graph, as a greedy one does: at temperature 0.7 on an H200, 1,579 -> 1,859 tok/s
 (it sampled after each step's graph, from the logits, with ~6 small launches; session 17).
 
+A step whose token the kernel picks (greedy, or a plain temperature) reads the head's int8
+copy instead (`quantized_head`, runner/head_quant.py: half the bytes, each row's logit with a
+bound on its error), then recomputes from the 16-bit weight only the rows whose bound reaches the
+best lower bound of their program's rows: the same token, no logits stored. W5 1,881 -> 1,966-1,974
+tok/s (H200, session 18; eager launches at context 384: 529 us with the 16-bit head, 498-508
+with the int8 one, 464 without a head). A step whose sampler needs every logit (top-k/p,
+logprobs, banned ids) asks for them with a temperature below 0 and gets the 16-bit head.
+
 Why a module of its own: as runner/persistent_attention.py, one stage of the kernel; Triton
 inlines every jit function into the one kernel, so the split costs nothing at run time.
 """
@@ -26,9 +34,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nanovllm.layers.fused_sampler import best_part, gumbel_score
-from nanovllm.runner.persistent_common import _normed_to_shared
-from nanovllm.runner.ptx import bulk_copy, mbarrier_wait, mma_rows
+from nanovllm.layers.fused_sampler import best_part, gumbel_noise, gumbel_score
+from nanovllm.runner.persistent_common import _normed_input
+from nanovllm.runner.ptx import (
+    bulk_copy, mbarrier_wait, mma_rows, shared_f32, shared_i32, stage_f32_to_shared, stage_i32_to_shared, stage_to_shared,
+)
 
 
 @triton.jit
@@ -62,7 +72,7 @@ def _stage_head(
     sync_ptr, sync_n, pid, num_programs, rows_per_program, V, slot_x, slot_y, bar_x, bar_y, xbuf, red,
     H: tl.constexpr, BLOCK_X: tl.constexpr, COPIES: tl.constexpr, THREADS: tl.constexpr, CR: tl.constexpr,
     PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD: tl.constexpr, PARTS: tl.constexpr, temp_ptr, seed_ptr,
-    SAMPLE_BLOCK: tl.constexpr,
+    SAMPLE_BLOCK: tl.constexpr, out_ptr, rows_h,
 ):
     """FUSED_HEAD: the LM head and the greedy argmax, after the last layer. Every program norms
     the residual stream itself (the final RMSNorm, staged at xbuf as stage A stages its input),
@@ -78,7 +88,7 @@ def _stage_head(
     seed_ptr, so the token is the one gumbel_argmax would draw from the stored logits.
     """
     dtype = logits_ptr.dtype.element_ty
-    _normed_to_shared(post_ptr, acc_ptr, final_norm_ptr, eps, xbuf, H, BLOCK_X, dtype, COPIES)
+    _head_input(post_ptr, acc_ptr, final_norm_ptr, eps, out_ptr, pid, rows_h, xbuf, H, BLOCK_X, dtype, COPIES, False)
     t = tl.arange(0, THREADS)
     best_val = tl.full([THREADS], float("-inf"), tl.float32)
     best_row = tl.zeros([THREADS], tl.int32)
@@ -107,8 +117,39 @@ def _stage_head(
         best_val = tl.where(better, v, best_val)
         best_row = tl.where(better, rows, best_row)
     top = tl.max(best_val, axis=0)
+    _pick_token(top, tl.min(tl.where(best_val == top, best_row, 2**31 - 1), axis=0), next_tok_ptr, part_val_ptr,
+                part_idx_ptr, sync_ptr, sync_n, pid, num_programs, PARTS)
+
+
+@triton.jit
+def _head_input(post_ptr, acc_ptr, final_norm_ptr, eps, out_ptr, pid, rows_h, xbuf, H: tl.constexpr,
+                BLOCK_X: tl.constexpr, dtype: tl.constexpr, COPIES: tl.constexpr, FP16_SCALED: tl.constexpr,
+                X_SCALE: tl.constexpr = 1.0):
+    """The head's input: the final RMSNorm of the residual stream, which every program computes
+    whole (returned, fp32 of the dtype's values) and stages at xbuf for the tensor-core program
+    (FP16_SCALED: times X_SCALE in fp16, for the int8 head's program); the program's own rows_h
+    rows of it also go to out_ptr, the kernel's hidden-state output (in place of a final-norm
+    stage: one L2 round trip less before the head)."""
+    offs = tl.arange(0, BLOCK_X)
+    xmask = offs < H
+    x = _normed_input(post_ptr, acc_ptr, final_norm_ptr, eps, offs, xmask, H, dtype, COPIES)
+    if FP16_SCALED:
+        stage_to_shared((x.to(tl.float32) * X_SCALE).to(tl.float16), offs, xmask, xbuf)
+    else:
+        stage_to_shared(x, offs, xmask, xbuf)
+    mine = xmask & (offs >= pid * rows_h) & (offs < (pid + 1) * rows_h)
+    tl.store(out_ptr + offs, x, mask=mine)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _pick_token(top, top_row, next_tok_ptr, part_val_ptr, part_idx_ptr, sync_ptr, sync_n, pid, num_programs,
+                PARTS: tl.constexpr):
+    """Store this program's best (value, row) and count it in; the last program to arrive (acq_rel
+    count, the last of the sync_n sync words) writes the winner, lowest row on ties, to next_tok
+    and zeroes the sync words for the next launch."""
     tl.store(part_val_ptr + pid, top)
-    tl.store(part_idx_ptr + pid, tl.min(tl.where(best_val == top, best_row, 2**31 - 1), axis=0))
+    tl.store(part_idx_ptr + pid, top_row)
     arrived = tl.atomic_add(sync_ptr + sync_n - 1, 1, sem="acq_rel", scope="gpu")  # the last sync word
     if arrived == num_programs - 1:
         tl.store(next_tok_ptr, best_part(part_val_ptr, part_idx_ptr, num_programs, PARTS).to(tl.int64))
@@ -117,3 +158,115 @@ def _stage_head(
         offs = tl.arange(0, PARTS)
         for z in range(0, sync_n, PARTS):
             tl.store(sync_ptr + z + offs, tl.zeros([PARTS], tl.int32), mask=z + offs < sync_n)
+
+
+@triton.jit
+def _issue_head_q_chunk(c, q_ptr, meta_ptr, slot, bar, pid, rows_per_program, V, CR: tl.constexpr, H: tl.constexpr,
+                        META_OFF: tl.constexpr):
+    """QUANTIZED head: copy chunk c (CR rows) of this program's rows of the int8 head into `slot`,
+    counted at `bar`; chunk 0 (slot X) also brings the program's rows of the head's meta
+    ([V, 4] fp32: scale, bound terms, and a word for each row's upper bound) to slot + META_OFF,
+    where they stay through the head. Past the program's rows the copies are empty."""
+    first = pid * rows_per_program
+    row0 = first + c * CR
+    end = tl.minimum(first + rows_per_program, V)
+    nbytes = tl.maximum(tl.minimum(end - row0, CR), 0) * H
+    meta_bytes = tl.where(c == 0, tl.maximum(end - first, 0) * 16, 0)
+    bulk_copy(bar, slot, q_ptr + row0.to(tl.int64) * H, nbytes, slot + META_OFF, meta_ptr + first.to(tl.int64) * 4,
+              meta_bytes)
+
+
+@triton.jit
+def _stage_head_q(
+    base_ptr, head_off, q_ptr, meta_ptr, post_ptr, acc_ptr, final_norm_ptr, eps, next_tok_ptr, part_val_ptr,
+    part_idx_ptr, sync_ptr, sync_n, pid, num_programs, rows_per_program, V, slot_x, slot_y, bar_x, bar_y, xbuf, red,
+    H: tl.constexpr, BLOCK_X: tl.constexpr, COPIES: tl.constexpr, THREADS: tl.constexpr, CR: tl.constexpr,
+    PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD_Q: tl.constexpr, PARTS: tl.constexpr, temp_ptr, seed_ptr,
+    SAMPLE_BLOCK: tl.constexpr, META_OFF: tl.constexpr, CAND_OFF: tl.constexpr, CAP: tl.constexpr, NC: tl.constexpr,
+    X_SCALE: tl.constexpr, out_ptr, rows_h,
+):
+    """The LM head's pick from its int8 copy (runner/head_quant.py), the same token _stage_head
+    would pick. Every program norms the residual stream (x, the model's dtype) and stages x *
+    X_SCALE in fp16 for the int8 tensor-core program (MMA_HEAD_Q), then takes its rows CR at a
+    time from slots X and Y in turn, as _stage_head does (half the bytes per row). Per row: the
+    approximate logit a and its bound b (head_quant), the bounds rounded to the dtype as the
+    logits are, lo and hi (plus the row's Gumbel noise at a temperature above 0: a score only
+    grows with the logit); hi goes to the row's meta word, and tau is the program's best lo.
+    Only a row with hi >= tau can be the program's best; those candidates (a handful) are
+    listed in shared memory (CAP at a time; more take another round), and their logits
+    recomputed from the 16-bit weight at head_off, NC rows per load, in fp32 and rounded to the
+    dtype. Their best is the program's part in the argmax (_pick_token). No logits are stored."""
+    dtype = base_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK_X)
+    xmask = offs < H
+    x = _head_input(post_ptr, acc_ptr, final_norm_ptr, eps, out_ptr, pid, rows_h, xbuf, H, BLOCK_X, dtype, COPIES, True,
+                    X_SCALE)
+    nx = tl.sqrt(tl.sum(x * x, axis=0)) * (1.0 + 2.0**-10)
+    t = tl.arange(0, THREADS)
+    first = pid * rows_per_program
+    nrows = tl.minimum(rows_per_program, V - first)
+    temperature = tl.load(temp_ptr)
+    sampled = temperature > 0.0
+    inv_t = 1.0 / tl.where(sampled, temperature, 1.0)
+    seed = tl.load(seed_ptr)
+    meta = slot_x + META_OFF
+    best_lo = tl.full([THREADS], float("-inf"), tl.float32)
+    for c in range(0, tl.cdiv(rows_per_program, CR)):
+        slot, bar, parity = _head_buffer(c, slot_x, slot_y, bar_x, bar_y, PX, PY)
+        mbarrier_wait(bar, parity)
+        tl.debug_barrier()  # the staged input (or the previous chunk's reads of `red`)
+        acc, _ = mma_rows(MMA_HEAD_Q, slot, xbuf, red, THREADS)
+        _issue_head_q_chunk(c + 2, q_ptr, meta_ptr, slot, bar, pid, rows_per_program, V, CR, H, META_OFF)
+        local = c * CR + t
+        valid = (t < CR) & (local < nrows)
+        a = acc * shared_f32(local * 4, valid, meta)
+        b = ((shared_f32(local * 4 + 1, valid, meta) * nx + shared_f32(local * 4 + 2, valid, meta)) * (1.0 + 2.0**-16)
+             + tl.abs(a) * 2.0**-20)
+        lo = (a - b).to(dtype).to(tl.float32)
+        hi = (a + b).to(dtype).to(tl.float32)
+        if sampled:  # (the same for every thread: no divergence)
+            noise = gumbel_noise(first + local, seed, SAMPLE_BLOCK, True)
+            lo = lo * inv_t + noise
+            hi = hi * inv_t + noise
+        stage_f32_to_shared(hi, local * 4 + 3, valid, meta)
+        best_lo = tl.maximum(best_lo, tl.where(valid, lo, float("-inf")))
+    tau = tl.max(best_lo, axis=0)
+    tl.debug_barrier()  # every row's hi stored
+    cand = slot_x + CAND_OFF
+    head_w = base_ptr + tl.multiple_of(head_off, 16)
+    best_val = tl.max(tl.full([THREADS], float("-inf"), tl.float32), axis=0)
+    best_row = pid * 0 + (2**31 - 1)
+    start = pid * 0
+    while start < nrows:
+        n = pid * 0
+        last = pid * 0 - 1
+        for r0 in range(0, rows_per_program, THREADS):
+            local = r0 + t
+            live = (local >= start) & (local < nrows)
+            take = live & (shared_f32(local * 4 + 3, live, meta) >= tau)
+            k = take.to(tl.int32)
+            pos = n + tl.cumsum(k, axis=0) - k
+            keep = take & (pos < CAP)
+            stage_i32_to_shared(local, pos, keep, cand)
+            last = tl.maximum(last, tl.max(tl.where(keep, local, -1), axis=0))
+            n += tl.sum(k, axis=0)
+        tl.debug_barrier()  # the list stored
+        listed = tl.minimum(n, CAP)
+        for i in range(0, listed, NC):
+            j = i + tl.arange(0, NC)
+            jv = j < listed
+            rows = first + shared_i32(j, jv, cand)
+            w = tl.load(head_w + rows.to(tl.int64)[:, None] * H + offs[None, :], mask=jv[:, None] & xmask[None, :],
+                        other=0.0)
+            v = tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
+            if sampled:
+                v = gumbel_score(v, rows, inv_t, seed, SAMPLE_BLOCK, True)
+            v = tl.where(jv, v, float("-inf"))
+            top = tl.max(v, axis=0)
+            top_row = tl.min(tl.where(v == top, rows, 2**31 - 1), axis=0)
+            better = top > best_val  # the list only grows in rows: ties keep the lower row
+            best_val = tl.where(better, top, best_val)
+            best_row = tl.where(better, top_row, best_row)
+        start = tl.where(n > CAP, last + 1, nrows)
+        tl.debug_barrier()  # the list read before the next round rewrites it
+    _pick_token(best_val, best_row, next_tok_ptr, part_val_ptr, part_idx_ptr, sync_ptr, sync_n, pid, num_programs, PARTS)

@@ -178,6 +178,31 @@ def stage_f32_to_shared(x, offs, mask, buf):
 
 
 @triton.jit
+def stage_i32_to_shared(x, offs, mask, buf):
+    """Store the int32 values x at element offsets offs (where mask) of shared memory at buf."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $3, 0; @p st.shared.b32 [$1], $2; mov.u32 $0, 0; }",
+        "=r,r,r,r", [buf + offs * 4, x.to(tl.int32), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def shared_f32(offs, mask, buf):
+    """The fp32 values at element offsets offs of shared memory at buf (0 where not mask). Not
+    pure: the caller's CTA barrier orders it after the stores it reads."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; mov.b32 $0, 0; @p ld.shared.b32 $0, [$1]; }",
+        "=r,r,r", [buf + offs * 4, mask.to(tl.int32)], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
+def shared_i32(offs, mask, buf):
+    """The int32 values at element offsets offs of shared memory at buf (0 where not mask)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; mov.b32 $0, 0; @p ld.shared.b32 $0, [$1]; }",
+        "=r,r,r", [buf + offs * 4, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def down_rows(DOWN_ASM: tl.constexpr, slot, act, acc, valid, THREADS: tl.constexpr):
     """Run the K-split down projection's program (`down_asm` below) on every thread."""
     t = tl.arange(0, THREADS)
@@ -267,6 +292,8 @@ def mma_asm(rows: int, k: int, warps: int, row2: int, dtype: torch.dtype) -> str
     """PTX for one program's slice of a projection on tensor cores (MMA_* of _decode_kernel):
     y[r] = sum_k W[r, k] x[k] for the `rows` rows of a shared-memory slot (16-bit, row-major
     [rows, k], as the bulk copy left them) and x in shared memory at xbuf (16-bit, [k]).
+    dtype torch.int8: int8 rows (the quantized LM head, runner/head_quant.py) and an fp16 x;
+    see below.
 
     The weights are the mma's A operand without any re-layout, by a change of what its rows mean:
     one mma.m16n8k16 takes two weight rows r and r' (a pair) over 128 columns, A's row m (m < 8)
@@ -285,16 +312,25 @@ def mma_asm(rows: int, k: int, warps: int, row2: int, dtype: torch.dtype) -> str
     and lane 0 writes the pair's two sums to `red` ([k-parts, 2 * pairs] fp32); after a CTA
     barrier, thread t adds row t's k-parts in order (and row t + row2's: gate_up's up rows).
     Rows past `rows` (an odd count's last pair) repeat the last row; their results are not used.
+    int8 rows: a 128-column step of a pair is 128 bytes of each row, one ldmatrix.x2 (matrix 0
+    row r's 8 chunks of 16, matrix 1 row r''s), so thread (grp, tig) holds bytes 4 tig..4 tig + 3
+    of chunk grp of both rows. Each byte b becomes the fp16 1,024 + (b xor 128) by a byte
+    permute under the constant 0x64, less 1,152 (exact: integers below 2,048 are fp16s), and
+    the pair's mma.f16 takes columns 4 tig, 4 tig + 1 as A's k = 2 tig, 2 tig + 1 and 4 tig + 2,
+    4 tig + 3 as k = 2 tig + 8, 2 tig + 9, with x's same four columns as B's: a thread gives A
+    row grp's and B column grp's values at the same k, so the diagonal is the same dot product.
+
     Operands: $0 $1 results, $2 slot, $3 xbuf, $4 red, $5 t (the thread's element index). Every
     thread must run it as often as the others (mma.sync, shfl.sync, bar.sync): mma_rows hands it
     a [threads] tensor, one element per thread."""
     if k % MMA_K_STEP:
         raise ValueError(f"tensor-core projections need K a multiple of {MMA_K_STEP}, got {k}")
-    ty = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    int8 = dtype == torch.int8
+    ty = {torch.bfloat16: "bf16", torch.float16: "f16", torch.int8: "f16"}[dtype]
     pairs = -(-rows // 2)
     steps = k // MMA_K_STEP
-    step_bytes = MMA_K_STEP * 2
-    row_bytes = k * 2
+    step_bytes = MMA_K_STEP * (1 if int8 else 2)  # of a weight row (x's step is MMA_K_STEP * 2 bytes)
+    row_bytes = k * (1 if int8 else 2)
     split = 1 if pairs >= warps else warps // pairs
     pair_slots = -(-pairs // warps) if split == 1 else 1
     steps_per_warp = -(-steps // split)
@@ -302,14 +338,16 @@ def mma_asm(rows: int, k: int, warps: int, row2: int, dtype: torch.dtype) -> str
     acc = [[f"c{j}_{i}" for i in range(4)] for j in range(pair_slots)]
     out = ["{",
            ".reg .u32 tid, lane, warp, grp, tig, kp, lo, sel, xa, t, pr, r1, r2;",
-           ".reg .b32 a0, a1, a2, a3, b0, b1;",
+           ".reg .b32 a0, a1, a2, a3, b0, b1, w0, w1, bias, magic;",
            ".reg .f32 s, v, w, x, " + ", ".join(c for slot in acc for c in slot) + ";",
            ".reg .pred act, d0, d1, q, sp, " + ", ".join(f"v{j}" for j in range(pair_slots)) + ";",
            ".reg .u32 " + ", ".join(f"wa{j}" for j in range(pair_slots)) + ";",
            "mov.u32 tid, %tid.x;", "and.b32 lane, tid, 31;", "shr.u32 warp, tid, 5;",
            "shr.u32 grp, lane, 2;", "and.b32 tig, lane, 3;",
            # ldmatrix: lane l gives row (l & 7) of matrix l >> 3: chunk (l & 7) + 8 * (l >> 4) of row r or r'
-           "and.b32 lo, lane, 7;", "shl.b32 lo, lo, 4;", "shr.u32 t, lane, 4;", "shl.b32 t, t, 7;", "add.u32 lo, lo, t;",
+           # (int8, .x2: chunk l & 7 of row r or r'; lanes 16-31 repeat lanes 0-15's addresses)
+           "and.b32 lo, lane, 7;", "shl.b32 lo, lo, 4;", "shr.u32 t, lane, 4;", "shl.b32 t, t, 7;",
+           "add.u32 lo, lo, t;" if not int8 else "mov.u32 bias, 0x64806480;\n\tmov.u32 magic, 0x64646464;",
            "shr.u32 sel, lane, 3;", "and.b32 sel, sel, 1;",
            # the diagonal: D[grp][2 tig] (c0, c2) or D[grp][2 tig + 1] (c1, c3)
            "shl.b32 t, tig, 1;", "setp.eq.u32 d0, grp, t;", "add.u32 t, t, 1;", "setp.eq.u32 d1, grp, t;"]
@@ -317,9 +355,13 @@ def mma_asm(rows: int, k: int, warps: int, row2: int, dtype: torch.dtype) -> str
         out += ["mov.u32 kp, 0;", "setp.eq.u32 act, kp, 0;"]
     else:
         out += [f"rem.u32 pr, warp, {pairs};", f"div.u32 kp, warp, {pairs};", f"setp.lt.u32 act, kp, {split};"]
-    # x operand: chunk grp (b0) and grp + 8 (b1) of the step, 2 elements at tig * 2
-    out += ["shl.b32 xa, grp, 4;", "shl.b32 t, tig, 2;", "add.u32 xa, xa, t;", "add.u32 xa, xa, $3;",
-            f"mad.lo.u32 xa, kp, {step_bytes}, xa;"]
+    # x operand: chunk grp (b0) and grp + 8 (b1) of the step, 2 elements at tig * 2 (int8: columns
+    # 16 grp + 4 tig .. + 3 of the step, b0 and b1 in one 8-byte load)
+    if int8:
+        out += ["shl.b32 xa, grp, 5;", "shl.b32 t, tig, 3;"]
+    else:
+        out += ["shl.b32 xa, grp, 4;", "shl.b32 t, tig, 2;"]
+    out += ["add.u32 xa, xa, t;", "add.u32 xa, xa, $3;", f"mad.lo.u32 xa, kp, {MMA_K_STEP * 2}, xa;"]
     for j in range(pair_slots):
         if split == 1:
             out.append(f"add.u32 pr, warp, {j * warps};")
@@ -331,13 +373,24 @@ def mma_asm(rows: int, k: int, warps: int, row2: int, dtype: torch.dtype) -> str
         out += [f"mov.f32 {c}, 0f00000000;" for c in acc[j]]
     for i in range(steps_per_warp):
         offset = i * split * step_bytes
-        out += [f"add.u32 t, kp, {i * split};", f"setp.lt.and.u32 sp, t, {steps}, act;",
-                f"@sp ld.shared.b32 b0, [xa+{offset}];", f"@sp ld.shared.b32 b1, [xa+{offset + 128}];"]
+        x_offset = i * split * MMA_K_STEP * 2
+        out += [f"add.u32 t, kp, {i * split};", f"setp.lt.and.u32 sp, t, {steps}, act;"]
+        if int8:
+            out.append(f"@sp ld.shared.v2.b32 {{b0, b1}}, [xa+{x_offset}];")
+        else:
+            out += [f"@sp ld.shared.b32 b0, [xa+{x_offset}];", f"@sp ld.shared.b32 b1, [xa+{x_offset + 128}];"]
         for j in range(pair_slots):
             c = ", ".join(acc[j])
-            out += [f"setp.lt.and.u32 q, t, {steps}, v{j};",
-                    f"@q ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{a0, a1, a2, a3}}, [wa{j}+{offset}];",
-                    f"@q mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{c}}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{{c}}};"]
+            out.append(f"setp.lt.and.u32 q, t, {steps}, v{j};")
+            if int8:
+                out += [f"@q ldmatrix.sync.aligned.m8n8.x2.shared.b16 {{w0, w1}}, [wa{j}+{offset}];",
+                        "xor.b32 w0, w0, 0x80808080;", "xor.b32 w1, w1, 0x80808080;",
+                        "prmt.b32 a0, w0, magic, 0x4140;", "prmt.b32 a2, w0, magic, 0x4342;",
+                        "prmt.b32 a1, w1, magic, 0x4140;", "prmt.b32 a3, w1, magic, 0x4342;"]
+                out += [f"sub.f16x2 a{n}, a{n}, bias;" for n in range(4)]
+            else:
+                out.append(f"@q ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{a0, a1, a2, a3}}, [wa{j}+{offset}];")
+            out.append(f"@q mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{c}}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{{c}}};")
     # each pair's diagonal summed over the warp; lane 0 writes red[kp][2 pr (+1)]
     out += ["setp.eq.u32 q, lane, 0;"]
     for j in range(pair_slots):
