@@ -777,10 +777,12 @@ def _decode_kernel(
                                                 _issue_head_chunk(1, base_ptr, head_off, slot_y, bar_y, pid, rows_vocab,
                                                                   vocab, HEAD_CR, H)
                                             else:
-                                                _issue_head_q_chunk(0, head_q_ptr, head_meta_ptr, slot_x, bar_x, pid,
-                                                                    rows_vocab, vocab, HEAD_Q_CR, H, HEAD_META_OFF)
-                                                _issue_head_q_chunk(1, head_q_ptr, head_meta_ptr, slot_y, bar_y, pid,
-                                                                    rows_vocab, vocab, HEAD_Q_CR, H, HEAD_META_OFF)
+                                                _issue_head_q_chunk(0, head_q_ptr, head_meta_ptr, slot_x, bar_x,
+                                                                    slot_x + HEAD_META_OFF, pid, rows_vocab, vocab,
+                                                                    HEAD_Q_CR, H)
+                                                _issue_head_q_chunk(1, head_q_ptr, head_meta_ptr, slot_y, bar_y,
+                                                                    slot_x + HEAD_META_OFF, pid, rows_vocab, vocab,
+                                                                    HEAD_Q_CR, H)
                                         else:
                                             _issue_head_chunk(0, base_ptr, head_off, slot_x, bar_x, pid, rows_vocab,
                                                               vocab, HEAD_CR, H)

@@ -161,19 +161,18 @@ def _pick_token(top, top_row, next_tok_ptr, part_val_ptr, part_idx_ptr, sync_ptr
 
 
 @triton.jit
-def _issue_head_q_chunk(c, q_ptr, meta_ptr, slot, bar, pid, rows_per_program, V, CR: tl.constexpr, H: tl.constexpr,
-                        META_OFF: tl.constexpr):
-    """QUANTIZED head: copy chunk c (CR rows) of this program's rows of the int8 head into `slot`,
-    counted at `bar`; chunk 0 (slot X) also brings the program's rows of the head's meta
-    ([V, 4] fp32: scale, bound terms, and a word for each row's upper bound) to slot + META_OFF,
-    where they stay through the head. Past the program's rows the copies are empty."""
+def _issue_head_q_chunk(c, q_ptr, meta_ptr, slot, bar, meta, pid, rows_per_program, V, CR: tl.constexpr,
+                        H: tl.constexpr):
+    """The quantized head: copy chunk c (CR rows) of this program's rows of the int8 head into
+    `slot`, and the same rows of the head's meta ([V, 4] fp32: scale, bound terms, and a word for
+    each row's upper bound) to their place in the program's meta at shared address `meta` (in
+    slot X, where they stay through the head), both counted at `bar`. (All the meta with chunk 0,
+    18 KB for Qwen3-0.6B, delayed the first chunk.) Past the program's rows the copies are empty."""
     first = pid * rows_per_program
     row0 = first + c * CR
-    end = tl.minimum(first + rows_per_program, V)
-    nbytes = tl.maximum(tl.minimum(end - row0, CR), 0) * H
-    meta_bytes = tl.where(c == 0, tl.maximum(end - first, 0) * 16, 0)
-    bulk_copy(bar, slot, q_ptr + row0.to(tl.int64) * H, nbytes, slot + META_OFF, meta_ptr + first.to(tl.int64) * 4,
-              meta_bytes)
+    rows = tl.maximum(tl.minimum(tl.minimum(first + rows_per_program, V) - row0, CR), 0)
+    bulk_copy(bar, slot, q_ptr + row0.to(tl.int64) * H, rows * H, meta + c * (CR * 16), meta_ptr + row0.to(tl.int64) * 4,
+              rows * 16)
 
 
 @triton.jit
@@ -216,7 +215,7 @@ def _stage_head_q(
         mbarrier_wait(bar, parity)
         tl.debug_barrier()  # the staged input (or the previous chunk's reads of `red`)
         acc, _ = mma_rows(MMA_HEAD_Q, slot, xbuf, red, THREADS)
-        _issue_head_q_chunk(c + 2, q_ptr, meta_ptr, slot, bar, pid, rows_per_program, V, CR, H, META_OFF)
+        _issue_head_q_chunk(c + 2, q_ptr, meta_ptr, slot, bar, meta, pid, rows_per_program, V, CR, H)
         local = c * CR + t
         valid = (t < CR) & (local < nrows)
         a = acc * shared_f32(local * 4, valid, meta)
@@ -235,7 +234,7 @@ def _stage_head_q(
     cand = slot_x + CAND_OFF
     head_w = base_ptr + tl.multiple_of(head_off, 16)
     best_val = tl.max(tl.full([THREADS], float("-inf"), tl.float32), axis=0)
-    best_row = pid * 0 + (2**31 - 1)
+    best_row = pid * 0  # (kept only if no row beats -inf, e.g. NaN logits: token 0, as _stage_head gives)
     start = pid * 0
     while start < nrows:
         n = pid * 0
