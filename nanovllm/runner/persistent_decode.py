@@ -1080,9 +1080,13 @@ class PersistentDecoder:
         if head_candidates is not None and head_candidates < 1:
             raise ValueError(f"head_candidates must be at least 1, got {head_candidates}")
         need = head_candidates or 16  # list entries (more candidates take more rounds)
+
+        def list_room(rows: int) -> int:
+            """Candidate-list entries left in slot X after a chunk of `rows` int8 rows and the meta."""
+            return (self.slot_x_bytes - align_up(rows * self.hidden, 128) - meta_bytes) // 4
+
         cr = min(threads, self.red_rows, self.slot_y_bytes // self.hidden, self.slot_x_bytes // self.hidden)
-        room = lambda cr: (self.slot_x_bytes - align_up(cr * self.hidden, 128) - meta_bytes) // 4  # noqa: E731
-        while cr >= 1 and room(cr) < need:
+        while cr >= 1 and list_room(cr) < need:
             cr -= 1
         if cr < 1:
             if quantized_head:
@@ -1091,13 +1095,13 @@ class PersistentDecoder:
         self.quantized_head = quantized_head is None or quantized_head
         if not self.quantized_head:
             return
-        cand_off = align_up(cr * self.hidden, 128) + meta_bytes
-        cap = head_candidates or min(threads, room(cr))
+        meta_off = align_up(cr * self.hidden, 128)
+        cap = head_candidates or min(threads, list_room(cr))
         self.head_exponent = head_quant.input_exponent(self.model.model.norm.weight, self.hidden)
         self.head_q, self.head_meta = head_quant.quantize_head(self.head_weight, self.head_exponent)
         self.constexprs.update(
             HEAD_Q=True, HEAD_Q_CR=cr, MMA_HEAD_Q=mma_asm(cr, self.hidden, self.num_warps, 0, torch.int8),
-            HEAD_META_OFF=align_up(cr * self.hidden, 128), HEAD_CAND_OFF=cand_off, HEAD_CAP=cap,
+            HEAD_META_OFF=meta_off, HEAD_CAND_OFF=meta_off + meta_bytes, HEAD_CAP=cap,
             HEAD_X_SCALE=2.0 ** -self.head_exponent,
         )
 
