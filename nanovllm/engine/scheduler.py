@@ -119,6 +119,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- one step ------------------------------------------------------------------------
+    @staticmethod
+    def _banned_ids(seq: Sequence) -> list[int] | None:
+        """The ids seq may not sample yet (its stop ids until min_tokens are out), or None."""
+        if seq.min_tokens_banned_ids and seq.num_completion_tokens < seq.params.min_tokens:
+            return seq.min_tokens_banned_ids
+        return None
+
     def _burst_steps(self, decode_burst: int) -> int:
         """How many steps the lone running sequence may decode at once: decode_burst when it
         decodes alone (nothing waiting), greedily or at a plain temperature
@@ -132,7 +139,7 @@ class Scheduler:
             seq.num_tokens - seq.num_computed_tokens == 1
             and (p.greedy or p.plain_temperature) and p.logprobs is None and decode_burst <= self.max_num_batched_tokens
             and seq.max_tokens - seq.num_completion_tokens >= decode_burst
-            and not (seq.min_tokens_banned_ids and seq.num_completion_tokens < p.min_tokens)
+            and self._banned_ids(seq) is None
         )
         return decode_burst if eligible else 1
 
@@ -198,9 +205,6 @@ class Scheduler:
         for seq, num_new in chosen:
             start = seq.num_computed_tokens
             sample = start + num_new == seq.num_tokens
-            banned = None
-            if sample and seq.min_tokens_banned_ids and seq.num_completion_tokens < seq.params.min_tokens:
-                banned = seq.min_tokens_banned_ids
             item = ScheduledSeq(
                 seq_id=seq.seq_id,
                 token_ids=seq.token_ids[start : start + num_new],
@@ -209,7 +213,7 @@ class Scheduler:
                 sample=sample,
                 params=seq.params,
                 seed=seq.seed,
-                banned_token_ids=banned,
+                banned_token_ids=self._banned_ids(seq) if sample else None,
                 num_steps=num_steps,
             )
             (decodes if num_new == 1 else prefills).append(item)

@@ -627,12 +627,15 @@ class ModelRunner:
         token = item.token_ids[0]
         p = item.params
         picks = self._graph_picks_token(item)
+        seeds = None
         if not p.greedy and picks:  # the kernel samples: a seed per step
+            temperature = p.temperature
             seeds = torch.randint(0, 2**31 - 1, (steps,)).tolist()  # torch.manual_seed governs them
-            s.fill_host(host, token, item.start_pos, item.block_table, self.block_size, steps, p.temperature, seeds)
-        else:  # the sampler needs every logit where the graph does not pick (a quantized head would not store them)
-            temperature = s.EXACT_LOGITS if item.sample and not picks else 0.0
-            s.fill_host(host, token, item.start_pos, item.block_table, self.block_size, steps, temperature)
+        elif item.sample and not picks:  # the sampler needs every logit (a quantized head would not store them)
+            temperature = s.EXACT_LOGITS
+        else:
+            temperature = 0.0  # greedy
+        s.fill_host(host, token, item.start_pos, item.block_table, self.block_size, steps, temperature, seeds)
         if token == PLACEHOLDER_TOKEN:
             row = self._prev_rows[item.seq_id]
             if not (self._prev_tokens is s.token and row == 0):
