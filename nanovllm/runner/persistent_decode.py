@@ -677,8 +677,7 @@ def _decode_kernel(
     else:
         post_ptr = resid_ptr
     if PERSISTENT:
-        head_exact = True  # HEAD_Q: the 16-bit head runs (every logit stored) only where asked
-        if HEAD_Q:
+        if HEAD_Q:  # the 16-bit head runs (every logit stored) only where the step asks for it
             head_exact = tl.load(temp_ptr) < 0.0
         if SMEM_WEIGHTS:
             bar_x = shared_address(smem_off)
@@ -770,6 +769,8 @@ def _decode_kernel(
                                                    FUSED_ATTN, RBS, num_programs)
                                 if FUSED_HEAD:
                                     if layer_i + 1 == num_layers:  # both slots are free: the LM head's first chunks
+                                        # (The 16-bit calls appear twice: Triton compiles both arms of a run-time
+                                        # `if`, and the int8 arm exists only with HEAD_Q's arguments.)
                                         if HEAD_Q:
                                             if head_exact:
                                                 _issue_head_chunk(0, base_ptr, head_off, slot_x, bar_x, pid, rows_vocab,
@@ -1070,7 +1071,6 @@ class PersistentDecoder:
         many int8 rows as the smaller slot holds (twice the 16-bit head's); head_candidates caps
         the candidates listed per round (default: one per thread; tests set fewer)."""
         self.quantized_head = False
-        self.exact_temperature = torch.full((1,), -1.0, dtype=torch.float32, device=self.greedy_temperature.device)
         if not self.fused_head or self.hidden % MMA_K_STEP:
             if quantized_head:
                 raise ValueError(f"quantized_head needs fused_head and hidden_size a multiple of {MMA_K_STEP}")
@@ -1123,6 +1123,7 @@ class PersistentDecoder:
         self.logits: torch.Tensor | None = None
         self.greedy_token = torch.zeros(1, dtype=torch.int64, device=device)
         self.greedy_temperature = torch.zeros(1, dtype=torch.float32, device=device)  # 0: the argmax
+        self.exact_temperature = torch.full((1,), -1.0, dtype=torch.float32, device=device)  # every logit stored
         self.no_seed = torch.zeros(1, dtype=torch.int64, device=device)
         if not self.fused_head:
             return

@@ -42,17 +42,23 @@ from nanovllm.runner.ptx import (
 
 
 @triton.jit
-def _issue_head_chunk(c, base_ptr, head_off, slot, bar, pid, rows_per_program, V, CR: tl.constexpr, H: tl.constexpr):
-    """FUSED_HEAD: copy chunk c (CR vocabulary rows) of this program's rows of the LM head weight
-    into `slot`, counted at `bar`; past the program's rows the copy is empty (the phase still
-    completes)."""
-    ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
+def _chunk_rows(c, pid, rows_per_program, V, CR: tl.constexpr):
+    """(first row, rows) of chunk c (CR vocabulary rows) of this program's rows; 0 rows past
+    them (the chunk's copy is then empty, and its mbarrier phase still completes)."""
     first = pid * rows_per_program
     row0 = first + c * CR
     end = tl.minimum(first + rows_per_program, V)
-    nbytes = tl.maximum(tl.minimum(end - row0, CR), 0) * (H * ESIZE)
+    return row0, tl.maximum(tl.minimum(end - row0, CR), 0)
+
+
+@triton.jit
+def _issue_head_chunk(c, base_ptr, head_off, slot, bar, pid, rows_per_program, V, CR: tl.constexpr, H: tl.constexpr):
+    """FUSED_HEAD: copy chunk c of this program's rows of the LM head weight (_chunk_rows) into
+    `slot`, counted at `bar`."""
+    ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
+    row0, rows = _chunk_rows(c, pid, rows_per_program, V, CR)
     src = base_ptr + tl.multiple_of(head_off, 16) + row0.to(tl.int64) * H
-    bulk_copy(bar, slot, src, nbytes, slot, src, 0)
+    bulk_copy(bar, slot, src, rows * (H * ESIZE), slot, src, 0)
 
 
 @triton.jit
@@ -168,9 +174,7 @@ def _issue_head_q_chunk(c, q_ptr, meta_ptr, slot, bar, meta, pid, rows_per_progr
     each row's upper bound) to their place in the program's meta at shared address `meta` (in
     slot X, where they stay through the head), both counted at `bar`. (All the meta with chunk 0,
     18 KB for Qwen3-0.6B, delayed the first chunk.) Past the program's rows the copies are empty."""
-    first = pid * rows_per_program
-    row0 = first + c * CR
-    rows = tl.maximum(tl.minimum(tl.minimum(first + rows_per_program, V) - row0, CR), 0)
+    row0, rows = _chunk_rows(c, pid, rows_per_program, V, CR)
     bulk_copy(bar, slot, q_ptr + row0.to(tl.int64) * H, rows * H, meta + c * (CR * 16), meta_ptr + row0.to(tl.int64) * 4,
               rows * 16)
 
@@ -233,12 +237,12 @@ def _stage_head_q(
     tl.debug_barrier()  # every row's hi stored
     cand = slot_x + CAND_OFF
     head_w = base_ptr + tl.multiple_of(head_off, 16)
-    best_val = tl.max(tl.full([THREADS], float("-inf"), tl.float32), axis=0)
-    best_row = pid * 0  # (kept only if no row beats -inf, e.g. NaN logits: token 0, as _stage_head gives)
-    start = pid * 0
+    best_val = float("-inf")
+    best_row = 0  # (kept only if no row beats -inf, e.g. NaN logits: token 0, as _stage_head gives)
+    start = 0
     while start < nrows:
-        n = pid * 0
-        last = pid * 0 - 1
+        n = 0
+        last = -1
         for r0 in range(0, rows_per_program, THREADS):
             local = r0 + t
             live = (local >= start) & (local < nrows)

@@ -186,20 +186,18 @@ def stage_i32_to_shared(x, offs, mask, buf):
 
 
 @triton.jit
-def shared_f32(offs, mask, buf):
-    """The fp32 values at element offsets offs of shared memory at buf (0 where not mask). Not
+def shared_i32(offs, mask, buf):
+    """The int32 values at element offsets offs of shared memory at buf (0 where not mask). Not
     pure: the caller's CTA barrier orders it after the stores it reads."""
     return tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.u32 p, $2, 0; mov.b32 $0, 0; @p ld.shared.b32 $0, [$1]; }",
-        "=r,r,r", [buf + offs * 4, mask.to(tl.int32)], dtype=tl.float32, is_pure=False, pack=1)
+        "=r,r,r", [buf + offs * 4, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def shared_i32(offs, mask, buf):
-    """The int32 values at element offsets offs of shared memory at buf (0 where not mask)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; mov.b32 $0, 0; @p ld.shared.b32 $0, [$1]; }",
-        "=r,r,r", [buf + offs * 4, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+def shared_f32(offs, mask, buf):
+    """The fp32 values at element offsets offs of shared memory at buf (see shared_i32)."""
+    return shared_i32(offs, mask, buf).to(tl.float32, bitcast=True)
 
 
 @triton.jit
