@@ -14,13 +14,17 @@ KB of L2. This times, per round over 2,000 dependent rounds, one program per SM 
   integer sums do not depend on the order, so the result is deterministic): each program adds a
   whole [hidden] partial, grid barrier, every program reads the sum;
 each with the accumulator in 1 or 4 copies (program p adds into copy p % copies; readers sum the
-copies), which spreads the same adds over more L2 lines.
+copies), which spreads the same adds over more L2 lines;
+- "bulk reduce f32": each program stages its partial in shared memory and thread 0 adds all of
+  it with one cp.reduce.async.bulk (the TMA unit), waits for it, then arrives.
+Each line also prints the programs' result after the last round (the same sum, to rounding, in
+every mode but "rows").
 """
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.runner.ptx import grid_arrive, grid_wait
+from nanovllm.runner.ptx import grid_arrive, grid_wait, reserve_shared_memory, shared_address, stage_f32_to_shared
 from persistent_decode import timed  # benchmarks/ is the script's directory, first on sys.path
 
 
@@ -38,9 +42,24 @@ def _red_u64(ptr, v):
 
 
 @triton.jit
-def _chain(acc_ptr, vec_ptr, sync_ptr, out_ptr, rounds, N: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
-           COPIES: tl.constexpr):
-    """MODE 0 rows, 1 red f32, 2 red v4 f32, 3 red u64 (see the module docstring)."""
+def _bulk_reduce_f32(dst_ptr, src, nbytes):
+    """Thread 0: add nbytes of fp32 at shared `src` into global dst with one bulk reduction (the
+    TMA unit), then wait until it is done and fence the async proxy's writes before the caller's
+    release."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p fence.proxy.async.shared::cta; "
+        "@p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$1], [$2], $3; "
+        "@p cp.async.bulk.commit_group; @p cp.async.bulk.wait_group 0; @p fence.proxy.async.global; "
+        "mov.u32 $0, 0; }",
+        "=r,l,r,r", [dst_ptr.to(tl.int64), src, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=("smem_off",))
+def _chain(acc_ptr, vec_ptr, sync_ptr, out_ptr, rounds, smem_off, N: tl.constexpr, ROWS: tl.constexpr,
+           MODE: tl.constexpr, COPIES: tl.constexpr):
+    """MODE 0 rows, 1 red f32, 2 red v4 f32, 3 red u64, 4 one bulk reduction (see the module
+    docstring)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     s = 0.0
@@ -56,6 +75,11 @@ def _chain(acc_ptr, vec_ptr, sync_ptr, out_ptr, rounds, N: tl.constexpr, ROWS: t
             acc = acc_ptr + ((r % 3) * COPIES + pid % COPIES) * N
             if MODE == 1:
                 tl.atomic_add(acc + offs, part, sem="relaxed", scope="gpu")
+            elif MODE == 4:
+                buf = shared_address(smem_off)
+                stage_f32_to_shared(part, offs, offs < N, buf)
+                tl.debug_barrier()
+                _bulk_reduce_f32(acc, buf, N * 4)
             elif MODE == 2:
                 q = tl.reshape(part, [N // 4, 4])
                 a, b = tl.split(tl.reshape(q, [N // 4, 2, 2]))
@@ -94,17 +118,25 @@ def main() -> None:
     out = torch.zeros(P, device=dev)
     vec = torch.zeros(2 * N, dtype=torch.bfloat16, device=dev)
     sync = torch.zeros(1, dtype=torch.int32, device=dev)
-    for mode, name in ((0, "rows + barrier"), (1, "red f32"), (2, "red v4 f32"), (3, "red u64")):
+    for mode, name in ((0, "rows + barrier"), (1, "red f32"), (2, "red v4 f32"), (3, "red u64"),
+                       (4, "bulk reduce f32 (cp.reduce.async.bulk)")):
         for copies in ((1,) if mode == 0 else (1, 4)):
             acc = torch.zeros(3 * copies * N, dtype=torch.int64 if mode == 3 else torch.float32, device=dev)
+
+            args = (acc, vec, sync, out, rounds)
+            meta = dict(N=N, ROWS=ROWS, MODE=mode, COPIES=copies, num_warps=8)
+            smem_off = 0
+            if mode == 4:  # the staged partial lies past Triton's own shared memory
+                smem_off = reserve_shared_memory(_chain.warmup(*args, 0, grid=(P,), **meta), N * 4)
 
             def run():
                 sync.zero_()
                 acc.zero_()
-                _chain[(P,)](acc, vec, sync, out, rounds, N=N, ROWS=ROWS, MODE=mode, COPIES=copies, num_warps=8)
+                _chain[(P,)](*args, smem_off, **meta)
             try:
                 us = timed(run, reps=5)
-                print(f"{name}, {copies} cop{'y' if copies == 1 else 'ies'}: {us / rounds:.3f} us per round", flush=True)
+                print(f"{name}, {copies} cop{'y' if copies == 1 else 'ies'}: {us / rounds:.3f} us per round "
+                      f"(result {out[0].item():.6g})", flush=True)
             except Exception as exc:  # noqa: BLE001
                 print(f"{name}, {copies} copies failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
