@@ -110,13 +110,41 @@ def timeline(dec, runner, ids, pos, meta, dump: str | None = None, **kwargs) -> 
 
     d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True, **kwargs)
     d.bind(runner.k_caches, runner.v_caches)
+    d2 = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True, **kwargs)  # the launch after
+    d2.bind(runner.k_caches, runner.v_caches)
     total_us = timed(lambda: greedy_pick(d, ids, pos, meta))
     d.probe.zero_()  # stamps of one call only: which program combines a head's splits varies between calls
     greedy_pick(d, ids, pos, meta)
-    stamps = d.probe.view(2, dec.num_layers, pd._PROBE_POINTS, dec.num_programs).cpu().numpy().astype(np.float64)
+    greedy_pick(d2, ids, pos, meta)  # queued behind d's launch: when its programs start
+    shape = (2, dec.num_layers, pd._PROBE_POINTS, dec.num_programs)
+    stamps = d.probe.view(shape).cpu().numpy().astype(np.float64)
+    after = d2.probe.view(shape).cpu().numpy().astype(np.float64)
     if dump:
         np.save(dump, stamps)
     print_timeline(stamps, total_us, [0, 1, 3] if d.fused_attn else [0, 1, 2, 3] if d.fused_mlp else [0, 1, 2, 3, 4])
+    ns, nxt = stamps[0], after[0]
+    if (ns[0, 6] > 0).all():  # the program-level stamps (layer 0's points 6, 8 and 12)
+        start, layers, last = ns[0, 6], ns[0, 0], 3 * (3 if d.fused_attn else 4) + 1
+        print(f"  program start -> layer 0's stage A: median {np.median(layers - start) / 1e3:5.2f} us, "
+              f"first start to last A start {(layers.max() - start.min()) / 1e3:5.2f}")
+        print(f"  the layers: first A start -> last program's last arrival {(ns[-1, last + 1].max() - layers.min()) / 1e3:7.2f} us")
+        if d.fused_head:
+            head, end = ns[0, 8], ns[0, 12]
+            print(f"  last barrier left -> program end (the LM head and pick): median {np.median(end - head) / 1e3:5.2f} us, "
+                  f"first leave to last end {(end.max() - head.min()) / 1e3:5.2f}")
+            if (ns[0, 7] > 0).all():  # the int8 head's own points: its stream done (7), its candidates done (13)
+                streamed, picked = ns[0, 7], ns[0, 13]
+                q = lambda a: " / ".join(f"{np.percentile(a, p) / 1e3:5.2f}" for p in (0, 50, 90, 100))  # noqa: E731
+                print(f"  int8 head, from the first program's leave (min / median / 90% / max over programs): "
+                      f"stream done {q(streamed - head.min())}; candidates done {q(picked - head.min())}; "
+                      f"program end {q(end - head.min())}")
+                print(f"  int8 head per program: stream {q(streamed - head)}, candidates {q(picked - streamed)}, "
+                      f"pick {q(end - picked)}; the last program's pick {(end.max() - picked[end.argmax()]) / 1e3:5.2f}")
+        else:
+            end = ns[0, 8]
+        print(f"  last program end -> next launch's first program start {(nxt[0, 6].min() - end.max()) / 1e3:5.2f} us, "
+              f"to its last {(nxt[0, 6].max() - end.max()) / 1e3:5.2f}; the launch's first start to last end "
+              f"{(end.max() - start.min()) / 1e3:7.2f} us")
 
 
 def print_timeline(stamps, total_us: float, stages: list[int] | None = None) -> None:

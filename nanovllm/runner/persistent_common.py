@@ -83,7 +83,9 @@ def _table_to_shared(table_ptr, table_sh, entries, BLOCK: tl.constexpr):
 # (the wait follows); in attention, 15 queries rotated, 16 cached positions walked, 17 the step's token
 # attended and stored (last split), 18 the split count returned, 19 the splits combined (with
 # FUSED_ATTN: 18 an o item's KV head counted complete, 19 its parts combined); with SMEM_WEIGHTS,
-# 20 + s the stage's weights landed in its slot (its mbarrier wait done).
+# 20 + s the stage's weights landed in its slot (its mbarrier wait done). Layer 0's points 6, 8
+# and 12 also hold the program's start, the LM head's start and the program's end, and with the
+# int8 head 7 its stream done and 13 its candidates recomputed.
 _PROBE_POINTS = 25
 PROBE_POINTS = tl.constexpr(_PROBE_POINTS)
 
