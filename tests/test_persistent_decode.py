@@ -531,18 +531,23 @@ def test_cuda_fused_head_samples_what_gumbel_argmax_samples(checkpoint_factory, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(MMA_CASES))
 @pytest.mark.parametrize("programs", ["one-per-sm", "8", "3"])
-def test_cuda_quantized_head_picks_the_exact_heads_token(checkpoint_factory, case, programs):
+@pytest.mark.parametrize("scan_rows", [None, 4], ids=["scan-rows-default", "scan-4-rows-per-thread"])
+def test_cuda_quantized_head_picks_the_exact_heads_token(checkpoint_factory, case, programs, scan_rows):
     """The pick from the int8 head (quantized_head, on by default with fused_head) against the
     16-bit head of the same launch (a temperature below 0: every logit stored): over 24 input
     tokens (24 hidden states), the argmax and the Gumbel-max samples at three temperatures are
     the 16-bit head's, and the logits are not touched. Then ties, which only the exact
     recompute settles: a lower row given the top row's weights wins; and with many rows equal
-    (every row a candidate) and 4 candidates per round, the rounds still give the lowest."""
+    (every row a candidate) and 4 candidates per round, the rounds still give the lowest. The
+    candidate scan gives each thread HEAD_LR rows in a row (1 for these small vocabularies, 8
+    for Qwen3-0.6B's on 132 SMs); scan_rows=4 runs the many-rows layout here too."""
     from nanovllm.layers.fused_sampler import gumbel_argmax
 
     path, kwargs = slots_case(checkpoint_factory, case, programs)
+    kwargs["head_scan_rows"] = scan_rows
     _, _, _, _, decoder = decode_both(path, 45, torch.bfloat16, **kwargs)
     assert decoder.fused_head and decoder.quantized_head
+    assert decoder.constexprs["HEAD_LR"] == (scan_rows or 1)
     _, position, meta = decoder.test_inputs
     out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     exact = torch.tensor([-1.0], device=DEVICE)

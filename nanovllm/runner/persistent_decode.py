@@ -119,7 +119,8 @@ whose last arrival writes the token; that program's rows of the normed state are
 state output (no final-norm stage). Against cuBLAS's head (74.8 us), GreedyRow (3.3 us) and a
 memset after the kernel: W5 1,855 -> 1,871-1,877 tok/s (H200, session 16). Where the step
 only needs its token, the head's int8 copy picks it, exactly (HEAD_Q, `quantized_head`,
-runner/head_quant.py: half the head's bytes): W5 1,881 -> 1,974 (session 18). Otherwise the
+runner/head_quant.py: half the head's bytes): W5 1,881 -> 1,974 (session 18); its candidate
+rows listed in one scan, 1,970 -> 1,977 (session 19). Otherwise the
 LM head and the sampler run after the kernel, as for every other step (the runner's CUDA graphs
 of the kernel hold them: runner/cuda_graph.py).
 
@@ -615,7 +616,7 @@ def _decode_kernel(
     HEAD_PARTS: tl.constexpr = 1, temp_ptr=None, seed_ptr=None, SAMPLE_BLOCK: tl.constexpr = 2048,
     head_q_ptr=None, head_meta_ptr=None, HEAD_Q: tl.constexpr = False, HEAD_Q_CR: tl.constexpr = 1,
     MMA_HEAD_Q: tl.constexpr = "", HEAD_META_OFF: tl.constexpr = 0, HEAD_CAND_OFF: tl.constexpr = 0,
-    HEAD_CAP: tl.constexpr = 1, HEAD_NC: tl.constexpr = 8, HEAD_X_SCALE: tl.constexpr = 1.0,
+    HEAD_CAP: tl.constexpr = 1, HEAD_NC: tl.constexpr = 8, HEAD_X_SCALE: tl.constexpr = 1.0, HEAD_LR: tl.constexpr = 1,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -677,6 +678,9 @@ def _decode_kernel(
     else:
         post_ptr = resid_ptr
     if PERSISTENT:
+        # PROBE: layer 0's free points 6, 8 and 12 hold the program's start, the head's start
+        # and the program's end (benchmarks/persistent_decode.py --timeline).
+        _stamp(probe_ptr + pid, 6, num_programs, num_layers * PROBE_POINTS * num_programs, PROBE)
         if HEAD_Q:  # the 16-bit head runs (every logit stored) only where the step asks for it
             head_exact = tl.load(temp_ptr) < 0.0
         if SMEM_WEIGHTS:
@@ -813,6 +817,7 @@ def _decode_kernel(
                     _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
                     arrivals += num_programs
                     grid_wait(sync_ptr, seen, arrivals)
+        _stamp(probe_ptr + pid, 8, num_programs, probe_half, PROBE)
         if not FUSED_HEAD:  # (else the head stores the hidden state: _head_input)
             _stage_final_norm(post_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H,
                               ACC_COPIES)
@@ -832,7 +837,9 @@ def _decode_kernel(
                               next_tok_ptr, head_val_ptr, head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs,
                               rows_vocab, vocab, slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS,
                               HEAD_Q_CR, HEAD_PX, HEAD_PY, MMA_HEAD_Q, HEAD_PARTS, temp_ptr, seed_ptr, SAMPLE_BLOCK,
-                              HEAD_META_OFF, HEAD_CAND_OFF, HEAD_CAP, HEAD_NC, HEAD_X_SCALE, out_ptr, rows_h)
+                              HEAD_META_OFF, HEAD_CAND_OFF, HEAD_CAP, HEAD_NC, HEAD_X_SCALE, out_ptr, rows_h,
+                              probe_ptr + pid, probe_half, PROBE, HEAD_LR)
+        _stamp(probe_ptr + pid, 12, num_programs, probe_half, PROBE)
     elif STAGE == -1:
         _stage_embed(base_ptr, tok_ptr, post_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
     elif STAGE == 5:
@@ -921,7 +928,8 @@ class PersistentDecoder:
     ~1% faster on W5), quantized_head (with fused_head: a step that only needs the token
     picks it from an int8 copy of the head, exactly, see runner/head_quant.py; None: on where
     slot X holds a chunk, the rows' meta and a candidate list; +155 MB for Qwen3-0.6B; W5 1,881
-    -> 1,974 tok/s; head_candidates: candidates listed per round, for tests), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
+    -> 1,974 tok/s; head_candidates, head_scan_rows: candidates listed per round and rows per
+    thread in their scan, for tests), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
     self.probe). The defaults are the fastest measured on the H200
     (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small ones so that
     programs take several items and contexts several splits."""
@@ -934,7 +942,7 @@ class PersistentDecoder:
         smem_weights: bool = True, mma_projections: bool = True, kv_prefetch_cg: bool = True,
         fused_mlp: bool | None = None, acc_copies: int = 4, fused_attn: bool | None = None,
         gate_up_late: bool = True, o_late: bool = True, fused_head: bool | None = None,
-        quantized_head: bool | None = None, head_candidates: int | None = None,
+        quantized_head: bool | None = None, head_candidates: int | None = None, head_scan_rows: int | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -1062,14 +1070,17 @@ class PersistentDecoder:
             if self.fused_attn and group_width % MMA_K_STEP == 0 and self.rbs <= num_warps * 32:
                 self.constexprs.update(MMA_OB=mma_asm(self.rbs, group_width, num_warps, 0, self.dtype))
         self._setup_fused_head(model, fused_head, device)
-        self._setup_quantized_head(quantized_head, head_candidates)
+        self._setup_quantized_head(quantized_head, head_candidates, head_scan_rows)
 
-    def _setup_quantized_head(self, quantized_head: bool | None, head_candidates: int | None) -> None:
+    def _setup_quantized_head(self, quantized_head: bool | None, head_candidates: int | None,
+                              head_scan_rows: int | None) -> None:
         """The fused head's pick from an int8 copy of the LM head (HEAD_Q, `quantized_head`; None:
         on with fused_head where slot X holds a chunk, the program's rows' meta and a candidate
         list): runner/head_quant.py, runner/persistent_head.py's _stage_head_q. Chunks are as
         many int8 rows as the smaller slot holds (twice the 16-bit head's); head_candidates caps
-        the candidates listed per round (default: one per thread; tests set fewer)."""
+        the candidates listed per round (default: one per thread; tests set fewer) and
+        head_scan_rows the rows each thread scans for candidates at once (HEAD_LR; default: a
+        program's rows in one pass, at most 8 per thread; tests set more)."""
         self.quantized_head = False
         if not self.fused_head or self.hidden % MMA_K_STEP:
             if quantized_head:
@@ -1103,6 +1114,7 @@ class PersistentDecoder:
             HEAD_Q=True, HEAD_Q_CR=cr, MMA_HEAD_Q=mma_asm(cr, self.hidden, self.num_warps, 0, torch.int8),
             HEAD_META_OFF=meta_off, HEAD_CAND_OFF=meta_off + meta_bytes, HEAD_CAP=cap,
             HEAD_X_SCALE=2.0 ** -self.head_exponent,
+            HEAD_LR=head_scan_rows or min(8, triton.next_power_of_2(-(-self.rows_vocab // threads))),
         )
 
     def requantize_head(self) -> None:

@@ -186,6 +186,16 @@ def stage_i32_to_shared(x, offs, mask, buf):
 
 
 @triton.jit
+def prefetch_l2(ptr, nbytes, mask):
+    """Start fetching nbytes (a multiple of 16) at the 16-byte aligned global address ptr into
+    the L2 (one bulk prefetch per element where mask; nothing waits for it)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [ptr.to(tl.int64), nbytes, mask.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def shared_i32(offs, mask, buf):
     """The int32 values at element offsets offs of shared memory at buf (0 where not mask). Not
     pure: the caller's CTA barrier orders it after the stores it reads."""
