@@ -23,8 +23,11 @@ copy instead (`quantized_head`, runner/head_quant.py: half the bytes, each row's
 bound on its error), then recomputes from the 16-bit weight only the rows whose bound reaches the
 best lower bound of their program's rows: the same token, no logits stored. W5 1,881 -> 1,966-1,974
 tok/s (H200, session 18; eager launches at context 384: 529 us with the 16-bit head, 498-508
-with the int8 one, 464 without a head). A step whose sampler needs every logit (top-k/p,
-logprobs, banned ids) asks for them with a temperature below 0 and gets the 16-bit head.
+with the int8 one, 464 without a head). Listing those rows in one scan of the program's rows
+(each thread a few consecutive ones) instead of one per 256 rows took the phase after the
+stream from ~3.6 to ~2.6 us per program: W5 1,970 -> 1,977 (session 19). A step whose sampler
+needs every logit (top-k/p, logprobs, banned ids) asks for them with a temperature below 0 and
+gets the 16-bit head.
 
 Why a module of its own: as runner/persistent_attention.py, one stage of the kernel; Triton
 inlines every jit function into the one kernel, so the split costs nothing at run time.
