@@ -242,6 +242,7 @@ def _stage_head_q(
     tl.debug_barrier()  # every row's hi stored
     cand = slot_x + CAND_OFF
     head_w = base_ptr + tl.multiple_of(head_off, 16)
+    ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
     best_val = float("-inf")
     best_row = 0  # (kept only if no row beats -inf, e.g. NaN logits: token 0, as _stage_head gives)
     jr = tl.arange(0, LR)
@@ -268,7 +269,7 @@ def _stage_head_q(
         if listed > NC:  # the rows of the recomputes after the first on their way to the L2 with the first's
             for p0 in range(NC, listed, THREADS):
                 ahead = p0 + t < listed
-                prefetch_l2(head_w + (first + shared_i32(p0 + t, ahead, cand)).to(tl.int64) * H, H * 2, ahead)
+                prefetch_l2(head_w + (first + shared_i32(p0 + t, ahead, cand)).to(tl.int64) * H, H * ESIZE, ahead)
         for i in range(0, listed, NC):
             j = i + tl.arange(0, NC)
             jv = j < listed
