@@ -121,10 +121,11 @@ def timeline(dec, runner, ids, pos, meta, dump: str | None = None, **kwargs) -> 
     after = d2.probe.view(shape).cpu().numpy().astype(np.float64)
     if dump:
         np.save(dump, stamps)
-    print_timeline(stamps, total_us, [0, 1, 3] if d.fused_attn else [0, 1, 2, 3] if d.fused_mlp else [0, 1, 2, 3, 4])
+    stages = [0, 1, 3] if d.fused_attn else [0, 1, 2, 3] if d.fused_mlp else [0, 1, 2, 3, 4]
+    print_timeline(stamps, total_us, stages)
     ns, nxt = stamps[0], after[0]
     if (ns[0, 6] > 0).all():  # the program-level stamps (layer 0's points 6, 8 and 12)
-        start, layers, last = ns[0, 6], ns[0, 0], 3 * (3 if d.fused_attn else 4) + 1
+        start, layers, last = ns[0, 6], ns[0, 0], 3 * stages[-1] + 1  # (the last stage's work done)
         print(f"  program start -> layer 0's stage A: median {np.median(layers - start) / 1e3:5.2f} us, "
               f"first start to last A start {(layers.max() - start.min()) / 1e3:5.2f}")
         print(f"  the layers: first A start -> last program's last arrival {(ns[-1, last + 1].max() - layers.min()) / 1e3:7.2f} us")

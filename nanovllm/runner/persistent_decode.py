@@ -678,9 +678,10 @@ def _decode_kernel(
     else:
         post_ptr = resid_ptr
     if PERSISTENT:
+        probe_half = num_layers * PROBE_POINTS * num_programs
         # PROBE: layer 0's free points 6, 8 and 12 hold the program's start, the head's start
         # and the program's end (benchmarks/persistent_decode.py --timeline).
-        _stamp(probe_ptr + pid, 6, num_programs, num_layers * PROBE_POINTS * num_programs, PROBE)
+        _stamp(probe_ptr + pid, 6, num_programs, probe_half, PROBE)
         if HEAD_Q:  # the 16-bit head runs (every logit stored) only where the step asks for it
             head_exact = tl.load(temp_ptr) < 0.0
         if SMEM_WEIGHTS:
@@ -710,7 +711,6 @@ def _decode_kernel(
         cos, sin, step_slot, ctx = _step_values(pos_ptr, slot_ptr, seq_len_ptr, cos_sin_ptr, D, qkv_ptr.dtype.element_ty)
         arrivals = num_programs
         grid_wait(sync_ptr, seen, arrivals)
-        probe_half = num_layers * PROBE_POINTS * num_programs
         for layer_i in range(0, num_layers):
             if SMEM_WEIGHTS:
                 layer_ptr = table + layer_i * (NUM_FIELDS * 8)
