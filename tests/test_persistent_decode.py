@@ -276,11 +276,12 @@ class FakeGraphs:
         self.graphs: dict[int, object] = {8: object()}
         self.fail = fail
 
-    def capture_single(self, step, burst=1) -> None:
+    def capture_single(self, step, burst=1, one_launch=False) -> None:
         if self.fail:
             raise RuntimeError("capture failed")
         self.graphs[1] = step
         self.burst = burst
+        self.one_launch = one_launch
 
 
 def runner_with_background_compile(graphs: FakeGraphs, dry_pass):
@@ -288,7 +289,7 @@ def runner_with_background_compile(graphs: FakeGraphs, dry_pass):
     from nanovllm.runner.model_runner import ModelRunner
 
     runner = ModelRunner.__new__(ModelRunner)
-    runner.graph_runner, runner.persistent_decoder = graphs, object()
+    runner.graph_runner, runner.persistent_decoder = graphs, SimpleNamespace(multi_step=True)
     runner.greedy_row = None
     runner.config = SimpleNamespace(decode_burst=None)
     runner._persistent_dry_pass, runner._persistent_pending = dry_pass, None
@@ -303,6 +304,7 @@ def test_background_compile_is_adopted_or_leaves_the_per_op_path(caplog):
     runner.finish_background_compile()
     assert ran == [True] and runner.graph_runner.graphs[1] == runner._lone_step and runner.persistent_decoder is decoder
     assert runner.graph_runner.burst == 8  # the default decode burst's graph is captured with it
+    assert runner.graph_runner.one_launch  # in one launch, as the decoder can (multi_step)
     runner.finish_background_compile()  # nothing left to do
     assert ran == [True]
 
@@ -593,6 +595,111 @@ def test_cuda_quantized_head_picks_the_exact_heads_token(checkpoint_factory, cas
     for temperature, seed in ((0.0, 0), (1.0, 11)):
         want, got = picks(token, temperature, seed)
         assert got == want, (temperature, seed)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(MMA_CASES))
+@pytest.mark.parametrize("programs", ["one-per-sm", "8", "3"])
+@pytest.mark.parametrize("temperature", [0.0, 1.3], ids=["greedy", "sampled"])
+def test_cuda_decode_steps_in_one_launch_equal_a_launch_per_step(checkpoint_factory, case, programs, temperature):
+    """A decode burst in one launch (multi_step, on with the fused head): 7 steps whose records
+    follow each other (SingleDecodeInputs), across a KV-block boundary, give the tokens (greedy,
+    or sampled under each step's seed) and the cached K/V rows of 7 launches of one step each
+    from the same cache contents, write step i's token into record i + 1 and the last into
+    record 0, and leave every sync word at 0 for the next launch. A burst also follows a burst
+    (the step word starts at 0 again). The int8 head picks each step's token (quantized_head)."""
+    path, kwargs = slots_case(checkpoint_factory, case, programs)
+    check_burst_in_one_launch(path, kwargs, temperature)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_decode_steps_in_one_launch_with_the_16_bit_head(checkpoint_factory):
+    """As above with the 16-bit LM head (quantized_head=False: its chunks are half as many rows,
+    so the slots' mbarrier phases per step differ), greedy, one program per SM."""
+    path, kwargs = slots_case(checkpoint_factory, "qwen3-qk-norm", "one-per-sm")
+    check_burst_in_one_launch(path, dict(kwargs, quantized_head=False), 0.0)
+
+
+def check_burst_in_one_launch(path, kwargs: dict, temperature: float) -> None:
+    import numpy as np
+
+    from nanovllm.runner.cuda_graph import SingleDecodeInputs
+
+    _, _, _, _, decoder = decode_both(path, 45, torch.bfloat16, **kwargs)
+    assert decoder.fused_head and decoder.multi_step
+    assert decoder.quantized_head == kwargs.get("quantized_head", True)
+    token, _, meta = decoder.test_inputs
+    k_caches, v_caches = decoder.test_caches
+    caches = k_caches + v_caches
+    saved = [c.clone() for c in caches]
+    used = meta.block_tables[0].tolist()
+    table = used + [b for b in range(NUM_BLOCKS) if b not in used][:4]  # two bursts: positions 44..57
+    steps = 7
+    s = SingleDecodeInputs(max_blocks=len(table), max_model_len=NUM_BLOCKS * BLOCK_SIZE, device=DEVICE, steps=steps)
+    host = np.zeros(s.nbytes, dtype=np.uint8)
+
+    def fill(first: int, position: int) -> None:
+        s.fill_host(host, token=first, position=position, block_table=table, block_size=BLOCK_SIZE, steps=steps,
+                    temperature=temperature, seeds=[11 * i + 5 for i in range(steps)])
+        s.buffer.copy_(torch.from_numpy(host))
+
+    def in_order() -> list[int]:
+        ids = s.records[:, 0].tolist()
+        return ids[1:] + ids[:1]
+
+    metas = [s.meta(i) for i in range(steps)]
+    runs = []
+    for one_launch in (True, False):
+        for c, saved_c in zip(caches, saved):
+            c.copy_(saved_c)
+        fill(token.item(), 44)
+        with torch.inference_mode():
+            if one_launch:
+                decoder(s.tokens[0], s.positions[0], metas[0], s.tokens[0], s.temperatures[0], s.seeds[0], steps=steps,
+                        record_bytes=s.RECORD)
+            else:
+                for i in range(steps):
+                    decoder(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % steps], s.temperatures[i],
+                            s.seeds[i])
+        runs.append((in_order(), [c.clone() for c in caches]))
+        assert decoder.sync.abs().sum().item() == 0
+    (burst, burst_caches), (single, single_caches) = runs
+    assert burst == single and len(set(burst)) > 1
+    for a, b in zip(burst_caches, single_caches):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    # The next burst goes on from there, in one launch again, as launches per step do.
+    for c, b in zip(caches, burst_caches):
+        c.copy_(b)
+    fill(burst[-1], 44 + steps)
+    with torch.inference_mode():
+        decoder(s.tokens[0], s.positions[0], metas[0], s.tokens[0], s.temperatures[0], s.seeds[0], steps=steps,
+                record_bytes=s.RECORD)
+    second = in_order()
+    for c, b in zip(caches, burst_caches):
+        c.copy_(b)
+    fill(burst[-1], 44 + steps)
+    with torch.inference_mode():
+        for i in range(steps):
+            decoder(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % steps], s.temperatures[i], s.seeds[i])
+    assert second == in_order()
+
+
+def test_steps_in_one_launch_are_validated(checkpoint_factory):
+    """Several steps in one launch need multi_step (the fused head: CUDA sm_90 slots) and the
+    records' stride; on the CPU the decoder has no multi_step and refuses them."""
+    model, _, k_caches, v_caches = build(checkpoint_factory("qwen3"))
+    decoder = PersistentDecoder(model, num_programs=3, persistent=HAS_CUDA)
+    if decoder.multi_step:
+        pytest.skip("this device runs several steps in one launch")
+    decoder.bind(k_caches, v_caches)
+    token = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="multi_step"):
+        decoder(token, torch.zeros(1, dtype=torch.int64, device=DEVICE), meta_for(torch.arange(2, dtype=torch.int32), 0, 1, 1),
+                steps=2, record_bytes=96)
+    with pytest.raises(ValueError, match="multi_step needs"):
+        PersistentDecoder(model, num_programs=3, persistent=HAS_CUDA, multi_step=True)
 
 
 def test_tensor_core_program_shape():

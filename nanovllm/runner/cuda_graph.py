@@ -231,13 +231,16 @@ class CudaGraphRunner:
         self,
         step: Callable[..., torch.Tensor],
         burst: int = 1,
+        one_launch: bool = False,
     ) -> None:
         """Capture `step` (`step(token, position, meta, next_token, temperature, seed) -> logits`:
         one decoding sequence's forward over `self.single`, its LM head and its greedy argmax (or
         its sample, where it can: see SingleDecodeInputs) into `self.single.token`, compiled
         already: ModelRunner._lone_step) as the graph of size 1, in the pool of the others; with
         burst > 1 (at most `self.single.steps`), also the graph of a decode burst: that many such
-        steps, each step's token the next one's input (see SingleDecodeInputs). Runs between steps, on the
+        steps, each step's token the next one's input (see SingleDecodeInputs); one_launch: `step`
+        also takes `steps=n, record_bytes=...` and runs the n steps in one launch (the persistent
+        kernel's MULTI_STEP), else the graph holds n launches. Runs between steps, on the
         thread that runs them: the warm-up launches read the static inputs, so they are first
         made to store nothing and attend to nothing cached."""
         t0 = time.perf_counter()
@@ -250,6 +253,9 @@ class CudaGraphRunner:
             metas = [s.meta(i) for i in range(n)]
 
             def forward() -> torch.Tensor:
+                if one_launch and n > 1:
+                    return step(s.tokens[0], s.positions[0], metas[0], s.tokens[0], s.temperatures[0], s.seeds[0],
+                                steps=n, record_bytes=s.RECORD)
                 for i in range(n):
                     logits = step(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % n], s.temperatures[i],
                                   s.seeds[i])

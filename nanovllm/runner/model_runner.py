@@ -272,18 +272,22 @@ class ModelRunner:
                     done, kept, int4_linear.GROUP_SIZE)
 
     def _lone_step(self, token: torch.Tensor, position: torch.Tensor, meta: AttentionMetadata,
-                   next_token: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+                   next_token: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, steps: int = 1,
+                   record_bytes: int = 0) -> torch.Tensor:
         """One decode step of a lone sequence through the persistent kernel, its greedy token
         into next_token; returns the logits (what the lone-sequence graphs capture). The kernel
         runs the LM head and the argmax itself where it can (fused_head), and then samples the
         token instead where `temperature` ([1] float32, SingleDecodeInputs) is above 0
         (`lone_sampling`); else cuBLAS and GreedyRow follow it. (A Triton kernel of the head and
         the argmax alone was no faster than those two: 80.5-113 us against 80.7 on the H200,
-        docs/benchmarks.md, W5 session 16.)"""
+        docs/benchmarks.md, W5 session 16.) steps > 1: a decode burst in this one launch (the
+        decoder's multi_step; inputs as PersistentDecoder.__call__ takes them)."""
         decoder = self.persistent_decoder
         if decoder.fused_head:
-            decoder(token, position, meta, next_token, temperature, seed)
+            decoder(token, position, meta, next_token, temperature, seed, steps, record_bytes)
             return decoder.logits
+        if steps != 1:
+            raise ValueError("several decode steps in one launch need the persistent kernel's fused head")
         logits = self.model.compute_logits(decoder(token, position, meta))
         self.greedy_row(logits, next_token)
         return logits
@@ -337,7 +341,8 @@ class ModelRunner:
         try:
             if not pending.result():
                 raise RuntimeError("this Triton cannot compile in the background")
-            self.graph_runner.capture_single(self._lone_step, burst=self._graph_burst)
+            self.graph_runner.capture_single(self._lone_step, burst=self._graph_burst,
+                                             one_launch=self.persistent_decoder.multi_step)
         except Exception as e:  # noqa: BLE001 - an optional fast path: log it and serve without it
             logger.warning("persistent decode off: %s", e)
             self.graph_runner.graphs.pop(1, None)

@@ -102,6 +102,15 @@ def _stamp(probe_row, POINT: tl.constexpr, num_programs, probe_half, PROBE: tl.c
 
 
 @triton.jit
+def _stamp_sm(probe_row, POINT: tl.constexpr, num_programs, PROBE: tl.constexpr):
+    """PROBE builds only: the SM this program runs on (%smid) at probe_row[POINT * num_programs],
+    so that a benchmark can tell which program ran where (the block scheduler's choice)."""
+    if PROBE:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(probe_row + POINT * num_programs, sm.to(tl.int64))
+
+
+@triton.jit
 def _rows(item, rows_per_item, N, BLOCK_R: tl.constexpr):
     """Row indices [BLOCK_R] of work item `item` (rows_per_item rows of N) and their mask."""
     rows = item * rows_per_item + tl.arange(0, BLOCK_R)

@@ -124,6 +124,20 @@ rows listed in one scan, 1,970 -> 1,977 (session 19). Otherwise the
 LM head and the sampler run after the kernel, as for every other step (the runner's CUDA graphs
 of the kernel hold them: runner/cuda_graph.py).
 
+A decode burst in one launch (MULTI_STEP, `multi_step`, on with the fused head): the kernel
+loops over the burst's steps, each reading its own input record. Between steps, the program
+that picks the token (the last to count in, _pick_token) writes the token's embedding into the
+residual stream and releases a step word the others wait on; layer 0's qkv rows of the next
+step are copied into slot X as soon as the head is done (_next_step_weights). That replaces
+the launch's end, the next launch's start (2.6-3.3 us between an eager launch's last program
+and the next one's first) and its prologue (4.6 us from a program's start to layer 0: the
+offset table, the token's and its embedding row's loads, the embedding stage's barrier). Eager
+launches at context 384: 8 steps in one launch 492-494 us per token against 495-497 for the
+per-step build (H200, session 20); W5 1,977 -> 1,984 in one call. The saving per step is ~6 us,
+but the loop around the layers changed how ptxas compiled them: the same build at one step was
+up to ~12 us slower than the per-step build until the LM head's aranges were kept out of
+loop-invariant hoisting (ptx.loop_zero), which is what the gain rests on.
+
 Numerics follow the per-op path (layers/fused.py): every value the reference rounds to the
 activation dtype (projection outputs, the residual sums, normalised values, rotary products,
 SiLU) is rounded here too; projections accumulate in fp32 in another order than cuBLAS, and the
@@ -165,12 +179,12 @@ from nanovllm.runner.persistent_attention import _first_kv_rows, _kv_load, _stag
 from nanovllm.runner.persistent_common import (
     _FIELDS, _LOG2E, _NUM_FIELDS, _PROBE_POINTS, _TILE_ELEMENTS, BLOCK_T, F_DOWN_T, F_DOWN_W, F_GU_W, F_K_CACHE, F_LN1,
     F_LN2, F_O_PERM, F_O_W, F_QKV_B, F_QKV_W, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, SPLIT_TOKENS, _at, _item_rows,
-    _next_layer, _normed_to_shared, _residual, _rows, _stamp, _table_to_shared, _tile_columns, _weight_tile, _zero_acc,
+    _next_layer, _normed_to_shared, _residual, _rows, _stamp, _stamp_sm, _table_to_shared, _tile_columns, _weight_tile, _zero_acc,
 )
-from nanovllm.runner.persistent_head import _issue_head_chunk, _issue_head_q_chunk, _stage_head, _stage_head_q
+from nanovllm.runner.persistent_head import _issue_head_chunk, _issue_head_q_chunk, _pick_token, _stage_head, _stage_head_q
 from nanovllm.runner.ptx import (
     MMA_K_STEP, align_up, bulk_copy, down_asm, down_rows, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm,
-    mma_rows, reserve_shared_memory, shared_address, slot_tile, stage_f32_to_shared, stage_to_shared,
+    mma_rows, reserve_shared_memory, shared_address, slot_tile, stage_f32_to_shared, stage_to_shared, wait_count,
 )
 
 @triton.jit
@@ -510,6 +524,24 @@ def _issue_weights(
 
 
 @triton.jit
+def _next_step_weights(head_cr, rows_vocab, valid, table, base_ptr, slot_x, slot_y, bar_x, bar_y, pid, rows_qkv, rows_h,
+                       rows_inter, H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr,
+                       INTER: tl.constexpr):
+    """MULTI_STEP, after a step's LM head (head_cr rows per chunk): copy the next step's layer 0 qkv
+    rows into slot X (valid=False: an empty copy), so that they land during the pick and the
+    handoff to the next step. The kernel's mbarrier waits use fixed parities, which hold in
+    every step if each slot's phases per step are even: X takes the first qkv rows, two copies
+    per layer and the head's even chunks, Y two per layer (O_IN_A) and the head's odd chunks (of
+    the chunks 0 .. n + 1 issued for n); an empty copy completes a phase where that count is odd."""
+    n = tl.cdiv(rows_vocab, head_cr)
+    if (n + 3) // 2 % 2 == 0:  # X: 1 + 2 * layers + ceil((n + 2) / 2) phases
+        bulk_copy(bar_x, slot_x, base_ptr, 0, slot_x, base_ptr, 0)
+    if (n + 2) // 2 % 2 == 1:  # Y: 2 * layers + floor((n + 2) / 2)
+        bulk_copy(bar_y, slot_y, base_ptr, 0, slot_y, base_ptr, 0)
+    _issue_weights(0, table, valid, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+
+
+@triton.jit
 def _layer_stage(
     STAGE: tl.constexpr, first, first2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
     acc_ptr, part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
@@ -593,7 +625,7 @@ def _layer_stage(
 _STAGES_PER_LAYER = 5
 
 
-@triton.jit(do_not_specialize=("layer", "smem_off"))
+@triton.jit(do_not_specialize=("layer", "smem_off", "num_steps", "rec8", "rec4"))
 def _decode_kernel(
     base_ptr, table_ptr, final_norm_ptr, tok_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, acc_ptr,
     resid2_ptr, acc_o_ptr, part_acc_ptr, part_ml_ptr, sync_ptr, pos_ptr, slot_ptr, seq_len_ptr, block_table_ptr, cos_sin_ptr, probe_ptr,
@@ -617,6 +649,7 @@ def _decode_kernel(
     head_q_ptr=None, head_meta_ptr=None, HEAD_Q: tl.constexpr = False, HEAD_Q_CR: tl.constexpr = 1,
     MMA_HEAD_Q: tl.constexpr = "", HEAD_META_OFF: tl.constexpr = 0, HEAD_CAND_OFF: tl.constexpr = 0,
     HEAD_CAP: tl.constexpr = 1, HEAD_NC: tl.constexpr = 8, HEAD_X_SCALE: tl.constexpr = 1.0, HEAD_LR: tl.constexpr = 1,
+    MULTI_STEP: tl.constexpr = False, num_steps=1, rec8=0, rec4=0,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -653,7 +686,11 @@ def _decode_kernel(
     picked from the head's int8 copy at head_q_ptr with its meta at head_meta_ptr
     (_stage_head_q: HEAD_Q_CR rows per chunk, MMA_HEAD_Q, the meta and the candidate list
     HEAD_META_OFF and HEAD_CAND_OFF bytes into slot X, HEAD_CAP candidates per round, HEAD_NC
-    rows per recompute, the input scaled by HEAD_X_SCALE) and no logits are stored."""
+    rows per recompute, the input scaled by HEAD_X_SCALE) and no logits are stored. MULTI_STEP
+    (FUSED_HEAD with O_IN_A): num_steps decode steps in this launch, step i's inputs rec8 int64
+    (rec4 32-bit) elements after step 0's (tok_ptr, pos_ptr, slot_ptr, seq_len_ptr, temp_ptr,
+    seed_ptr), its token written over step i + 1's input token (the last step's to next_tok_ptr);
+    see the module docstring."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
@@ -682,8 +719,7 @@ def _decode_kernel(
         # PROBE: layer 0's free points 6, 8 and 12 hold the program's start, the head's start
         # and the program's end (benchmarks/persistent_decode.py --timeline).
         _stamp(probe_ptr + pid, 6, num_programs, probe_half, PROBE)
-        if HEAD_Q:  # the 16-bit head runs (every logit stored) only where the step asks for it
-            head_exact = tl.load(temp_ptr) < 0.0
+        _stamp_sm(probe_ptr + pid, 14, num_programs, PROBE)  # (point 14 of layer 0: free, as 6, 8 and 12)
         if SMEM_WEIGHTS:
             bar_x = shared_address(smem_off)
             bar_y = bar_x + 8
@@ -706,140 +742,183 @@ def _decode_kernel(
         seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
         t1, t2 = _prefetch(0, table_ptr, not SMEM_WEIGHTS, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
-        kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
-                                           NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
-        cos, sin, step_slot, ctx = _step_values(pos_ptr, slot_ptr, seq_len_ptr, cos_sin_ptr, D, qkv_ptr.dtype.element_ty)
+        if not MULTI_STEP:  # (else loaded at each step's start, below)
+            kv_rows, kv_valid = _first_kv_rows(seq_len_ptr, block_table_ptr, pid, num_programs, stride_cb, stride_cs,
+                                               NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_T)
+            cos, sin, step_slot, ctx = _step_values(pos_ptr, slot_ptr, seq_len_ptr, cos_sin_ptr, D,
+                                                    qkv_ptr.dtype.element_ty)
         arrivals = num_programs
         grid_wait(sync_ptr, seen, arrivals)
-        for layer_i in range(0, num_layers):
-            if SMEM_WEIGHTS:
-                layer_ptr = table + layer_i * (NUM_FIELDS * 8)
-            else:
-                layer_ptr = table_ptr + layer_i * NUM_FIELDS
-            probe_row = probe_ptr + layer_i * PROBE_POINTS * num_programs + pid
-            if FUSED_ATTN:
-                count_ptr = sync_ptr + 1 + layer_i * NK  # this layer's attention-part counts (_stage_attn_o)
-            for stage in tl.static_range(0, 5):
-                # FUSED_ATTN: no stage 2 (the o projection is in stage 1); FUSED_MLP: no stage 4.
-                if (stage != 2 or not FUSED_ATTN) and (stage != 4 or not FUSED):
-                    _stamp(probe_row, 3 * stage, num_programs, probe_half, PROBE)
-                    if SMEM_WEIGHTS:
-                        # Slot X holds qkv (phase 0 of each layer's two) and gate/up (1); Y o (0) and down (1).
-                        # (FUSED_ATTN waits for its o tile in _stage_attn_o, FUSED_MLP for its down rows in
-                        # _down_partial.)
-                        if stage == 0:
-                            mbarrier_wait(bar_x, 0)
-                        elif stage == 2:
-                            mbarrier_wait(bar_y, 0)
-                        elif stage == 3:
-                            mbarrier_wait(bar_x, 1)
-                        elif stage == 4:
-                            mbarrier_wait(bar_y, 1)
-                        _stamp(probe_row, 20 + stage, num_programs, probe_half, PROBE)
-                    if (STAGE_MASK >> stage) & 1:
-                        _layer_stage(
-                            stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
-                            acc_ptr, part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
-                            eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
-                            probe_row, probe_half, slot_x, slot_y, bar_x, bar_y, layer_i + 1 < num_layers, H, NQ, NK, D,
-                            INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV,
-                            BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE, SMEM_WEIGHTS, xbuf, red, MMA_QKV, MMA_O,
-                            MMA_GU, MMA_DOWN, BK_H, BX_O, BX_DOWN, THREADS, ACC_COPIES, BK_DT, DOWN_ASM, resid2_ptr, acc_o_ptr,
-                            FUSED_ATTN, True, RBS, BR_OB, BK_OB, MMA_OB, GU_IN_B, O_IN_A,
-                        )
-                    _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
-                    seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
-                    # The first tile of the next stage with weights, loaded during this barrier:
-                    # stage 0's loads the o tile (gate/up with FUSED_ATTN), which waits through
-                    # attention; the layer's last stage loads stage 0 of the next layer.
-                    if SMEM_WEIGHTS:
-                        # The slot this stage read is free (every thread passed the CTA barrier in
-                        # grid_arrive): copy in the stage that uses it next.
-                        if stage == 0 and not GU_IN_B:
-                            _issue_weights(3, layer_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter,
-                                           H, NQ, NK, D, INTER)
-                        elif stage == 1:
-                            if FUSED_ATTN:  # attention read the o tile: slot Y takes the down rows
+        if MULTI_STEP:
+            steps_here = num_steps
+        else:
+            steps_here = 1
+        for step in range(0, steps_here):
+            # MULTI_STEP: the launch runs num_steps decode steps (a burst); step i's input record lies
+            # i * rec8 int64 words (rec4 32-bit words) after the first's, and its token's embedding is
+            # already the residual stream (_pick_token).
+            if MULTI_STEP:
+                # The step's values (from its record; they are needed from stage A's arrival on) and
+                # fresh placeholders, so that nothing of a step is carried through the head into the next.
+                kv_rows, kv_valid = _first_kv_rows(seq_len_ptr + step * rec4, block_table_ptr, pid, num_programs,
+                                                   stride_cb, stride_cs, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS,
+                                                   OWN_SPLIT, BLOCK_T)
+                cos, sin, step_slot, ctx = _step_values(pos_ptr + step * rec8, slot_ptr + step * rec8,
+                                                        seq_len_ptr + step * rec4, cos_sin_ptr, D,
+                                                        qkv_ptr.dtype.element_ty)
+                kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)
+                kv2 = kv1
+                kv3 = kv1
+                kv4 = kv1
+            if HEAD_Q:  # the 16-bit head runs (every logit stored) only where the step asks for it
+                head_exact = tl.load(temp_ptr + step * rec4) < 0.0
+            for layer_i in range(0, num_layers):
+                if SMEM_WEIGHTS:
+                    layer_ptr = table + layer_i * (NUM_FIELDS * 8)
+                else:
+                    layer_ptr = table_ptr + layer_i * NUM_FIELDS
+                probe_row = probe_ptr + layer_i * PROBE_POINTS * num_programs + pid
+                if FUSED_ATTN:
+                    count_ptr = sync_ptr + 1 + layer_i * NK  # this layer's attention-part counts (_stage_attn_o)
+                for stage in tl.static_range(0, 5):
+                    # FUSED_ATTN: no stage 2 (the o projection is in stage 1); FUSED_MLP: no stage 4.
+                    if (stage != 2 or not FUSED_ATTN) and (stage != 4 or not FUSED):
+                        _stamp(probe_row, 3 * stage, num_programs, probe_half, PROBE)
+                        if SMEM_WEIGHTS:
+                            # Slot X holds qkv (phase 0 of each layer's two) and gate/up (1); Y o (0) and down (1).
+                            # (FUSED_ATTN waits for its o tile in _stage_attn_o, FUSED_MLP for its down rows in
+                            # _down_partial.)
+                            if stage == 0:
+                                mbarrier_wait(bar_x, 0)
+                            elif stage == 2:
+                                mbarrier_wait(bar_y, 0)
+                            elif stage == 3:
+                                mbarrier_wait(bar_x, 1)
+                            elif stage == 4:
+                                mbarrier_wait(bar_y, 1)
+                            _stamp(probe_row, 20 + stage, num_programs, probe_half, PROBE)
+                        if (STAGE_MASK >> stage) & 1:
+                            _layer_stage(
+                                stage, t1, t2, kv1, kv2, kv3, kv4, layer_ptr, base_ptr, resid_ptr, qkv_ptr, attn_ptr, act_ptr,
+                                acc_ptr, part_acc_ptr, part_ml_ptr, count_ptr, cos, sin, step_slot, ctx, block_table_ptr,
+                                eps, qk_eps, qk_scale, stride_cb, stride_cs, pid, num_programs, rows_qkv, rows_h, rows_inter,
+                                probe_row, probe_half, slot_x, slot_y, bar_x, bar_y, layer_i + 1 < num_layers, H, NQ, NK, D,
+                                INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV,
+                                BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE, SMEM_WEIGHTS, xbuf, red, MMA_QKV, MMA_O,
+                                MMA_GU, MMA_DOWN, BK_H, BX_O, BX_DOWN, THREADS, ACC_COPIES, BK_DT, DOWN_ASM, resid2_ptr, acc_o_ptr,
+                                FUSED_ATTN, True, RBS, BR_OB, BK_OB, MMA_OB, GU_IN_B, O_IN_A,
+                            )
+                        _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
+                        seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
+                        # The first tile of the next stage with weights, loaded during this barrier:
+                        # stage 0's loads the o tile (gate/up with FUSED_ATTN), which waits through
+                        # attention; the layer's last stage loads stage 0 of the next layer.
+                        if SMEM_WEIGHTS:
+                            # The slot this stage read is free (every thread passed the CTA barrier in
+                            # grid_arrive): copy in the stage that uses it next.
+                            if stage == 0 and not GU_IN_B:
+                                _issue_weights(3, layer_ptr, True, base_ptr, slot_x, bar_x, pid, rows_qkv, rows_h, rows_inter,
+                                               H, NQ, NK, D, INTER)
+                            elif stage == 1:
+                                if FUSED_ATTN:  # attention read the o tile: slot Y takes the down rows
+                                    _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
+                                                   H, NQ, NK, D, INTER, FUSED)
+                            elif stage == 2:
                                 _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
                                                H, NQ, NK, D, INTER, FUSED)
-                        elif stage == 2:
-                            _issue_weights(4, layer_ptr, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter,
-                                           H, NQ, NK, D, INTER, FUSED)
-                        elif stage == 3:
-                            if FUSED:  # the next qkv rows are on their way (_stage_gate_up); no stage 4: slot Y is free
-                                if not O_IN_A:  # (else the next o tile is copied in its stage A)
-                                    _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y,
-                                                   bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER, FUSED,
-                                                   FUSED_ATTN, RBS, num_programs)
-                                if FUSED_HEAD:
-                                    if layer_i + 1 == num_layers:  # both slots are free: the LM head's first chunks
-                                        # (The 16-bit calls appear twice: Triton compiles both arms of a run-time
-                                        # `if`, and the int8 arm exists only with HEAD_Q's arguments.)
-                                        if HEAD_Q:
-                                            if head_exact:
+                            elif stage == 3:
+                                if FUSED:  # the next qkv rows are on their way (_stage_gate_up); no stage 4: slot Y is free
+                                    if not O_IN_A:  # (else the next o tile is copied in its stage A)
+                                        _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y,
+                                                       bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER, FUSED,
+                                                       FUSED_ATTN, RBS, num_programs)
+                                    if FUSED_HEAD:
+                                        if layer_i + 1 == num_layers:  # both slots are free: the LM head's first chunks
+                                            # (The 16-bit calls appear twice: Triton compiles both arms of a run-time
+                                            # `if`, and the int8 arm exists only with HEAD_Q's arguments.)
+                                            if HEAD_Q:
+                                                if head_exact:
+                                                    _issue_head_chunk(0, base_ptr, head_off, slot_x, bar_x, pid, rows_vocab,
+                                                                      vocab, HEAD_CR, H)
+                                                    _issue_head_chunk(1, base_ptr, head_off, slot_y, bar_y, pid, rows_vocab,
+                                                                      vocab, HEAD_CR, H)
+                                                else:
+                                                    _issue_head_q_chunk(0, head_q_ptr, head_meta_ptr, slot_x, bar_x,
+                                                                        slot_x + HEAD_META_OFF, pid, rows_vocab, vocab,
+                                                                        HEAD_Q_CR, H)
+                                                    _issue_head_q_chunk(1, head_q_ptr, head_meta_ptr, slot_y, bar_y,
+                                                                        slot_x + HEAD_META_OFF, pid, rows_vocab, vocab,
+                                                                        HEAD_Q_CR, H)
+                                            else:
                                                 _issue_head_chunk(0, base_ptr, head_off, slot_x, bar_x, pid, rows_vocab,
                                                                   vocab, HEAD_CR, H)
                                                 _issue_head_chunk(1, base_ptr, head_off, slot_y, bar_y, pid, rows_vocab,
                                                                   vocab, HEAD_CR, H)
-                                            else:
-                                                _issue_head_q_chunk(0, head_q_ptr, head_meta_ptr, slot_x, bar_x,
-                                                                    slot_x + HEAD_META_OFF, pid, rows_vocab, vocab,
-                                                                    HEAD_Q_CR, H)
-                                                _issue_head_q_chunk(1, head_q_ptr, head_meta_ptr, slot_y, bar_y,
-                                                                    slot_x + HEAD_META_OFF, pid, rows_vocab, vocab,
-                                                                    HEAD_Q_CR, H)
-                                        else:
-                                            _issue_head_chunk(0, base_ptr, head_off, slot_x, bar_x, pid, rows_vocab,
-                                                              vocab, HEAD_CR, H)
-                                            _issue_head_chunk(1, base_ptr, head_off, slot_y, bar_y, pid, rows_vocab,
-                                                              vocab, HEAD_CR, H)
+                                else:
+                                    _issue_weights(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_x, bar_x,
+                                                   pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+                            elif stage == 4:
+                                _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y, bar_y, pid,
+                                               rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+                        elif stage != 1:  # the next stage with weights: after the layer's last, the next layer's first
+                            if stage == 0:
+                                t1, t2 = _prefetch(3 if FUSED_ATTN else 2, layer_ptr, True, base_ptr, pid, rows_qkv, rows_h,
+                                                   rows_inter, H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER,
+                                                   BK_INTER)
+                            elif stage == 4 or (stage == 3 and FUSED):
+                                t1, t2 = _prefetch(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, pid, rows_qkv,
+                                                   rows_h, rows_inter, H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN,
+                                                   BR_INTER, BK_INTER)
                             else:
-                                _issue_weights(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_x, bar_x,
-                                               pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
-                        elif stage == 4:
-                            _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y, bar_y, pid,
-                                           rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
-                    elif stage != 1:  # the next stage with weights: after the layer's last, the next layer's first
+                                t1, t2 = _prefetch(stage + 1, layer_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
+                                                   H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
                         if stage == 0:
-                            t1, t2 = _prefetch(3 if FUSED_ATTN else 2, layer_ptr, True, base_ptr, pid, rows_qkv, rows_h,
-                                               rows_inter, H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER,
-                                               BK_INTER)
-                        elif stage == 4 or (stage == 3 and FUSED):
-                            t1, t2 = _prefetch(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, pid, rows_qkv,
-                                               rows_h, rows_inter, H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN,
-                                               BR_INTER, BK_INTER)
-                        else:
-                            t1, t2 = _prefetch(stage + 1, layer_ptr, True, base_ptr, pid, rows_qkv, rows_h, rows_inter,
-                                               H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
-                    if stage == 0:
-                        kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
-                                                      kv_rows, kv_valid, D // 2, KV_PREFETCH_CG)
-                    _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
-                    arrivals += num_programs
-                    grid_wait(sync_ptr, seen, arrivals)
-        _stamp(probe_ptr + pid, 8, num_programs, probe_half, PROBE)
-        if not FUSED_HEAD:  # (else the head stores the hidden state: _head_input)
-            _stage_final_norm(post_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H, BK_H,
-                              ACC_COPIES)
-        else:
-            if not HEAD_Q:
-                _stage_head(base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr,
-                            head_val_ptr, head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs, rows_vocab,
-                            vocab, slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS, HEAD_CR,
-                            HEAD_PX, HEAD_PY, MMA_HEAD, HEAD_PARTS, temp_ptr, seed_ptr, SAMPLE_BLOCK, out_ptr, rows_h)
-            elif head_exact:
-                _stage_head(base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr,
-                            head_val_ptr, head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs, rows_vocab,
-                            vocab, slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS, HEAD_CR,
-                            HEAD_PX, HEAD_PY, MMA_HEAD, HEAD_PARTS, temp_ptr, seed_ptr, SAMPLE_BLOCK, out_ptr, rows_h)
+                            kv1, kv2, kv3, kv4 = _kv_load(_at(base_ptr, layer_ptr, F_K_CACHE), _at(base_ptr, layer_ptr, F_V_CACHE),
+                                                          kv_rows, kv_valid, D // 2, KV_PREFETCH_CG)
+                        _stamp(probe_row, 3 * stage + 2, num_programs, probe_half, PROBE)
+                        arrivals += num_programs
+                        grid_wait(sync_ptr, seen, arrivals)
+            _stamp(probe_ptr + pid, 8, num_programs, probe_half, PROBE)
+            if not FUSED_HEAD:  # (else the head stores the hidden state: _head_input)
+                _stage_final_norm(post_ptr, acc_ptr, final_norm_ptr, out_ptr, eps, pid, num_programs, rows_h, H, BR_H,
+                                  BK_H, ACC_COPIES)
             else:
-                _stage_head_q(base_ptr, head_off, head_q_ptr, head_meta_ptr, post_ptr, acc_ptr, final_norm_ptr, eps,
-                              next_tok_ptr, head_val_ptr, head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs,
-                              rows_vocab, vocab, slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS,
-                              HEAD_Q_CR, HEAD_PX, HEAD_PY, MMA_HEAD_Q, HEAD_PARTS, temp_ptr, seed_ptr, SAMPLE_BLOCK,
-                              HEAD_META_OFF, HEAD_CAND_OFF, HEAD_CAP, HEAD_NC, HEAD_X_SCALE, out_ptr, rows_h,
-                              probe_ptr + pid, probe_half, PROBE, HEAD_LR)
-        _stamp(probe_ptr + pid, 12, num_programs, probe_half, PROBE)
+                temp_s = temp_ptr + step * rec4  # (computed here, not live through the layers)
+                seed_s = seed_ptr + step * rec8
+                if not HEAD_Q:
+                    top, top_row = _stage_head(
+                        base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, pid, rows_vocab, vocab,
+                        slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS, HEAD_CR, HEAD_PX, HEAD_PY,
+                        MMA_HEAD, temp_s, seed_s, SAMPLE_BLOCK, out_ptr, rows_h, MULTI_STEP)
+                elif head_exact:
+                    top, top_row = _stage_head(
+                        base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, pid, rows_vocab, vocab,
+                        slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES, THREADS, HEAD_CR, HEAD_PX, HEAD_PY,
+                        MMA_HEAD, temp_s, seed_s, SAMPLE_BLOCK, out_ptr, rows_h, MULTI_STEP)
+                else:
+                    top, top_row = _stage_head_q(
+                        base_ptr, head_off, head_q_ptr, head_meta_ptr, post_ptr, acc_ptr, final_norm_ptr, eps, pid,
+                        num_programs, rows_vocab, vocab, slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES,
+                        THREADS, HEAD_Q_CR, HEAD_PX, HEAD_PY, MMA_HEAD_Q, temp_s, seed_s, SAMPLE_BLOCK, HEAD_META_OFF,
+                        HEAD_CAND_OFF, HEAD_CAP, HEAD_NC, HEAD_X_SCALE, out_ptr, rows_h, probe_ptr + pid, probe_half,
+                        PROBE, HEAD_LR, MULTI_STEP)
+                more = step + 1 < num_steps
+                nxt = tl.minimum(step + 1, num_steps - 1)
+                if MULTI_STEP:  # layer 0's qkv rows of the next step on their way into slot X (free now)
+                    if HEAD_Q:
+                        head_cr = tl.where(head_exact, HEAD_CR, HEAD_Q_CR)
+                    else:
+                        head_cr = HEAD_CR
+                    _next_step_weights(head_cr, rows_vocab, more, table, base_ptr, slot_x, slot_y, bar_x, bar_y, pid,
+                                       rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
+                last = _pick_token(top, top_row, tl.where(more, tok_ptr + nxt * rec8, next_tok_ptr), head_val_ptr,
+                                   head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs, HEAD_PARTS,
+                                   MULTI_STEP, more, step, base_ptr, post_ptr, acc_ptr, H, BK_H, ACC_COPIES)
+                if MULTI_STEP:
+                    if more & (last == 0):  # the last program's release of the step word: the next token's embedding is in
+                        wait_count(sync_ptr + 2 + num_layers * NK, step + 1)
+                    arrivals = arrivals * 0  # the last program put the barrier's count back to 0
+            _stamp(probe_ptr + pid, 12, num_programs, probe_half, PROBE)
     elif STAGE == -1:
         _stage_embed(base_ptr, tok_ptr, post_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
     elif STAGE == 5:
@@ -929,8 +1008,10 @@ class PersistentDecoder:
     picks it from an int8 copy of the head, exactly, see runner/head_quant.py; None: on where
     slot X holds a chunk, the rows' meta and a candidate list; +155 MB for Qwen3-0.6B; W5 1,881
     -> 1,974 tok/s; head_candidates, head_scan_rows: candidates listed per round and rows per
-    thread in their scan, for tests), and two benchmark switches (stage_mask and probe, see _decode_kernel; probe's stamps land in
-    self.probe). The defaults are the fastest measured on the H200
+    thread in their scan, for tests), multi_step (a decode burst in one launch, see __call__;
+    None: on with fused_head and o_late; W5 1,977 -> 1,984 tok/s), and two benchmark switches
+    (stage_mask and probe, see _decode_kernel; probe's stamps land in self.probe; a PROBE build
+    also records each program's SM). The defaults are the fastest measured on the H200
     (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small ones so that
     programs take several items and contexts several splits."""
 
@@ -943,6 +1024,7 @@ class PersistentDecoder:
         fused_mlp: bool | None = None, acc_copies: int = 4, fused_attn: bool | None = None,
         gate_up_late: bool = True, o_late: bool = True, fused_head: bool | None = None,
         quantized_head: bool | None = None, head_candidates: int | None = None, head_scan_rows: int | None = None,
+        multi_step: bool | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -982,8 +1064,8 @@ class PersistentDecoder:
         self.resid2, self.acc_o = empty(self.hidden), empty(self.hidden, torch.float32)  # fused_attn
         self.part_acc = empty(self.num_q * max_splits * self.head_dim, torch.float32)
         self.part_ml = empty(self.num_q * max_splits * 2, torch.float32)
-        # fused_attn: a count per layer and KV head; fused_head: one more
-        self.sync = empty(2 + self.num_k * self.num_layers, torch.int32)
+        # fused_attn: a count per layer and KV head; fused_head: the pick's count and the step word
+        self.sync = empty(3 + self.num_k * self.num_layers, torch.int32)
         # probe: [2 (global ns, SM cycles), layers, PROBE_POINTS, programs] stamps, 0 = not reached
         self.probe = empty(2 * self.num_layers * _PROBE_POINTS * num_programs if probe else 1, torch.int64)
         self.rows_qkv = -(-n_qkv // num_programs)
@@ -1071,6 +1153,13 @@ class PersistentDecoder:
                 self.constexprs.update(MMA_OB=mma_asm(self.rbs, group_width, num_warps, 0, self.dtype))
         self._setup_fused_head(model, fused_head, device)
         self._setup_quantized_head(quantized_head, head_candidates, head_scan_rows)
+        # Decode bursts in one launch (MULTI_STEP): the kernel picks each step's token and the
+        # o tile comes in stage A, which its fixed mbarrier parities assume (_next_step_weights).
+        possible = self.fused_head and self.fused_attn and o_late
+        self.multi_step = possible if multi_step is None else multi_step
+        if self.multi_step and not possible:
+            raise ValueError("multi_step needs fused_head and o_late")
+        self.constexprs.update(MULTI_STEP=self.multi_step)
 
     def _setup_quantized_head(self, quantized_head: bool | None, head_candidates: int | None,
                               head_scan_rows: int | None) -> None:
@@ -1210,13 +1299,19 @@ class PersistentDecoder:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  next_token: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
-                 seed: torch.Tensor | None = None) -> torch.Tensor:
+                 seed: torch.Tensor | None = None, steps: int = 1, record_bytes: int = 0) -> torch.Tensor:
         """The hidden state [1, H]. With fused_head, also the logits (into self.logits) and their
         argmax, lowest id on ties, into next_token ([1] int64; None: self.greedy_token); or, where
         the [1] float32 `temperature` is above 0, the token fused_sampler.gumbel_argmax(logits,
         temperature, seed) would sample (seed: [1] int64). With quantized_head the same token
         comes from the int8 head and the logits are not stored, unless the temperature is below
-        0 (the argmax, every logit stored). None: -1, the logits and their argmax."""
+        0 (the argmax, every logit stored). None: -1, the logits and their argmax.
+
+        steps > 1 (multi_step): a decode burst in this one launch. Step i's inputs (token,
+        position, slot, context length, temperature, seed) are the given tensors' elements
+        record_bytes * i bytes further (SingleDecodeInputs' records; the block table is shared),
+        step i's token goes into step i + 1's input token and the last step's into next_token;
+        the hidden state and logits are the last step's."""
         if self.table is None:
             raise RuntimeError("PersistentDecoder: call bind() with the KV caches first")
         if input_ids.shape[0] != 1 or meta.num_decodes != 1:
@@ -1229,7 +1324,12 @@ class PersistentDecoder:
         seed = self.no_seed if seed is None else seed
         if temperature.shape != (1,) or temperature.dtype != torch.float32 or seed.shape != (1,) or seed.dtype != torch.int64:
             raise ValueError("persistent decode: temperature must be [1] float32 and seed [1] int64")
-        if not self.fused_head:  # (a fused head's last program zeroes them: _stage_head)
+        if steps != 1:
+            if not self.multi_step or steps < 1:
+                raise ValueError(f"persistent decode: {steps} steps in one launch need multi_step")
+            if record_bytes <= 0 or record_bytes % 8:
+                raise ValueError(f"persistent decode: record_bytes must be a positive multiple of 8, got {record_bytes}")
+        if not self.fused_head:  # (a fused head's last program zeroes them: _pick_token)
             self.sync.zero_()
         args = (
             self._base(), self.table, self.model.model.norm.weight, input_ids, self.resid, self.qkv, self.attn_out,
@@ -1245,6 +1345,8 @@ class PersistentDecoder:
                           seed_ptr=seed)
             if self.quantized_head:
                 common.update(head_q_ptr=self.head_q, head_meta_ptr=self.head_meta)
+        if self.multi_step:
+            common.update(num_steps=steps, rec8=record_bytes // 8, rec4=record_bytes // 4)
         grid = (self.num_programs,)
         if self.persistent:
             common.update(PERSISTENT=True, STAGE=0, SMEM_WEIGHTS=self.smem_weights,

@@ -38,9 +38,9 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.fused_sampler import best_part, gumbel_noise, gumbel_score
-from nanovllm.runner.persistent_common import _normed_input, _stamp
+from nanovllm.runner.persistent_common import _normed_input, _stamp, _zero_acc
 from nanovllm.runner.ptx import (
-    bulk_copy, mbarrier_wait, mma_rows, prefetch_l2, shared_f32, shared_i32, stage_f32_to_shared, stage_i32_to_shared,
+    bulk_copy, loop_zero, mbarrier_wait, mma_rows, prefetch_l2, shared_f32, shared_i32, stage_f32_to_shared, stage_i32_to_shared,
     stage_to_shared,
 )
 
@@ -78,11 +78,10 @@ def _head_buffer(c, slot_x, slot_y, bar_x, bar_y, PX: tl.constexpr, PY: tl.const
 
 @triton.jit
 def _stage_head(
-    base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, next_tok_ptr, part_val_ptr, part_idx_ptr,
-    sync_ptr, sync_n, pid, num_programs, rows_per_program, V, slot_x, slot_y, bar_x, bar_y, xbuf, red,
-    H: tl.constexpr, BLOCK_X: tl.constexpr, COPIES: tl.constexpr, THREADS: tl.constexpr, CR: tl.constexpr,
-    PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD: tl.constexpr, PARTS: tl.constexpr, temp_ptr, seed_ptr,
-    SAMPLE_BLOCK: tl.constexpr, out_ptr, rows_h,
+    base_ptr, head_off, post_ptr, acc_ptr, final_norm_ptr, eps, logits_ptr, pid, rows_per_program, V, slot_x, slot_y,
+    bar_x, bar_y, xbuf, red, H: tl.constexpr, BLOCK_X: tl.constexpr, COPIES: tl.constexpr, THREADS: tl.constexpr,
+    CR: tl.constexpr, PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD: tl.constexpr, temp_ptr, seed_ptr,
+    SAMPLE_BLOCK: tl.constexpr, out_ptr, rows_h, IN_LOOP: tl.constexpr = False,
 ):
     """FUSED_HEAD: the LM head and the greedy argmax, after the last layer. Every program norms
     the residual stream itself (the final RMSNorm, staged at xbuf as stage A stages its input),
@@ -90,16 +89,16 @@ def _stage_head(
     turn (_head_buffer; chunks 0 and 1 were issued during the last layer's barrier; each
     chunk's slot takes chunk c + 2 once it is multiplied): the copies stream the weight while
     the tensor cores keep up. It stores the logits (rounded to their dtype) and keeps, per
-    thread, the best (value, lowest row); the program's best goes to part_val/part_idx, and the
-    last program to arrive (acq_rel count, the last of the sync_n sync words) writes the winner,
-    lowest row on ties, to next_tok, and zeroes the sync words for the next launch. A temperature
+    thread, the best (value, lowest row), and returns the program's best (value, lowest row) for
+    the argmax across programs (_pick_token). A temperature
     above 0 at temp_ptr samples instead: the best of logit / temperature plus the Gumbel noise
     that fused_sampler.gumbel_argmax (tiles of SAMPLE_BLOCK) would add under the seed at
     seed_ptr, so the token is the one gumbel_argmax would draw from the stored logits.
     """
     dtype = logits_ptr.dtype.element_ty
-    _head_input(post_ptr, acc_ptr, final_norm_ptr, eps, out_ptr, pid, rows_h, xbuf, H, BLOCK_X, dtype, COPIES, False)
-    t = tl.arange(0, THREADS)
+    _head_input(post_ptr, acc_ptr, final_norm_ptr, eps, out_ptr, pid, rows_h, xbuf, H, BLOCK_X, dtype, COPIES, False,
+                1.0, IN_LOOP)
+    t = tl.arange(0, THREADS) + loop_zero(IN_LOOP)  # (see _head_input)
     best_val = tl.full([THREADS], float("-inf"), tl.float32)
     best_row = tl.zeros([THREADS], tl.int32)
     first = pid * rows_per_program
@@ -127,20 +126,20 @@ def _stage_head(
         best_val = tl.where(better, v, best_val)
         best_row = tl.where(better, rows, best_row)
     top = tl.max(best_val, axis=0)
-    _pick_token(top, tl.min(tl.where(best_val == top, best_row, 2**31 - 1), axis=0), next_tok_ptr, part_val_ptr,
-                part_idx_ptr, sync_ptr, sync_n, pid, num_programs, PARTS)
+    return top, tl.min(tl.where(best_val == top, best_row, 2**31 - 1), axis=0)
 
 
 @triton.jit
 def _head_input(post_ptr, acc_ptr, final_norm_ptr, eps, out_ptr, pid, rows_h, xbuf, H: tl.constexpr,
                 BLOCK_X: tl.constexpr, dtype: tl.constexpr, COPIES: tl.constexpr, FP16_SCALED: tl.constexpr,
-                X_SCALE: tl.constexpr = 1.0):
+                X_SCALE: tl.constexpr = 1.0, IN_LOOP: tl.constexpr = False):
     """The head's input: the final RMSNorm of the residual stream, which every program computes
     whole (returned, fp32 of the dtype's values) and stages at xbuf for the tensor-core program
     (FP16_SCALED: times X_SCALE in fp16, for the int8 head's program); the program's own rows_h
     rows of it also go to out_ptr, the kernel's hidden-state output (in place of a final-norm
-    stage: one L2 round trip less before the head)."""
-    offs = tl.arange(0, BLOCK_X)
+    stage: one L2 round trip less before the head). IN_LOOP: the head runs inside the kernel's
+    loop of decode steps (MULTI_STEP), whose aranges get loop_zero added."""
+    offs = tl.arange(0, BLOCK_X) + loop_zero(IN_LOOP)
     xmask = offs < H
     x = _normed_input(post_ptr, acc_ptr, final_norm_ptr, eps, offs, xmask, H, dtype, COPIES)
     if FP16_SCALED:
@@ -154,20 +153,43 @@ def _head_input(post_ptr, acc_ptr, final_norm_ptr, eps, out_ptr, pid, rows_h, xb
 
 @triton.jit
 def _pick_token(top, top_row, next_tok_ptr, part_val_ptr, part_idx_ptr, sync_ptr, sync_n, pid, num_programs,
-                PARTS: tl.constexpr):
+                PARTS: tl.constexpr, MULTI_STEP: tl.constexpr = False, more=False, step=0, emb_ptr=None, post_ptr=None,
+                acc_ptr=None, H: tl.constexpr = 1, BLOCK_H: tl.constexpr = 1, COPIES: tl.constexpr = 0):
     """Store this program's best (value, row) and count it in; the last program to arrive (acq_rel
     count, the last of the sync_n sync words) writes the winner, lowest row on ties, to next_tok
-    and zeroes the sync words for the next launch."""
+    and zeroes the sync words for the next launch (or step).
+
+    MULTI_STEP (a decode burst in one launch, this is its step `step`): where another step
+    follows (`more`), the last program also does what the next launch's embedding stage would:
+    the token's embedding row (at emb_ptr) becomes the residual stream at post_ptr and the
+    down sums' COPIES accumulators at acc_ptr are zeroed; then it counts step + 1 into the step
+    word (sync word sync_n, release), for which every other program waits (the caller: acquire).
+    That replaces the launch's end, the next launch's start and prologue, its embedding stage and
+    that stage's barrier. After the last step the step word goes back to 0. Returns whether this
+    program was the last."""
     tl.store(part_val_ptr + pid, top)
     tl.store(part_idx_ptr + pid, top_row)
     arrived = tl.atomic_add(sync_ptr + sync_n - 1, 1, sem="acq_rel", scope="gpu")  # the last sync word
-    if arrived == num_programs - 1:
-        tl.store(next_tok_ptr, best_part(part_val_ptr, part_idx_ptr, num_programs, PARTS).to(tl.int64))
+    last = arrived == num_programs - 1
+    if last:
+        token = best_part(part_val_ptr, part_idx_ptr, num_programs, PARTS).to(tl.int64)
+        tl.store(next_tok_ptr, token)
         # Every program has passed every barrier and count of this launch: put them back to 0 for
         # the next one (which then needs no memset before it).
-        offs = tl.arange(0, PARTS)
+        offs = tl.arange(0, PARTS) + loop_zero(MULTI_STEP)  # (see _head_input)
         for z in range(0, sync_n, PARTS):
             tl.store(sync_ptr + z + offs, tl.zeros([PARTS], tl.int32), mask=z + offs < sync_n)
+        if MULTI_STEP:
+            if more:
+                offs_h = tl.arange(0, BLOCK_H) + loop_zero(MULTI_STEP)
+                hmask = offs_h < H
+                tl.store(post_ptr + offs_h, tl.load(emb_ptr + token * H + offs_h, mask=hmask), mask=hmask)
+                _zero_acc(acc_ptr, offs_h, hmask, H, COPIES)
+                tl.debug_barrier()  # every thread's stores before the release
+                tl.atomic_add(sync_ptr + sync_n, 1, sem="release", scope="gpu")
+            else:
+                tl.store(sync_ptr + sync_n, 0)
+    return last
 
 
 @triton.jit
@@ -185,12 +207,12 @@ def _issue_head_q_chunk(c, q_ptr, meta_ptr, slot, bar, meta, pid, rows_per_progr
 
 @triton.jit
 def _stage_head_q(
-    base_ptr, head_off, q_ptr, meta_ptr, post_ptr, acc_ptr, final_norm_ptr, eps, next_tok_ptr, part_val_ptr,
-    part_idx_ptr, sync_ptr, sync_n, pid, num_programs, rows_per_program, V, slot_x, slot_y, bar_x, bar_y, xbuf, red,
-    H: tl.constexpr, BLOCK_X: tl.constexpr, COPIES: tl.constexpr, THREADS: tl.constexpr, CR: tl.constexpr,
-    PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD_Q: tl.constexpr, PARTS: tl.constexpr, temp_ptr, seed_ptr,
+    base_ptr, head_off, q_ptr, meta_ptr, post_ptr, acc_ptr, final_norm_ptr, eps, pid, num_programs, rows_per_program, V,
+    slot_x, slot_y, bar_x, bar_y, xbuf, red, H: tl.constexpr, BLOCK_X: tl.constexpr, COPIES: tl.constexpr,
+    THREADS: tl.constexpr, CR: tl.constexpr, PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD_Q: tl.constexpr, temp_ptr, seed_ptr,
     SAMPLE_BLOCK: tl.constexpr, META_OFF: tl.constexpr, CAND_OFF: tl.constexpr, CAP: tl.constexpr, NC: tl.constexpr,
     X_SCALE: tl.constexpr, out_ptr, rows_h, probe_row, probe_half, PROBE: tl.constexpr, LR: tl.constexpr,
+    IN_LOOP: tl.constexpr = False,
 ):
     """The LM head's pick from its int8 copy (runner/head_quant.py), the same token _stage_head
     would pick. Every program norms the residual stream (x, the model's dtype) and stages x *
@@ -202,14 +224,16 @@ def _stage_head_q(
     Only a row with hi >= tau can be the program's best; those candidates (a handful) are
     listed in shared memory (CAP at a time; more take another round), and their logits
     recomputed from the 16-bit weight at head_off, NC rows per load, in fp32 and rounded to the
-    dtype. Their best is the program's part in the argmax (_pick_token). No logits are stored."""
+    dtype. Their best (value, row) is returned: the program's part in the argmax (_pick_token). No
+    logits are stored."""
     dtype = base_ptr.dtype.element_ty
-    offs = tl.arange(0, BLOCK_X)
+    z = loop_zero(IN_LOOP)  # added to every arange: see _head_input
+    offs = tl.arange(0, BLOCK_X) + z
     xmask = offs < H
     x = _head_input(post_ptr, acc_ptr, final_norm_ptr, eps, out_ptr, pid, rows_h, xbuf, H, BLOCK_X, dtype, COPIES, True,
-                    X_SCALE)
+                    X_SCALE, IN_LOOP)
     nx = tl.sqrt(tl.sum(x * x, axis=0)) * (1.0 + 2.0**-10)
-    t = tl.arange(0, THREADS)
+    t = tl.arange(0, THREADS) + z
     first = pid * rows_per_program
     nrows = tl.minimum(rows_per_program, V - first)
     temperature = tl.load(temp_ptr)
@@ -245,7 +269,7 @@ def _stage_head_q(
     ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
     best_val = float("-inf")
     best_row = 0  # (kept only if no row beats -inf, e.g. NaN logits: token 0, as _stage_head gives)
-    jr = tl.arange(0, LR)
+    jr = tl.arange(0, LR) + z
     start = 0
     while start < nrows:
         n = 0
@@ -271,7 +295,7 @@ def _stage_head_q(
                 ahead = p0 + t < listed
                 prefetch_l2(head_w + (first + shared_i32(p0 + t, ahead, cand)).to(tl.int64) * H, H * ESIZE, ahead)
         for i in range(0, listed, NC):
-            j = i + tl.arange(0, NC)
+            j = i + tl.arange(0, NC) + z
             jv = j < listed
             rows = first + shared_i32(j, jv, cand)
             w = tl.load(head_w + rows.to(tl.int64)[:, None] * H + offs[None, :], mask=jv[:, None] & xmask[None, :],
@@ -288,4 +312,4 @@ def _stage_head_q(
         start = tl.where(n > CAP, last + 1, nrows)
         tl.debug_barrier()  # the list read before the next round rewrites it
     _stamp(probe_row, 13, num_programs, probe_half, PROBE)
-    _pick_token(best_val, best_row, next_tok_ptr, part_val_ptr, part_idx_ptr, sync_ptr, sync_n, pid, num_programs, PARTS)
+    return best_val, best_row

@@ -186,6 +186,20 @@ def stage_i32_to_shared(x, offs, mask, buf):
 
 
 @triton.jit
+def loop_zero(IN_LOOP: tl.constexpr):
+    """0; IN_LOOP: from an instruction the compiler may neither fold nor move. Added to a
+    tl.arange inside a loop, it keeps the compiler from computing the arange's values (and all
+    that follows from them alone) once before the loop and holding them in registers through
+    it: the persistent decode kernel's LM head, inside its loop of decode steps (MULTI_STEP),
+    took ~17 registers more so, and the layers (the same loop) ran up to ~12 us per step slower
+    (H200, session 20). Outside such a loop a plain 0: there the opaque one made the kernel slower."""
+    if IN_LOOP:
+        return tl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return 0
+
+
+@triton.jit
 def prefetch_l2(ptr, nbytes, mask):
     """Start fetching nbytes (a multiple of 16) at the 16-byte aligned global address ptr into
     the L2 (one bulk prefetch per element where mask; nothing waits for it)."""
