@@ -2,7 +2,7 @@
 
     python benchmarks/persistent_decode.py --model /tmp/q06 [--contexts 640 64 4000] [--breakdown] [--timeline]
         [--compare one_thread_barrier=True split_tokens=32,block_t=32 ...] [--barriers]
-        [--timeline-variants gate_up_late=True ...] [--dump /tmp/stamps]
+        [--timeline-variants gate_up_late=True ...] [--dump /tmp/stamps] [--burst 8] [--sm-streams 400]
 
 Per context: one replay of the batch-1 CUDA graph (the persistent kernel) against one replay of
 the per-op graph of 8 rows with only the first row live (what a lone sequence runs without the
@@ -14,6 +14,10 @@ attention split shapes, an empty launch, the grid barrier alone (a kernel that o
 barriers, one program per SM), and each compiled variant's registers and spills. --barriers
 runs only that last grid-barrier comparison. --compare times, at every context, the kernel built
 with PersistentDecoder keywords (comma-separated) between two runs of the default one.
+--burst K, at the first context: a decode burst of K steps in one launch (multi_step) against K
+launches of one step of the per-step build (multi_step=False), per token, and whether both give
+the same tokens. --sm-streams N: N launches of a PROBE build; per SM (%smid), the LM head's stream
+time, and whether programs keep their SMs from launch to launch.
 """
 from __future__ import annotations
 
@@ -195,6 +199,92 @@ def print_timeline(stamps, total_us: float, stages: list[int] | None = None) -> 
         print(f"  attention {what:48s}: median {np.median(vals):5.2f} us, max {vals.max():5.2f} (n={vals.size})")
 
 
+def burst_in_one_launch(runner, steps: int, ctx: int) -> None:
+    """Eager launches at context ctx (its K/V stored as the steps go): one step, `steps` steps in
+    one launch of the default decoder (multi_step) and `steps` launches of one step each of the
+    per-step build, in us per token, three rounds; then the tokens of both from the same start."""
+    import numpy as np
+
+    from nanovllm.runner import persistent_decode as pd
+
+    g, multi = runner.graph_runner, runner.persistent_decoder
+    if not multi.multi_step:
+        print("burst: the decoder cannot run several steps in one launch (no fused head)")
+        return
+    s = g.single
+    if s.steps < steps:
+        print(f"burst: the graph inputs hold {s.steps} records, fewer than {steps}")
+        return
+    table = list(range(-(-(ctx + steps) // runner.block_size)))
+    host = np.zeros(s.nbytes, dtype=np.uint8)
+    s.fill_host(host, token=1234, position=ctx - 1, block_table=table, block_size=runner.block_size, steps=steps)
+    s.buffer.copy_(torch.from_numpy(host))
+    single = pd.PersistentDecoder(multi.model, num_programs=multi.num_programs, multi_step=False)
+    single.bind(runner.k_caches, runner.v_caches)
+    metas = [s.meta(i) for i in range(steps)]
+
+    def one(d) -> None:
+        d(s.tokens[0], s.positions[0], metas[0], s.tokens[0], s.temperatures[0], s.seeds[0])
+
+    def in_one_launch() -> None:
+        multi(s.tokens[0], s.positions[0], metas[0], s.tokens[0], s.temperatures[0], s.seeds[0], steps=steps,
+              record_bytes=s.RECORD)
+
+    def per_step() -> None:
+        for i in range(steps):
+            single(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % steps], s.temperatures[i], s.seeds[i])
+
+    for _ in range(3):
+        print(f"burst at context {ctx}: one step {timed(lambda: one(multi)):.1f} us (per-step build "
+              f"{timed(lambda: one(single)):.1f}); {steps} steps per token: in one launch "
+              f"{timed(in_one_launch) / steps:.1f} us, a launch per step {timed(per_step) / steps:.1f} us")
+    tokens = []
+    for run in (in_one_launch, per_step):
+        s.tokens[0].fill_(1234)
+        run()
+        ids = s.records[:steps, 0].tolist()
+        tokens.append(ids[1:] + ids[:1])
+    print(f"burst tokens {'equal' if tokens[0] == tokens[1] else 'DIFFER'}: {tokens[0]}")
+
+
+def sm_streams(dec, runner, ids, pos, meta, launches: int) -> None:
+    """`launches` eager launches of a PROBE build (it also records each program's SM): whether the
+    programs keep their SMs, and each SM's LM-head stream time (the head's start to its last
+    chunk multiplied), with the correlation of its means over even and odd launches (how much of
+    the spread between programs is the SM's own)."""
+    import numpy as np
+
+    from nanovllm.runner import persistent_decode as pd
+
+    d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True)
+    d.bind(runner.k_caches, runner.v_caches)
+    if not d.quantized_head:
+        print("sm-streams: needs the int8 head's stamps (quantized_head)")
+        return
+    for _ in range(3):
+        greedy_pick(d, ids, pos, meta)
+    n = dec.num_programs
+    view = d.probe.view(2, dec.num_layers, pd._PROBE_POINTS, n)
+    hist = torch.empty((launches, pd._PROBE_POINTS, n), dtype=torch.int64, device="cuda")
+    for i in range(launches):
+        greedy_pick(d, ids, pos, meta)
+        hist[i].copy_(view[0, 0])  # layer 0's global-time stamps (and point 14, the SM)
+    h = hist.cpu().numpy()
+    sm, head, streamed = h[:, 14, :], h[:, 8, :].astype(np.float64), h[:, 7, :].astype(np.float64)
+    mappings = {tuple(row) for row in sm}
+    stream = (streamed - head) / 1e3
+    per_sm = np.full((launches, int(sm.max()) + 1), np.nan)
+    for i in range(launches):
+        per_sm[i, sm[i]] = stream[i]
+    mean = np.nanmean(per_sm, axis=0)
+    even, odd = np.nanmean(per_sm[0::2], axis=0), np.nanmean(per_sm[1::2], axis=0)
+    ok = ~np.isnan(even) & ~np.isnan(odd)
+    print(f"sm-streams: {launches} launches, {len(mappings)} program->SM mapping(s); LM-head stream per program "
+          f"median {np.median(stream):.2f} us, spread within a launch (max - min) median "
+          f"{np.median(stream.max(1) - stream.min(1)):.2f}; per-SM means {np.nanmin(mean):.2f}-{np.nanmax(mean):.2f} us, "
+          f"even/odd launches' means correlate {np.corrcoef(even[ok], odd[ok])[0, 1]:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -207,6 +297,10 @@ def main() -> None:
     ap.add_argument("--barriers", action="store_true", help="also time the grid barrier variants alone")
     ap.add_argument("--timeline-variants", nargs="+", metavar="KEY=VALUE[,KEY=VALUE]", default=[],
                     help="with --timeline: also the timeline of the kernel built with these keywords")
+    ap.add_argument("--burst", type=int, default=0, metavar="K",
+                    help="also time a burst of K steps in one launch against K launches (at the first context)")
+    ap.add_argument("--sm-streams", type=int, default=0, metavar="N",
+                    help="also run N launches of a PROBE build and print the LM head's stream time per SM")
     ap.add_argument("--dump", metavar="PREFIX", help="with --timeline: save each timeline's raw stamps to PREFIX<n>.npy "
                     "(0 the default kernel, then the variants in order)")
     args = ap.parse_args()
@@ -288,6 +382,11 @@ def main() -> None:
             if spec:
                 print(f"timeline of {spec}:")
             timeline(dec, runner, ids, pos, meta, f"{args.dump}{n}.npy" if args.dump else None, **keywords(spec))
+    if args.sm_streams:
+        sm_streams(dec, runner, ids, pos, meta, args.sm_streams)
+    if args.burst:
+        burst_in_one_launch(runner, args.burst, args.contexts[0])
+        set_context(args.contexts[0])  # (the burst stored K/V and left its records)
     if args.breakdown:
         breakdown(persistent, registers, dec.num_layers)
     if args.breakdown or args.barriers:

@@ -132,11 +132,13 @@ step are copied into slot X as soon as the head is done (_next_step_weights). Th
 the launch's end, the next launch's start (2.6-3.3 us between an eager launch's last program
 and the next one's first) and its prologue (4.6 us from a program's start to layer 0: the
 offset table, the token's and its embedding row's loads, the embedding stage's barrier). Eager
-launches at context 384: 8 steps in one launch 492-494 us per token against 495-497 for the
-per-step build (H200, session 20); W5 1,977 -> 1,984 in one call. The saving per step is ~6 us,
-but the loop around the layers changed how ptxas compiled them: the same build at one step was
-up to ~12 us slower than the per-step build until the LM head's aranges were kept out of
-loop-invariant hoisting (ptx.loop_zero), which is what the gain rests on.
+launches at context 384: 8 steps in one launch 492-496 us per token, against 495-498 for 8
+launches of the per-step build of the time (H200, session 20); W5 1,977 -> 1,984 tok/s in one
+call. The saving per step is ~6 us, but the loop around the layers changed how ptxas compiled
+them: the same build at one step was up to ~12 us slower than the per-step build until the LM
+head's aranges were kept out of loop-invariant hoisting (ptx.loop_zero), which is what the gain
+rests on; and the per-step build (multi_step=False) of the final code is slower again (510-513
+us per step), by the same kind of effect.
 
 Numerics follow the per-op path (layers/fused.py): every value the reference rounds to the
 activation dtype (projection outputs, the residual sums, normalised values, rotary products,
