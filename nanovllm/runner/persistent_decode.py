@@ -134,7 +134,7 @@ and the next one's first) and its prologue (4.6 us from a program's start to lay
 offset table, the token's and its embedding row's loads, the embedding stage's barrier). Eager
 launches at context 384: 8 steps in one launch 492-496 us per token, against 495-498 for 8
 launches of the per-step build of the time (H200, session 20); W5 1,977 -> 1,984 tok/s in one
-call. The saving per step is ~6 us, but the loop around the layers changed how ptxas compiled
+call, 1,981 -> 1,982 on another host. The saving per step is ~6 us, but the loop around the layers changed how ptxas compiled
 them: the same build at one step was up to ~12 us slower than the per-step build until the LM
 head's aranges were kept out of loop-invariant hoisting (ptx.loop_zero), which is what the gain
 rests on; and the per-step build (multi_step=False) of the final code is slower again (510-513
@@ -1011,7 +1011,7 @@ class PersistentDecoder:
     slot X holds a chunk, the rows' meta and a candidate list; +155 MB for Qwen3-0.6B; W5 1,881
     -> 1,974 tok/s; head_candidates, head_scan_rows: candidates listed per round and rows per
     thread in their scan, for tests), multi_step (a decode burst in one launch, see __call__;
-    None: on with fused_head and o_late; W5 1,977 -> 1,984 tok/s), and two benchmark switches
+    None: on with fused_head and o_late; W5 +1 to +8 tok/s across hosts), and two benchmark switches
     (stage_mask and probe, see _decode_kernel; probe's stamps land in self.probe; a PROBE build
     also records each program's SM). The defaults are the fastest measured on the H200
     (benchmarks/persistent_decode.py --breakdown and --compare); the tests use small ones so that
