@@ -137,8 +137,8 @@ launches of the per-step build of the time (H200, session 20); W5 1,977 -> 1,984
 call, 1,981 -> 1,982 on another host. The saving per step is ~6 us, but the loop around the layers changed how ptxas compiled
 them: the same build at one step was up to ~12 us slower than the per-step build until the LM
 head's aranges were kept out of loop-invariant hoisting (ptx.loop_zero), which is what the gain
-rests on; and the per-step build (multi_step=False) of the final code is slower again (510-513
-us per step), by the same kind of effect.
+rests on. (The per-step build, multi_step=False, then measured 510-513 us per step against the
+multi-step build's 502-504 for one step, in one call.)
 
 Numerics follow the per-op path (layers/fused.py): every value the reference rounds to the
 activation dtype (projection outputs, the residual sums, normalised values, rotary products,
