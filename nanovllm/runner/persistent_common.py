@@ -168,6 +168,16 @@ def _zero_acc(acc_ptr, rows, rmask, H: tl.constexpr, COPIES: tl.constexpr):
 
 
 @triton.jit
+def _embed_rows(base_ptr, token, resid_ptr, acc_ptr, offs, mask, H: tl.constexpr, COPIES: tl.constexpr):
+    """Rows `offs` (where mask) of the token's embedding row (the table at base_ptr) become those
+    rows of the residual stream, and those rows of the down sums' COPIES accumulators start at
+    zero: the embedding stage's work, which a decode burst in one launch's picker does whole
+    between steps (persistent_head._pick_token)."""
+    tl.store(resid_ptr + offs, tl.load(base_ptr + token * H + offs, mask=mask), mask=mask)
+    _zero_acc(acc_ptr, offs, mask, H, COPIES)
+
+
+@triton.jit
 def _zero_rows(acc_ptr, COPIES: tl.constexpr, pid, num_programs, rows_h, H: tl.constexpr, BR_H: tl.constexpr):
     """Zero this program's rows (rows_h per item) of an accumulator's COPIES copies."""
     for item in range(pid, tl.cdiv(H, rows_h), num_programs):

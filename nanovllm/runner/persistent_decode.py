@@ -180,7 +180,7 @@ from nanovllm.runner import head_quant
 from nanovllm.runner.persistent_attention import _first_kv_rows, _kv_load, _stage_attention, _stage_attn_o, _step_values
 from nanovllm.runner.persistent_common import (
     _FIELDS, _LOG2E, _NUM_FIELDS, _PROBE_POINTS, _TILE_ELEMENTS, BLOCK_T, F_DOWN_T, F_DOWN_W, F_GU_W, F_K_CACHE, F_LN1,
-    F_LN2, F_O_PERM, F_O_W, F_QKV_B, F_QKV_W, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, SPLIT_TOKENS, _at, _item_rows,
+    F_LN2, F_O_PERM, F_O_W, F_QKV_B, F_QKV_W, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, SPLIT_TOKENS, _at, _embed_rows, _item_rows,
     _next_layer, _normed_to_shared, _residual, _rows, _stamp, _stamp_sm, _table_to_shared, _tile_columns, _weight_tile, _zero_acc,
 )
 from nanovllm.runner.persistent_head import _issue_head_chunk, _issue_head_q_chunk, _pick_token, _stage_head, _stage_head_q
@@ -216,8 +216,7 @@ def _stage_embed(base_ptr, tok_ptr, resid_ptr, acc_ptr, pid, num_programs, rows_
     token = tl.load(tok_ptr).to(tl.int64)
     for item in range(pid, tl.cdiv(H, rows_per_item), num_programs):
         offs, mask = _rows(item, rows_per_item, H, BLOCK_R)
-        tl.store(resid_ptr + offs, tl.load(base_ptr + token * H + offs, mask=mask), mask=mask)
-        _zero_acc(acc_ptr, offs, mask, H, COPIES)
+        _embed_rows(base_ptr, token, resid_ptr, acc_ptr, offs, mask, H, COPIES)
 
 
 @triton.jit
@@ -737,10 +736,6 @@ def _decode_kernel(
                 _issue_weights(2, table, True, base_ptr, slot_y, bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D,
                                INTER, FUSED, FUSED_ATTN, RBS, num_programs)
         _stage_embed(base_ptr, tok_ptr, post_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
-        kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)  # placeholders: set before each use
-        kv2 = kv1
-        kv3 = kv1
-        kv4 = kv1
         seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
         t1, t2 = _prefetch(0, table_ptr, not SMEM_WEIGHTS, base_ptr, pid, rows_qkv, rows_h, rows_inter,
                       H, NQ, NK, D, INTER, BR_QKV, BK_QKV, BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER)
@@ -759,19 +754,19 @@ def _decode_kernel(
             # MULTI_STEP: the launch runs num_steps decode steps (a burst); step i's input record lies
             # i * rec8 int64 words (rec4 32-bit words) after the first's, and its token's embedding is
             # already the residual stream (_pick_token).
-            if MULTI_STEP:
-                # The step's values (from its record; they are needed from stage A's arrival on) and
-                # fresh placeholders, so that nothing of a step is carried through the head into the next.
+            if MULTI_STEP:  # the step's values, from its record (needed from stage A's arrival on)
                 kv_rows, kv_valid = _first_kv_rows(seq_len_ptr + step * rec4, block_table_ptr, pid, num_programs,
                                                    stride_cb, stride_cs, NK, D, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS,
                                                    OWN_SPLIT, BLOCK_T)
                 cos, sin, step_slot, ctx = _step_values(pos_ptr + step * rec8, slot_ptr + step * rec8,
                                                         seq_len_ptr + step * rec4, cos_sin_ptr, D,
                                                         qkv_ptr.dtype.element_ty)
-                kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)
-                kv2 = kv1
-                kv3 = kv1
-                kv4 = kv1
+            # Placeholders, set before each use (defined per step: nothing of a step is carried
+            # through the head into the next).
+            kv1 = tl.zeros([BLOCK_T, D // 2], base_ptr.dtype.element_ty)
+            kv2 = kv1
+            kv3 = kv1
+            kv4 = kv1
             if HEAD_Q:  # the 16-bit head runs (every logit stored) only where the step asks for it
                 head_exact = tl.load(temp_ptr + step * rec4) < 0.0
             for layer_i in range(0, num_layers):
@@ -904,8 +899,8 @@ def _decode_kernel(
                         THREADS, HEAD_Q_CR, HEAD_PX, HEAD_PY, MMA_HEAD_Q, temp_s, seed_s, SAMPLE_BLOCK, HEAD_META_OFF,
                         HEAD_CAND_OFF, HEAD_CAP, HEAD_NC, HEAD_X_SCALE, out_ptr, rows_h, probe_ptr + pid, probe_half,
                         PROBE, HEAD_LR, MULTI_STEP)
-                more = step + 1 < num_steps
-                nxt = tl.minimum(step + 1, num_steps - 1)
+                more = step + 1 < steps_here
+                nxt = tl.minimum(step + 1, steps_here - 1)
                 if MULTI_STEP:  # layer 0's qkv rows of the next step on their way into slot X (free now)
                     if HEAD_Q:
                         head_cr = tl.where(head_exact, HEAD_CR, HEAD_Q_CR)

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.fused_sampler import best_part, gumbel_noise, gumbel_score
-from nanovllm.runner.persistent_common import _normed_input, _stamp, _zero_acc
+from nanovllm.runner.persistent_common import _embed_rows, _normed_input, _stamp
 from nanovllm.runner.ptx import (
     bulk_copy, loop_zero, mbarrier_wait, mma_rows, prefetch_l2, shared_f32, shared_i32, stage_f32_to_shared, stage_i32_to_shared,
     stage_to_shared,
@@ -182,9 +182,7 @@ def _pick_token(top, top_row, next_tok_ptr, part_val_ptr, part_idx_ptr, sync_ptr
         if MULTI_STEP:
             if more:
                 offs_h = tl.arange(0, BLOCK_H) + loop_zero(MULTI_STEP)
-                hmask = offs_h < H
-                tl.store(post_ptr + offs_h, tl.load(emb_ptr + token * H + offs_h, mask=hmask), mask=hmask)
-                _zero_acc(acc_ptr, offs_h, hmask, H, COPIES)
+                _embed_rows(emb_ptr, token, post_ptr, acc_ptr, offs_h, offs_h < H, H, COPIES)
                 tl.debug_barrier()  # every thread's stores before the release
                 tl.atomic_add(sync_ptr + sync_n, 1, sem="release", scope="gpu")
             else:
