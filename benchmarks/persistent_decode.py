@@ -211,10 +211,10 @@ def burst_in_one_launch(runner, steps: int, ctx: int) -> None:
     if not multi.multi_step:
         print("burst: the decoder cannot run several steps in one launch (no fused head)")
         return
-    s = g.single
-    if s.steps < steps:
-        print(f"burst: the graph inputs hold {s.steps} records, fewer than {steps}")
+    if not g.bursts or g.bursts[0].steps < steps:
+        print(f"burst: the burst graphs' inputs hold fewer than {steps} records")
         return
+    s = g.bursts[0]
     table = list(range(-(-(ctx + steps) // runner.block_size)))
     host = np.zeros(s.nbytes, dtype=np.uint8)
     s.fill_host(host, token=1234, position=ctx - 1, block_table=table, block_size=runner.block_size, steps=steps)

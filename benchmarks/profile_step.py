@@ -69,8 +69,9 @@ def profile_steps(engine, steps: int) -> None:
     def timed(result):
         def timed_result(self):
             t0 = time.perf_counter()
-            if self.event is not None:
-                self.event.synchronize()
+            event = self.tokens.event if isinstance(self, BurstOutput) else self.event
+            if event is not None:
+                event.synchronize()
             waited[0] += time.perf_counter() - t0
             return result(self)
         return timed_result

@@ -395,6 +395,20 @@ def test_decode_bursts_equal_single_steps(qwen3_tiny, async_scheduling):
     assert_free(llm)
 
 
+def test_a_request_ends_in_shorter_bursts(qwen3_tiny):
+    """Bursts of 4: 19 tokens after the prefill's are four bursts of 4, one of 2 (burst_sizes) and
+    a single step, with the tokens of one step at a time."""
+    prompt = random_prompts(384, [11], seed=8)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = engine(qwen3_tiny, kvcache_block_size=4, decode_burst=1).generate(prompt, params, use_tqdm=False)
+    llm = engine(qwen3_tiny, kvcache_block_size=4, decode_burst=4)
+    bursts = count_bursts(llm)
+    out = llm.generate(prompt, params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert bursts == [4, 4, 4, 4, 2]
+    assert_free(llm)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_sampled_decode_bursts_equal_single_steps(qwen3_tiny, async_scheduling):
     """A lone plain-temperature stream takes bursts too. Here (no persistent kernel) a burst's 3

@@ -199,18 +199,34 @@ class CountedGraph:
         self.graph.replay()
 
 
+class CountedBursts:
+    """Counts the replays of the decode bursts' graphs (per burst length, two taken in turn)."""
+
+    def __init__(self, graph_runner) -> None:
+        self.graphs = graph_runner.burst_graphs = {
+            n: [CountedGraph(g) for g in pair] for n, pair in graph_runner.burst_graphs.items()}
+
+    @property
+    def replays(self) -> int:
+        return sum(g.replays for pair in self.graphs.values() for g in pair)
+
+    @property
+    def steps(self) -> int:
+        return sum(n * g.replays for n, pair in self.graphs.items() for g in pair)
+
+
 class LoneSequenceGraphs:
     """Counts the decode steps that the persistent kernel's graphs ran: one per replay of the
-    graph of one step, burst_steps per replay of the decode burst's graph."""
+    graph of one step, burst_steps per replay of a decode burst's graph."""
 
     def __init__(self, graph_runner) -> None:
         self.graph_runner = graph_runner
         self.single = graph_runner.graphs[1] = CountedGraph(graph_runner.graphs[1])
-        self.burst = graph_runner.burst_graph = CountedGraph(graph_runner.burst_graph)
+        self.burst = CountedBursts(graph_runner)
 
     @property
     def steps(self) -> int:
-        return self.single.replays + self.graph_runner.burst_steps * self.burst.replays
+        return self.single.replays + self.burst.steps
 
 
 def test_start_up_leaves_the_largest_step_memory_cached(checkpoint_factory):
@@ -234,10 +250,12 @@ def test_start_up_leaves_the_largest_step_memory_cached(checkpoint_factory):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
-    """With the persistent kernel adopted, a lone greedy sequence replays the burst graph (8
-    steps per replay, each step's argmax the next one's input, the tokens read back rotated:
-    SingleDecodeInputs); its tokens equal one step per replay, across KV-block boundaries, with
-    the last tokens of a request as single steps, an EOS inside a burst, and a batch between.
+    """With the persistent kernel adopted, a lone greedy sequence replays the burst graphs (two,
+    in turn, each over its own inputs; 8 steps per replay, each step's argmax the next one's
+    input, the last one's the other graph's first; the tokens written to pinned host memory by
+    the kernel, or read back rotated from the records: CudaGraphRunner.replay_burst); its tokens
+    equal one step per replay, across KV-block boundaries, with
+    the last tokens of a request in a shorter burst, an EOS inside a burst, and a batch between.
     bf16 takes a shape whose projections run on tensor cores, so the kernel's own LM head and
     argmax (fused_head) feed the next step; fp32 the cuBLAS head and GreedyRow."""
     shape = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32) if dtype == "bfloat16" else {}
@@ -249,10 +267,10 @@ def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
         runner = llm.engine.executor.runner
         runner.finish_background_compile()
         g = runner.graph_runner
-        assert (g.burst_graph is not None) == (burst is None) and runner.decode_burst == (8 if burst is None else 1)
+        assert bool(g.burst_graphs) == (burst is None) and runner.decode_burst == (8 if burst is None else 1)
         assert runner.persistent_decoder.fused_head == (dtype == "bfloat16" and torch.cuda.get_device_capability() >= (9, 0))
         if burst is None:
-            counted = g.burst_graph = CountedGraph(g.burst_graph)
+            counted = CountedBursts(g)
         ps = prompts(llm.engine.vocab_size, [5, 40, 9, 200], seed=4)
         params = SamplingParams(temperature=0, max_tokens=45, ignore_eos=True)
         alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
@@ -261,7 +279,10 @@ def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
     assert outs[None] == outs[1]
-    assert counted.replays >= 4 * 5  # per prompt: 44 tokens after the prefill's = 5 bursts + 4 single steps
+    # per prompt: 44 tokens after the prefill's = 5 bursts of 8 and one of 4
+    assert sorted(counted.graphs) == [2, 4, 8] and counted.replays >= 4 * 6
+    assert all(graph.replays >= 2 * 4 for graph in counted.graphs[8]) and counted.steps >= 4 * 44  # in turn
+    assert g.bursts_to_host == (dtype == "bfloat16" and torch.cuda.get_device_capability() >= (9, 0))
     # Not plain greedy (logprobs): single steps whose sampler reads the graph's logits (the
     # kernel's own with fused_head): the same tokens, each the most likely one.
     out = llm.generate([ps[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1),
@@ -280,7 +301,8 @@ def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
 def test_sampled_stream_bursts_in_the_graph_equal_single_steps(checkpoint_factory):
     """A plain-temperature stream alone, with the kernel's own LM head (bf16, tensor cores):
     the graphs sample in the kernel (each record carries the temperature and a seed drawn on
-    the host from torch's RNG), so the stream takes bursts of 8 in the burst graph; from the
+    the host from torch's RNG), so the stream takes bursts of 8 in the burst graphs (one of 4 at
+    its end); from the
     same seed its tokens equal one step per replay of the single graph, they are not the greedy
     tokens, and a top-p stream (sampled after the graph, from its logits) takes no burst."""
     if torch.cuda.get_device_capability() < (9, 0):
@@ -297,10 +319,11 @@ def test_sampled_stream_bursts_in_the_graph_equal_single_steps(checkpoint_factor
         g = runner.graph_runner
         single = g.graphs[1] = CountedGraph(g.graphs[1])
         if burst is None:
-            counted = g.burst_graph = CountedGraph(g.burst_graph)
+            counted = CountedBursts(g)
         ps = prompts(llm.engine.vocab_size, [5, 40, 200], seed=6)
         outs[burst] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
-        assert single.replays >= (4 if burst is None else 3 * 44)
+        # 44 tokens after the prefill's: one step per replay, or bursts of 8 and one of 4 (burst_sizes)
+        assert single.replays >= 3 * 44 if burst == 1 else (single.replays == 0 and counted.steps == 3 * 44)
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
     assert outs[None] == outs[1]

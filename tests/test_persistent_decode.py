@@ -235,11 +235,11 @@ def test_decode_burst_inputs_fill_one_record_per_step():
     """A burst's inputs: one 96-byte record per step (position, slot, context length, temperature
     and seed; the token of the first only), the block table after the records, every view
     16-byte aligned. The graph writes step i's token into record i + 1 and the last into record
-    0, so its tokens in order are records 1..K-1, then 0 (BurstOutput.in_order). A greedy
+    0, so its tokens in order are records 1..K-1, then 0 (BurstTokens.in_order). A greedy
     stream's records say temperature 0; a sampling stream's, its temperature and a seed per
     step; a step whose sampler needs every logit, EXACT_LOGITS."""
     from nanovllm.runner.cuda_graph import SingleDecodeInputs
-    from nanovllm.runner.model_runner import BurstOutput
+    from nanovllm.runner.cuda_graph import BurstTokens
 
     s = SingleDecodeInputs(max_blocks=6, max_model_len=96, device=torch.device("cpu"), steps=3)
     assert [v.item() for v in s.slots] == [-1] * 3 and [v.item() for v in s.seq_lens] == [1] * 3
@@ -266,7 +266,7 @@ def test_decode_burst_inputs_fill_one_record_per_step():
     for i, t in enumerate((101, 102, 103)):  # what the burst graph leaves: step i's token in record i + 1
         s.tokens[(i + 1) % 3].fill_(t)
     assert s.records[:, 0].tolist() == [103, 101, 102]
-    assert BurstOutput.in_order(s.records[:, 0].tolist()) == [101, 102, 103]
+    assert BurstTokens.in_order(s.records[:, 0].tolist()) == [101, 102, 103]
 
 
 class FakeGraphs:
@@ -607,7 +607,8 @@ def test_cuda_decode_steps_in_one_launch_equal_a_launch_per_step(checkpoint_fact
     follow each other (SingleDecodeInputs), across a KV-block boundary, give the tokens (greedy,
     or sampled under each step's seed) and the cached K/V rows of 7 launches of one step each
     from the same cache contents, write step i's token into record i + 1 and the last into
-    record 0, and leave every sync word at 0 for the next launch. A burst also follows a burst
+    record 0, and every token in step order into pinned host memory (host_tokens), and leave
+    every sync word at 0 for the next launch. A burst also follows a burst
     (the step word starts at 0 again). The int8 head picks each step's token (quantized_head)."""
     path, kwargs = slots_case(checkpoint_factory, case, programs)
     check_burst_in_one_launch(path, kwargs, temperature)
@@ -650,6 +651,7 @@ def check_burst_in_one_launch(path, kwargs: dict, temperature: float) -> None:
         return ids[1:] + ids[:1]
 
     metas = [s.meta(i) for i in range(steps)]
+    on_host = torch.zeros(steps, dtype=torch.int64, pin_memory=True)  # the kernel writes the tokens there too
     runs = []
     for one_launch in (True, False):
         for c, saved_c in zip(caches, saved):
@@ -658,7 +660,7 @@ def check_burst_in_one_launch(path, kwargs: dict, temperature: float) -> None:
         with torch.inference_mode():
             if one_launch:
                 decoder(s.tokens[0], s.positions[0], metas[0], s.tokens[0], s.temperatures[0], s.seeds[0], steps=steps,
-                        record_bytes=s.RECORD)
+                        record_bytes=s.RECORD, host_tokens=on_host)
             else:
                 for i in range(steps):
                     decoder(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % steps], s.temperatures[i],
@@ -667,6 +669,7 @@ def check_burst_in_one_launch(path, kwargs: dict, temperature: float) -> None:
         assert decoder.sync.abs().sum().item() == 0
     (burst, burst_caches), (single, single_caches) = runs
     assert burst == single and len(set(burst)) > 1
+    assert on_host.tolist() == burst
     for a, b in zip(burst_caches, single_caches):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     # The next burst goes on from there, in one launch again, as launches per step do.
@@ -675,8 +678,10 @@ def check_burst_in_one_launch(path, kwargs: dict, temperature: float) -> None:
     fill(burst[-1], 44 + steps)
     with torch.inference_mode():
         decoder(s.tokens[0], s.positions[0], metas[0], s.tokens[0], s.temperatures[0], s.seeds[0], steps=steps,
-                record_bytes=s.RECORD)
+                record_bytes=s.RECORD, host_tokens=on_host)
+    torch.cuda.synchronize()
     second = in_order()
+    assert on_host.tolist() == second
     for c, b in zip(caches, burst_caches):
         c.copy_(b)
     fill(burst[-1], 44 + steps)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import Scheduler, burst_sizes
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -281,10 +281,18 @@ def test_decode_bursts_give_the_same_tokens(async_mode, stop_every):
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
 
 
+def test_burst_sizes_halve_down_to_two():
+    assert burst_sizes(8) == [8, 4, 2]
+    assert burst_sizes(12) == [12, 6, 3]
+    assert burst_sizes(3) == [3]
+    assert burst_sizes(2) == [2]
+    assert burst_sizes(1) == [] and burst_sizes(0) == []
+
+
 def test_burst_only_where_eligible():
     """Bursts need one decode alone, greedy or at a plain temperature (no filter, no seed), with
-    nothing waiting, room under max_tokens, no logprobs and no min_tokens ban; otherwise the step
-    is an ordinary one."""
+    nothing waiting, no logprobs and no min_tokens ban; otherwise the step is an ordinary one.
+    Near max_tokens the burst is shorter."""
     bm = BlockManager(64, 4, True)
     sched = Scheduler(bm, 4, 64)
 
@@ -308,5 +316,7 @@ def test_burst_only_where_eligible():
         assert decode_after_prefill(SamplingParams(temperature=0.7, **kw))[0] == 1, kw
     assert decode_after_prefill(SamplingParams(temperature=0, logprobs=1))[0] == 1
     assert decode_after_prefill(SamplingParams(temperature=0, min_tokens=5))[0] == 1
-    assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=4)[0] == 1  # 1 sampled + 4 > 4
+    # Near max_tokens, a shorter burst (burst_sizes: halves of 4 down to 2)
+    assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=4)[:2] == (2, 2)  # 1 sampled: room for 3
+    assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=2)[0] == 1
     assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=5)[0] == 4

@@ -19,7 +19,8 @@ is gathered on the device) before the sampled ids reach the host; `resolve` late
 real ids in. A synchronous engine calls both back to back.
 
 Decode bursts (`schedule(decode_burst=K)`): a sequence decoding alone, greedily or at a plain
-temperature, with nothing waiting, is given K decode steps at once (`ScheduledSeq.num_steps`),
+temperature, with nothing waiting, is given K decode steps at once (`ScheduledSeq.num_steps`;
+fewer near its max_tokens: burst_sizes),
 which the runner runs back to back on the device, each step's token feeding the next. Its blocks
 are allocated for the K positions up front; the K tokens come back together, and the engine
 drops those after a stop (`finish(..., num_tokens=)`). Why: one token of a lone stream takes ~0.55 ms on an H200, and the
@@ -35,6 +36,19 @@ from operator import attrgetter
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
+
+
+def burst_sizes(decode_burst: int) -> list[int]:
+    """The decode bursts a lone sequence takes: decode_burst steps, and where fewer tokens are
+    left under its max_tokens, halves of it down to 2 (the runner has a graph for each). A
+    W5 request (511 tokens after the prefill's, bursts of 8) ended in 7 single steps, each
+    ~35 us slower than a token in a burst on the H200 (docs/benchmarks.md, W5 session 21); now
+    in bursts of 4 and 2 and one single step."""
+    sizes = []
+    while decode_burst >= 2:
+        sizes.append(decode_burst)
+        decode_burst //= 2
+    return sizes
 
 
 @dataclass
@@ -127,10 +141,10 @@ class Scheduler:
         return None
 
     def _burst_steps(self, decode_burst: int) -> int:
-        """How many steps the lone running sequence may decode at once: decode_burst when it
-        decodes alone (nothing waiting), greedily or at a plain temperature
-        (SamplingParams.plain_temperature: no filter, no seed), has room for them under
-        max_tokens and needs no banned ids or logprobs; 1 otherwise."""
+        """How many steps the lone running sequence may decode at once where it decodes alone
+        (nothing waiting), greedily or at a plain temperature (SamplingParams.plain_temperature:
+        no filter, no seed), and needs no banned ids or logprobs: the longest of burst_sizes
+        that it has room for under max_tokens; 1 otherwise."""
         if decode_burst <= 1 or self.waiting or len(self.running) != 1:
             return 1
         seq = self.running[0]
@@ -138,10 +152,10 @@ class Scheduler:
         eligible = (
             seq.num_tokens - seq.num_computed_tokens == 1
             and (p.greedy or p.plain_temperature) and p.logprobs is None and decode_burst <= self.max_num_batched_tokens
-            and seq.max_tokens - seq.num_completion_tokens >= decode_burst
             and self._banned_ids(seq) is None
         )
-        return decode_burst if eligible else 1
+        room = seq.max_tokens - seq.num_completion_tokens
+        return next((k for k in burst_sizes(decode_burst) if k <= room), 1) if eligible else 1
 
     def schedule(self, decode_burst: int = 1) -> SchedulerOutput:
         """The next step. decode_burst > 1: the runner can run that many decode steps of a lone

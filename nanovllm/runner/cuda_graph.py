@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention.backend import AttentionMetadata
+from nanovllm.engine.scheduler import burst_sizes
 
 logger = logging.getLogger("nanovllm")
 
@@ -121,6 +122,33 @@ class SingleDecodeInputs:
         host[self.BLOCK_TABLE : self.BLOCK_TABLE + 4 * len(block_table)].view(np.int32)[:] = block_table
 
 
+class BurstTokens:
+    """A replayed decode burst's tokens, on their way to the host (CudaGraphRunner.replay_burst):
+    pinned memory that the kernel writes (in_step_order) or that a copy of the burst's records
+    fills after it (their tokens are steps K-1, 0, ..., K-2: see SingleDecodeInputs), complete
+    at an event recorded behind them."""
+
+    def __init__(self, host: torch.Tensor, in_step_order: bool) -> None:
+        self.host = host
+        self.in_step_order = in_step_order
+        self.event = torch.cuda.Event()
+        self.event.record()
+        self._tokens: list[int] | None = None
+
+    def tolist(self) -> list[int]:
+        """The tokens in step order (waits for them; read once, then kept)."""
+        if self._tokens is None:
+            self.event.synchronize()
+            ids = self.host.tolist()
+            self._tokens = ids if self.in_step_order else self.in_order(ids)
+        return self._tokens
+
+    @staticmethod
+    def in_order(record_tokens: list[int]) -> list[int]:
+        """The records' tokens (steps K-1, 0, ..., K-2) in the order of the steps."""
+        return record_tokens[1:] + record_tokens[:1]
+
+
 def capture_graph(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream, fn: Callable[[], object]) -> object:
     """Capture `fn()` into `graph` (memory from `pool`, None for a new one) on `stream`; returns
     what fn returned.
@@ -170,10 +198,22 @@ class CudaGraphRunner:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.single = SingleDecodeInputs(max_blocks_per_seq, max_model_len, device, steps=max(1, burst))
+        self.single = SingleDecodeInputs(max_blocks_per_seq, max_model_len, device)
         self.single_logits: torch.Tensor | None = None
-        self.burst_graph: torch.cuda.CUDAGraph | None = None  # capture_single(burst=K > 1)
+        # The decode bursts' graphs (capture_single(burst=K > 1)): per burst length (K, and the
+        # shorter ones of scheduler.burst_sizes), two, each over its own inputs, taken in turn
+        # (see replay_burst); bursts_to_host: the kernel writes each burst's tokens into
+        # burst_tokens[j], pinned host memory.
+        self.bursts = [SingleDecodeInputs(max_blocks_per_seq, max_model_len, device, steps=burst) for _ in range(2)] \
+            if burst > 1 else []
+        self.burst_tokens = [torch.zeros(burst, dtype=torch.int64, pin_memory=True) for _ in self.bursts]
+        self.burst_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.burst_steps = 1
+        self.bursts_to_host = False
+        self._next_burst = 0
+        self._upload_stream: torch.cuda.Stream | None = None  # made at the first burst
+        self._uploaded = [torch.cuda.Event() for _ in self.bursts]  # burst j's inputs are in
+        self._done_with = [torch.cuda.Event() for _ in self.bursts]  # the last replay of j (and its copy) read them
         self.max_model_len = max_model_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -244,48 +284,59 @@ class CudaGraphRunner:
         thread that runs them: the warm-up launches read the static inputs, so they are first
         made to store nothing and attend to nothing cached."""
         t0 = time.perf_counter()
-        s = self.single
-        if not 1 <= burst <= s.steps:
-            raise ValueError(f"a decode burst of {burst} steps needs as many input records, there are {s.steps}")
-        s.store_nothing()
+        if burst > 1 and (not self.bursts or burst > self.bursts[0].steps):
+            raise ValueError(f"a decode burst of {burst} steps needs as many input records, there are "
+                             f"{self.bursts[0].steps if self.bursts else 1}")
+        for s in (self.single, *self.bursts):
+            s.store_nothing()
 
-        def steps(n: int) -> Callable[[], torch.Tensor]:
+        def steps(s: SingleDecodeInputs, n: int, last_token: torch.Tensor, host: torch.Tensor | None):
             metas = [s.meta(i) for i in range(n)]
 
             def forward() -> torch.Tensor:
                 if one_launch and n > 1:
-                    return step(s.tokens[0], s.positions[0], metas[0], s.tokens[0], s.temperatures[0], s.seeds[0],
-                                steps=n, record_bytes=s.RECORD)
+                    return step(s.tokens[0], s.positions[0], metas[0], last_token, s.temperatures[0], s.seeds[0],
+                                steps=n, record_bytes=s.RECORD, host_tokens=host)
                 for i in range(n):
-                    logits = step(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % n], s.temperatures[i],
-                                  s.seeds[i])
+                    logits = step(s.tokens[i], s.positions[i], metas[i], s.tokens[i + 1] if i + 1 < n else last_token,
+                                  s.temperatures[i], s.seeds[i])
                 return logits
             return forward
 
-        for n in sorted({1, burst}):
-            forward = steps(n)
+        def capture(forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
             forward()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             logits = self._capture(graph, forward)
             torch.cuda.synchronize()
-            if n == 1:
-                self.single_logits = logits
-                self.graphs[1] = graph
-            else:
-                self.burst_graph, self.burst_steps = graph, n
+            return graph, logits
+
+        s = self.single
+        self.graphs[1], self.single_logits = capture(steps(s, 1, s.tokens[0], None))
+        self.burst_graphs, self.burst_steps, self.bursts_to_host = {}, 1, False
+        if burst > 1:
+            # One launch (the kernel's fused head): burst j's last token goes into the other
+            # burst's first record, and every token into burst_tokens[j]. Else its own record 0.
+            to_host = one_launch
+            for n in burst_sizes(burst):
+                self.burst_graphs[n] = [
+                    capture(steps(b, n, self.bursts[1 - j].tokens[0] if to_host else b.tokens[0],
+                                  self.burst_tokens[j] if to_host else None))[0]
+                    for j, b in enumerate(self.bursts)
+                ]
+            self.burst_steps, self.bursts_to_host = burst, to_host
         logger.info("captured the persistent decode kernel's graphs (bursts of %d) in %.2fs", burst, time.perf_counter() - t0)
 
     def release(self) -> None:
         """Free the captured graphs. A graph that captured NCCL collectives holds a reference on
         the communicator, and destroying the process group waits for it forever (PyTorch issue
         115388), so tensor parallelism releases the graphs before it destroys the group."""
-        for graph in [*self.graphs.values(), *([self.burst_graph] if self.burst_graph is not None else [])]:
+        for graph in [*self.graphs.values(), *(g for pair in self.burst_graphs.values() for g in pair)]:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
         self.single_logits = None
-        self.burst_graph, self.burst_steps = None, 1
+        self.burst_graphs, self.burst_steps = {}, 1
 
     def can_run(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and 0 < num_seqs <= self.max_batch
@@ -299,12 +350,45 @@ class CudaGraphRunner:
         """The captured per-op batch size a step of num_seqs decodes replays in `run`."""
         return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
-    def replay_burst(self) -> torch.Tensor:
-        """Replay the decode burst's graph over `self.single` (filled by the caller for
-        `self.burst_steps` steps); returns the records whose tokens are its outputs (see
-        SingleDecodeInputs)."""
-        self.burst_graph.replay()
-        return self.single.records[: self.burst_steps]
+    def next_burst(self) -> tuple[int, SingleDecodeInputs]:
+        """(j, inputs) of the next decode burst: the graphs take turns, so that the next burst's
+        inputs can be copied in while the burst before it runs (upload_stream, replay_burst)."""
+        return self._next_burst, self.bursts[self._next_burst]
+
+    def last_token(self, j: int) -> torch.Tensor:
+        """Where burst j leaves its last token ([1] int64 on the device): the next input."""
+        return self.bursts[1 - j].token if self.bursts_to_host else self.bursts[j].token
+
+    def upload_stream(self, j: int) -> torch.cuda.Stream:
+        """The stream on which to copy burst j's inputs: a second stream, which first waits until
+        the last replay of burst j is done with them. On the replay's own stream the copy cost
+        ~11 us per burst between the kernels (the copy engine's turn between two graphs; H200,
+        .dev measurements in docs/benchmarks.md, W5 session 21); here it runs during the burst
+        before. Call uploaded(j) after the copies."""
+        if self._upload_stream is None:
+            self._upload_stream = torch.cuda.Stream(self.device)
+        self._upload_stream.wait_event(self._done_with[j])
+        return self._upload_stream
+
+    def uploaded(self, j: int) -> None:
+        self._uploaded[j].record(self._upload_stream)
+
+    def replay_burst(self, j: int, n: int) -> BurstTokens:
+        """Replay the graph of burst j of n steps (its inputs filled: upload_stream); returns its
+        tokens, on their way to the host. The caller reads each burst's tokens before it replays
+        a burst j again (the kernel writes them to the same pinned memory)."""
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self._uploaded[j])
+        self.burst_graphs[n][j].replay()
+        if self.bursts_to_host:
+            tokens = BurstTokens(self.burst_tokens[j][:n], in_step_order=True)
+        else:  # the records: step i's token in record i + 1, the last one's in record 0
+            records = self.bursts[j].records[:n, 0]
+            host = torch.empty(records.shape, dtype=records.dtype, pin_memory=True).copy_(records, non_blocking=True)
+            tokens = BurstTokens(host, in_step_order=False)
+        self._done_with[j].record(stream)
+        self._next_burst = 1 - j
+        return tokens
 
     def replay_single(self) -> torch.Tensor:
         """Replay the graph of size 1 over `self.single` (filled by the caller); returns its

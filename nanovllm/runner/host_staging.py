@@ -37,12 +37,16 @@ class HostStaging:
             buf = self._buffers[i] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         return buf.numpy()[:nbytes]
 
-    def upload(self, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def upload(self, start: int, end: int, out: torch.Tensor | None = None,
+               stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """Copy bytes [start, end) of the slot last taken to the device (into `out`, uint8 of that
-        length, or a new tensor) without blocking the host; returns the device bytes."""
+        length, or a new tensor) on `stream` (None: the current one) without blocking the host;
+        returns the device bytes."""
         src = self._buffers[self._current][start:end]
         if out is None:
             out = torch.empty(end - start, dtype=torch.uint8, device=self.device)
-        out.copy_(src, non_blocking=True)
-        self._events[self._current].record()
+        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        with torch.cuda.stream(stream):
+            out.copy_(src, non_blocking=True)
+            self._events[self._current].record(stream)
         return out

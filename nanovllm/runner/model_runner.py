@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from nanovllm.models.registry import get_model_class
 from nanovllm.precompile import compile_in_background, precompiling
 from nanovllm.runner.host_staging import HostStaging
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.runner.cuda_graph import BurstTokens, SingleDecodeInputs
 
 logger = logging.getLogger("nanovllm")
 
@@ -109,22 +112,13 @@ class PendingOutput:
 
 class BurstOutput:
     """The K tokens of a decode burst's graph (CudaGraphRunner.replay_burst), on their way to
-    the host: one copy of the [K, 12] int64 input records, whose column 0 holds the tokens of
-    steps K-1, 0, ..., K-2 (SingleDecodeInputs), queued behind the graph into pinned memory."""
+    the host (cuda_graph.BurstTokens)."""
 
-    def __init__(self, records: torch.Tensor) -> None:
-        self.host = torch.empty(records.shape, dtype=records.dtype, pin_memory=True).copy_(records, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
+    def __init__(self, tokens: BurstTokens) -> None:
+        self.tokens = tokens
 
     def result(self) -> RunnerOutput:
-        self.event.synchronize()
-        return RunnerOutput(self.in_order(self.host[:, 0].tolist()))
-
-    @staticmethod
-    def in_order(record_tokens: list[int]) -> list[int]:
-        """The records' tokens (steps K-1, 0, ..., K-2) in the order of the steps."""
-        return record_tokens[1:] + record_tokens[:1]
+        return RunnerOutput(list(self.tokens.tolist()))
 
 
 class _Done:
@@ -178,6 +172,7 @@ class ModelRunner:
         # decode inputs are PLACEHOLDER_TOKEN on the host and are gathered from here.
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[int, int] = {}
+        self._bursts_out: list[BurstTokens | None] = [None, None]  # each burst graph's last tokens (_execute_burst)
         self.graph_runner = None
         self.persistent_decoder = None
         self.greedy_row = None  # the persistent graphs' argmax (fused_sampler.GreedyRow)
@@ -273,7 +268,7 @@ class ModelRunner:
 
     def _lone_step(self, token: torch.Tensor, position: torch.Tensor, meta: AttentionMetadata,
                    next_token: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, steps: int = 1,
-                   record_bytes: int = 0) -> torch.Tensor:
+                   record_bytes: int = 0, host_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of a lone sequence through the persistent kernel, its greedy token
         into next_token; returns the logits (what the lone-sequence graphs capture). The kernel
         runs the LM head and the argmax itself where it can (fused_head), and then samples the
@@ -281,10 +276,10 @@ class ModelRunner:
         (`lone_sampling`); else cuBLAS and GreedyRow follow it. (A Triton kernel of the head and
         the argmax alone was no faster than those two: 80.5-113 us against 80.7 on the H200,
         docs/benchmarks.md, W5 session 16.) steps > 1: a decode burst in this one launch (the
-        decoder's multi_step; inputs as PersistentDecoder.__call__ takes them)."""
+        decoder's multi_step; inputs and host_tokens as PersistentDecoder.__call__ takes them)."""
         decoder = self.persistent_decoder
         if decoder.fused_head:
-            decoder(token, position, meta, next_token, temperature, seed, steps, record_bytes)
+            decoder(token, position, meta, next_token, temperature, seed, steps, record_bytes, host_tokens)
             return decoder.logits
         if steps != 1:
             raise ValueError("several decode steps in one launch need the persistent kernel's fused head")
@@ -599,22 +594,25 @@ class ModelRunner:
         if self.config.decode_burst is not None:
             return self.config.decode_burst
         g = self.graph_runner
-        return g.burst_steps if g is not None and g.burst_graph is not None else 1
+        return g.burst_steps if g is not None and g.burst_graphs else 1
 
     def _execute_burst(self, item: ScheduledSeq) -> BurstOutput | PendingOutput:
         """A decode burst (ScheduledSeq.num_steps steps of one greedy or plain-temperature
-        sequence): one replay of the burst graph where it has this size and its steps' tokens
-        come from the graph (`_graph_picks_token`); otherwise (the reference path, and any device) that
-        many ordinary steps launched back to back, each one's input gathered on the device from
-        the last one's token."""
+        sequence): one replay of a burst graph where they have this size and its steps' tokens
+        come from the graph (`_graph_picks_token`), its inputs copied on a second stream while
+        the burst before runs (CudaGraphRunner.upload_stream); otherwise (the reference path,
+        and any device) that many ordinary steps launched back to back, each one's input
+        gathered on the device from the last one's token."""
         g = self.graph_runner
-        if (g is not None and g.burst_graph is not None and g.burst_steps == item.num_steps
-                and self._graph_picks_token(item)):
-            s = g.single
-            self._upload_single(item, steps=item.num_steps)
-            records = g.replay_burst()
-            self._prev_tokens, self._prev_rows = s.token, {item.seq_id: 0}
-            return BurstOutput(records)
+        if g is not None and item.num_steps in g.burst_graphs and self._graph_picks_token(item):
+            j, s = g.next_burst()
+            if self._bursts_out[j] is not None:  # its tokens' pinned memory is about to be rewritten
+                self._bursts_out[j].tolist()
+            self._upload_single(item, steps=item.num_steps, s=s, stream=g.upload_stream(j))
+            g.uploaded(j)
+            tokens = self._bursts_out[j] = g.replay_burst(j, item.num_steps)
+            self._prev_tokens, self._prev_rows = g.last_token(j), {item.seq_id: 0}
+            return BurstOutput(tokens)
         tokens = []
         for i in range(item.num_steps):
             step = ScheduledSeq(item.seq_id, item.token_ids if i == 0 else [PLACEHOLDER_TOKEN], item.start_pos + i,
@@ -623,11 +621,14 @@ class ModelRunner:
             tokens.append(sampled.token_ids.clone())  # the lone-sequence graph writes its argmax in place
         return PendingOutput([item], SamplerOutput(torch.cat(tokens), None, None, None), self.device)
 
-    def _upload_single(self, item: ScheduledSeq, steps: int = 1) -> None:
-        """Copy the inputs of `steps` decode steps of `item` into the lone-sequence graphs'
-        buffer (SingleDecodeInputs) in one copy. A greedy stream's input token is where the
-        last replay wrote it; another one is copied there from the last step's ids."""
-        s = self.graph_runner.single
+    def _upload_single(self, item: ScheduledSeq, steps: int = 1, s: SingleDecodeInputs | None = None,
+                       stream: torch.cuda.Stream | None = None) -> None:
+        """Copy the inputs of `steps` decode steps of `item` into lone-sequence graph inputs `s`
+        (SingleDecodeInputs; None: the graph of one step's) in one copy, on `stream` (None: the
+        current one). A greedy stream's input token is where the last replay wrote it, else it is
+        copied or written there on the current stream (after the launch in flight, which may
+        write it)."""
+        s = self.graph_runner.single if s is None else s
         host = self._staging.take(s.nbytes)
         token = item.token_ids[0]
         p = item.params
@@ -645,9 +646,12 @@ class ModelRunner:
             row = self._prev_rows[item.seq_id]
             if not (self._prev_tokens is s.token and row == 0):
                 s.token.copy_(self._prev_tokens[row : row + 1])
-            self._staging.upload(s.POSITION, s.nbytes, out=s.buffer[s.POSITION :])
-        else:
+        elif stream is None:
             self._staging.upload(0, s.nbytes, out=s.buffer)
+            return
+        else:
+            s.token.fill_(token)
+        self._staging.upload(s.POSITION, s.nbytes, out=s.buffer[s.POSITION :], stream=stream)
 
     def _execute_single(self, item: ScheduledSeq) -> tuple[list[ScheduledSeq], SamplerOutput] | None:
         """A lone decoding sequence: one copy of its inputs, one replay of the graph of the

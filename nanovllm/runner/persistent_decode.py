@@ -183,7 +183,9 @@ from nanovllm.runner.persistent_common import (
     F_LN2, F_O_PERM, F_O_W, F_QKV_B, F_QKV_W, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, SPLIT_TOKENS, _at, _embed_rows, _item_rows,
     _next_layer, _normed_to_shared, _residual, _rows, _stamp, _stamp_sm, _table_to_shared, _tile_columns, _weight_tile, _zero_acc,
 )
-from nanovllm.runner.persistent_head import _issue_head_chunk, _issue_head_q_chunk, _pick_token, _stage_head, _stage_head_q
+from nanovllm.runner.persistent_head import (
+    _issue_head_chunk, _issue_head_q_chunk, _pick_token, _stage_head, _stage_head_q, _tokens_out,
+)
 from nanovllm.runner.ptx import (
     MMA_K_STEP, align_up, bulk_copy, down_asm, down_rows, grid_arrive, grid_wait, mbarrier_wait, mbarriers_init, mma_asm,
     mma_rows, reserve_shared_memory, shared_address, slot_tile, stage_f32_to_shared, stage_to_shared, wait_count,
@@ -650,7 +652,7 @@ def _decode_kernel(
     head_q_ptr=None, head_meta_ptr=None, HEAD_Q: tl.constexpr = False, HEAD_Q_CR: tl.constexpr = 1,
     MMA_HEAD_Q: tl.constexpr = "", HEAD_META_OFF: tl.constexpr = 0, HEAD_CAND_OFF: tl.constexpr = 0,
     HEAD_CAP: tl.constexpr = 1, HEAD_NC: tl.constexpr = 8, HEAD_X_SCALE: tl.constexpr = 1.0, HEAD_LR: tl.constexpr = 1,
-    MULTI_STEP: tl.constexpr = False, num_steps=1, rec8=0, rec4=0,
+    MULTI_STEP: tl.constexpr = False, num_steps=1, rec8=0, rec4=0, host_tok_ptr=None,
 ):
     """PERSISTENT: every stage of every layer, with grid barriers between them (needs every
     program resident at once: launch at most one program per SM). Each stage's first weight
@@ -691,7 +693,8 @@ def _decode_kernel(
     (FUSED_HEAD with O_IN_A): num_steps decode steps in this launch, step i's inputs rec8 int64
     (rec4 32-bit) elements after step 0's (tok_ptr, pos_ptr, slot_ptr, seq_len_ptr, temp_ptr,
     seed_ptr), its token written over step i + 1's input token (the last step's to next_tok_ptr);
-    see the module docstring."""
+    see the module docstring. FUSED_HEAD: the launch's tokens, in step order, also go to
+    host_tok_ptr (the runner's pinned host memory: no copy after the launch, _tokens_out)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
@@ -750,6 +753,7 @@ def _decode_kernel(
             steps_here = num_steps
         else:
             steps_here = 1
+        last = pid < 0  # whether this program picked the last token (FUSED_HEAD: _pick_token)
         for step in range(0, steps_here):
             # MULTI_STEP: the launch runs num_steps decode steps (a burst); step i's input record lies
             # i * rec8 int64 words (rec4 32-bit words) after the first's, and its token's embedding is
@@ -915,7 +919,11 @@ def _decode_kernel(
                     if more & (last == 0):  # the last program's release of the step word: the next token's embedding is in
                         wait_count(sync_ptr + 2 + num_layers * NK, step + 1)
                     arrivals = arrivals * 0  # the last program put the barrier's count back to 0
-            _stamp(probe_ptr + pid, 12, num_programs, probe_half, PROBE)
+        if FUSED_HEAD:
+            if last:
+                tl.debug_barrier()  # its token's store (one thread's) before every thread reads it
+                _tokens_out(tok_ptr, next_tok_ptr, host_tok_ptr, steps_here, rec8)
+        _stamp(probe_ptr + pid, 12, num_programs, probe_half, PROBE)
     elif STAGE == -1:
         _stage_embed(base_ptr, tok_ptr, post_ptr, acc_ptr, pid, num_programs, rows_h, H, BR_H, ACC_COPIES)
     elif STAGE == 5:
@@ -1223,6 +1231,7 @@ class PersistentDecoder:
         self.greedy_temperature = torch.zeros(1, dtype=torch.float32, device=device)  # 0: the argmax
         self.exact_temperature = torch.full((1,), -1.0, dtype=torch.float32, device=device)  # every logit stored
         self.no_seed = torch.zeros(1, dtype=torch.int64, device=device)
+        self._token_scratch = torch.zeros(16, dtype=torch.int64, device=device)  # a launch's tokens (see __call__)
         if not self.fused_head:
             return
         if not possible:
@@ -1296,7 +1305,8 @@ class PersistentDecoder:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  next_token: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
-                 seed: torch.Tensor | None = None, steps: int = 1, record_bytes: int = 0) -> torch.Tensor:
+                 seed: torch.Tensor | None = None, steps: int = 1, record_bytes: int = 0,
+                 host_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden state [1, H]. With fused_head, also the logits (into self.logits) and their
         argmax, lowest id on ties, into next_token ([1] int64; None: self.greedy_token); or, where
         the [1] float32 `temperature` is above 0, the token fused_sampler.gumbel_argmax(logits,
@@ -1308,7 +1318,9 @@ class PersistentDecoder:
         position, slot, context length, temperature, seed) are the given tensors' elements
         record_bytes * i bytes further (SingleDecodeInputs' records; the block table is shared),
         step i's token goes into step i + 1's input token and the last step's into next_token;
-        the hidden state and logits are the last step's."""
+        the hidden state and logits are the last step's. host_tokens (fused_head; int64, at least
+        `steps` elements; pinned host memory, which the kernel writes directly): the launch's
+        tokens in step order (None: a scratch buffer on the device)."""
         if self.table is None:
             raise RuntimeError("PersistentDecoder: call bind() with the KV caches first")
         if input_ids.shape[0] != 1 or meta.num_decodes != 1:
@@ -1326,6 +1338,12 @@ class PersistentDecoder:
                 raise ValueError(f"persistent decode: {steps} steps in one launch need multi_step")
             if record_bytes <= 0 or record_bytes % 8:
                 raise ValueError(f"persistent decode: record_bytes must be a positive multiple of 8, got {record_bytes}")
+        if host_tokens is None:
+            if self._token_scratch.numel() < steps:
+                self._token_scratch = torch.zeros(steps, dtype=torch.int64, device=self.greedy_token.device)
+            host_tokens = self._token_scratch
+        elif host_tokens.dtype != torch.int64 or host_tokens.numel() < steps:
+            raise ValueError(f"persistent decode: host_tokens must be int64 with at least {steps} elements")
         if not self.fused_head:  # (a fused head's last program zeroes them: _pick_token)
             self.sync.zero_()
         args = (
@@ -1339,7 +1357,7 @@ class PersistentDecoder:
         if self.fused_head:
             common.update(head_off=self.head_off, logits_ptr=self.logits, next_tok_ptr=next_token, head_val_ptr=self.head_val,
                           head_idx_ptr=self.head_idx, vocab=self.vocab, rows_vocab=self.rows_vocab, temp_ptr=temperature,
-                          seed_ptr=seed)
+                          seed_ptr=seed, host_tok_ptr=host_tokens)
             if self.quantized_head:
                 common.update(head_q_ptr=self.head_q, head_meta_ptr=self.head_meta)
         if self.multi_step:

@@ -191,6 +191,21 @@ def _pick_token(top, top_row, next_tok_ptr, part_val_ptr, part_idx_ptr, sync_ptr
 
 
 @triton.jit
+def _tokens_out(tok_ptr, next_tok_ptr, out_ptr, steps, rec8, BLOCK: tl.constexpr = 16):
+    """The launch's `steps` tokens in step order into out_ptr (pinned host memory, where the
+    runner reads them once the launch is done: a copy after the launch cost ~4 us more per
+    decode burst on the H200, .dev measurements in docs/benchmarks.md, W5 session 21). Step i <
+    steps - 1 wrote its token into step i + 1's input record (tok_ptr + (i + 1) * rec8 int64
+    words), the last step into next_tok_ptr. Run by the program that picked the last token,
+    after the launch's last step: nothing waits for these stores but the launch's end."""
+    final = tl.load(next_tok_ptr)
+    for z in range(0, steps, BLOCK):
+        i = z + tl.arange(0, BLOCK)
+        earlier = tl.load(tok_ptr + (i + 1) * rec8, mask=i + 1 < steps, other=0)
+        tl.store(out_ptr + i, tl.where(i == steps - 1, final, earlier), mask=i < steps)
+
+
+@triton.jit
 def _issue_head_q_chunk(c, q_ptr, meta_ptr, slot, bar, meta, pid, rows_per_program, V, CR: tl.constexpr,
                         H: tl.constexpr):
     """The quantized head: copy chunk c (CR rows) of this program's rows of the int8 head into
