@@ -19,11 +19,14 @@ greedy stream's next step finds its input in place; its inputs are views of one 
 (SingleDecodeInputs) that one host-to-device copy fills. Each launch left outside the graph
 cost the host ~10-65 us per token (torch profiler, H200, W5). With the kernel's own LM head,
 the graph samples a plain-temperature stream's token too (the temperature and a seed per step
-are in the input record): the kernel adds fused_sampler's Gumbel noise to its logits. A second
-graph holds a decode burst (engine/scheduler.py): K such steps in a row, each step's token the
-next one's input, so that a greedy or plain-temperature stream pays the input copy, the graph
-launch and the output copy once per K tokens (W5 on the H200: 1,799 -> 1,848 tok/s with K = 8,
-1,851 with 16; a stream at temperature 0.7, 1,579 -> 1,859). Otherwise the smallest graph has
+are in the input record): the kernel adds fused_sampler's Gumbel noise to its logits. More
+graphs hold decode bursts (engine/scheduler.py): K such steps in a row, each step's token the
+next one's input, so that a greedy or plain-temperature stream pays the graph launch and the
+copies once per K tokens (W5 on the H200: 1,799 -> 1,848 tok/s with K = 8, 1,851 with 16; a
+stream at temperature 0.7, 1,579 -> 1,859). Two graphs per burst length take turns, so that a
+burst's inputs are copied on a second stream while the one before runs, and with the kernel's
+fused head the kernel writes the tokens into pinned host memory: no copy sits between two
+bursts' kernels (replay_burst; W5 +7-11 tok/s, docs/benchmarks.md session 21). Otherwise the smallest graph has
 8 rows: cuBLAS picks a slow kernel for some projections below 8 rows (Qwen3-0.6B's o_proj took
 12.6 us at 1 row and 5.9 us at 8 on the H200, `benchmarks/small_gemm.py`), and the other kernels
 cost the same for 1 or 8 rows, so a lone sequence runs faster padded to 8.
@@ -60,8 +63,9 @@ class SingleDecodeInputs:
     alignment, and the compile (dry pass) and every capture use such views.
 
     A burst's step i reads record i and writes its token into record i + 1's token, the
-    last step into record 0's, where the next burst (or single step) finds its input; so after
-    a burst of K steps, its tokens in order are those of records 1..K-1, then record 0's."""
+    last step where the next burst finds its input (CudaGraphRunner.last_token: the other burst
+    graph's record 0, or with a graph of n launches its own record 0, so that its tokens in order
+    are those of records 1..K-1, then record 0's: BurstTokens.in_order)."""
 
     TOKEN, POSITION, SLOT, SEQ_LEN, TEMPERATURE, SEED = 0, 16, 32, 48, 64, 80  # byte offsets in a record
     RECORD = 96
@@ -277,10 +281,12 @@ class CudaGraphRunner:
         one decoding sequence's forward over `self.single`, its LM head and its greedy argmax (or
         its sample, where it can: see SingleDecodeInputs) into `self.single.token`, compiled
         already: ModelRunner._lone_step) as the graph of size 1, in the pool of the others; with
-        burst > 1 (at most `self.single.steps`), also the graph of a decode burst: that many such
-        steps, each step's token the next one's input (see SingleDecodeInputs); one_launch: `step`
-        also takes `steps=n, record_bytes=...` and runs the n steps in one launch (the persistent
-        kernel's MULTI_STEP), else the graph holds n launches. Runs between steps, on the
+        burst > 1 (at most the records of `self.bursts`), also the graphs of decode bursts of
+        each length in scheduler.burst_sizes(burst), two per length over `self.bursts` (see
+        replay_burst): that many such steps, each step's token the next one's input (see
+        SingleDecodeInputs); one_launch: `step` also takes `steps=n, record_bytes=...,
+        host_tokens=...` and runs the n steps in one launch (the persistent kernel's MULTI_STEP),
+        writing their tokens into `self.burst_tokens`, else the graph holds n launches. Runs between steps, on the
         thread that runs them: the warm-up launches read the static inputs, so they are first
         made to store nothing and attend to nothing cached."""
         t0 = time.perf_counter()

@@ -128,8 +128,9 @@ A decode burst in one launch (MULTI_STEP, `multi_step`, on with the fused head):
 loops over the burst's steps, each reading its own input record. Between steps, the program
 that picks the token (the last to count in, _pick_token) writes the token's embedding into the
 residual stream and releases a step word the others wait on; layer 0's qkv rows of the next
-step are copied into slot X as soon as the head is done (_next_step_weights). That replaces
-the launch's end, the next launch's start (2.6-3.3 us between an eager launch's last program
+step are copied into slot X as soon as the head is done (_next_step_weights); after the last
+step that program writes the launch's tokens into the runner's pinned host memory
+(_tokens_out: no copy after the launch). That replaces the launch's end, the next launch's start (2.6-3.3 us between an eager launch's last program
 and the next one's first) and its prologue (4.6 us from a program's start to layer 0: the
 offset table, the token's and its embedding row's loads, the embedding stage's barrier). Eager
 launches at context 384: 8 steps in one launch 492-496 us per token, against 495-498 for 8
