@@ -626,7 +626,7 @@ def test_cuda_decode_steps_in_one_launch_with_the_16_bit_head(checkpoint_factory
 def check_burst_in_one_launch(path, kwargs: dict, temperature: float) -> None:
     import numpy as np
 
-    from nanovllm.runner.cuda_graph import SingleDecodeInputs
+    from nanovllm.runner.cuda_graph import BurstTokens, SingleDecodeInputs
 
     _, _, _, _, decoder = decode_both(path, 45, torch.bfloat16, **kwargs)
     assert decoder.fused_head and decoder.multi_step
@@ -646,17 +646,15 @@ def check_burst_in_one_launch(path, kwargs: dict, temperature: float) -> None:
                     temperature=temperature, seeds=[11 * i + 5 for i in range(steps)])
         s.buffer.copy_(torch.from_numpy(host))
 
-    def in_order() -> list[int]:
-        ids = s.records[:, 0].tolist()
-        return ids[1:] + ids[:1]
-
     metas = [s.meta(i) for i in range(steps)]
     on_host = torch.zeros(steps, dtype=torch.int64, pin_memory=True)  # the kernel writes the tokens there too
-    runs = []
-    for one_launch in (True, False):
-        for c, saved_c in zip(caches, saved):
-            c.copy_(saved_c)
-        fill(token.item(), 44)
+
+    def burst(start: list[torch.Tensor], first: int, position: int, one_launch: bool) -> list[int]:
+        """From the caches `start` and the inputs of steps at `position` on: the burst's tokens
+        in step order (the records', and with one_launch the host's copy of them too)."""
+        for c, c0 in zip(caches, start):
+            c.copy_(c0)
+        fill(first, position)
         with torch.inference_mode():
             if one_launch:
                 decoder(s.tokens[0], s.positions[0], metas[0], s.tokens[0], s.temperatures[0], s.seeds[0], steps=steps,
@@ -665,30 +663,20 @@ def check_burst_in_one_launch(path, kwargs: dict, temperature: float) -> None:
                 for i in range(steps):
                     decoder(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % steps], s.temperatures[i],
                             s.seeds[i])
-        runs.append((in_order(), [c.clone() for c in caches]))
+        tokens = BurstTokens.in_order(s.records[:, 0].tolist())  # (tolist waits for the launches)
+        if one_launch:
+            assert on_host.tolist() == tokens
         assert decoder.sync.abs().sum().item() == 0
-    (burst, burst_caches), (single, single_caches) = runs
-    assert burst == single and len(set(burst)) > 1
-    assert on_host.tolist() == burst
-    for a, b in zip(burst_caches, single_caches):
+        return tokens
+
+    first = burst(saved, token.item(), 44, one_launch=True)
+    first_caches = [c.clone() for c in caches]
+    assert first == burst(saved, token.item(), 44, one_launch=False) and len(set(first)) > 1
+    for a, b in zip(first_caches, caches):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     # The next burst goes on from there, in one launch again, as launches per step do.
-    for c, b in zip(caches, burst_caches):
-        c.copy_(b)
-    fill(burst[-1], 44 + steps)
-    with torch.inference_mode():
-        decoder(s.tokens[0], s.positions[0], metas[0], s.tokens[0], s.temperatures[0], s.seeds[0], steps=steps,
-                record_bytes=s.RECORD, host_tokens=on_host)
-    torch.cuda.synchronize()
-    second = in_order()
-    assert on_host.tolist() == second
-    for c, b in zip(caches, burst_caches):
-        c.copy_(b)
-    fill(burst[-1], 44 + steps)
-    with torch.inference_mode():
-        for i in range(steps):
-            decoder(s.tokens[i], s.positions[i], metas[i], s.tokens[(i + 1) % steps], s.temperatures[i], s.seeds[i])
-    assert second == in_order()
+    second = burst(first_caches, first[-1], 44 + steps, one_launch=True)
+    assert second == burst(first_caches, first[-1], 44 + steps, one_launch=False)
 
 
 def test_steps_in_one_launch_are_validated(checkpoint_factory):
