@@ -13,7 +13,7 @@ beyond the spin, four rounds:
   copy+to-host input copy on the same stream, then that graph
   side-stream  inputs copied on a second stream into one of two buffers (one graph each, in
                turn) while the replay before runs; the kernel writes its tokens to the host
-               (what the engine does now: CudaGraphRunner.upload_stream, replay_burst)
+               (what the engine does now: CudaGraphRunner.uploading, replay_burst)
   fetch        the kernel reads its inputs from pinned host memory itself (zero-copy)
 """
 from __future__ import annotations

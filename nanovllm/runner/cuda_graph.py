@@ -36,7 +36,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -218,6 +219,7 @@ class CudaGraphRunner:
         self._upload_stream: torch.cuda.Stream | None = None  # made at the first burst
         self._uploaded = [torch.cuda.Event() for _ in self.bursts]  # burst j's inputs are in
         self._done_with = [torch.cuda.Event() for _ in self.bursts]  # the last replay of j (and its copy) read them
+        self._last_tokens: list[BurstTokens | None] = [None for _ in self.bursts]  # burst j's last replay's
         self.max_model_len = max_model_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -358,31 +360,35 @@ class CudaGraphRunner:
 
     def next_burst(self) -> tuple[int, SingleDecodeInputs]:
         """(j, inputs) of the next decode burst: the graphs take turns, so that the next burst's
-        inputs can be copied in while the burst before it runs (upload_stream, replay_burst)."""
+        inputs can be copied in while the burst before it runs (uploading, replay_burst)."""
         return self._next_burst, self.bursts[self._next_burst]
 
     def last_token(self, j: int) -> torch.Tensor:
         """Where burst j leaves its last token ([1] int64 on the device): the next input."""
         return self.bursts[1 - j].token if self.bursts_to_host else self.bursts[j].token
 
-    def upload_stream(self, j: int) -> torch.cuda.Stream:
-        """The stream on which to copy burst j's inputs: a second stream, which first waits until
-        the last replay of burst j is done with them. On the replay's own stream the copy cost
-        ~11 us per burst between the kernels (the copy engine's turn between two graphs; H200,
-        .dev measurements in docs/benchmarks.md, W5 session 21); here it runs during the burst
-        before. Call uploaded(j) after the copies."""
+    @contextmanager
+    def uploading(self, j: int) -> Iterator[torch.cuda.Stream]:
+        """The stream on which to copy burst j's inputs inside the block: a second stream, which
+        first waits until the last replay of burst j is done with them; the replay of j waits
+        for the copies issued here. On the replay's own stream the copy cost 2-11 us per burst
+        between the kernels (the copy engine's turn between two graphs; H200, by host:
+        benchmarks/burst_handoff.py, docs/benchmarks.md W5 session 21); here it runs during the
+        burst before."""
         if self._upload_stream is None:
             self._upload_stream = torch.cuda.Stream(self.device)
         self._upload_stream.wait_event(self._done_with[j])
-        return self._upload_stream
-
-    def uploaded(self, j: int) -> None:
+        yield self._upload_stream
         self._uploaded[j].record(self._upload_stream)
 
     def replay_burst(self, j: int, n: int) -> BurstTokens:
-        """Replay the graph of burst j of n steps (its inputs filled: upload_stream); returns its
-        tokens, on their way to the host. The caller reads each burst's tokens before it replays
-        a burst j again (the kernel writes them to the same pinned memory)."""
+        """Replay the graph of burst j of n steps (its inputs filled: uploading); returns its
+        tokens, on their way to the host. The kernel writes them into the same pinned memory at
+        every replay of a burst j, so the last one's tokens are read first (the engine has
+        normally read them already: it reads a burst's tokens before it launches the one after
+        next)."""
+        if self._last_tokens[j] is not None:
+            self._last_tokens[j].tolist()
         stream = torch.cuda.current_stream()
         stream.wait_event(self._uploaded[j])
         self.burst_graphs[n][j].replay()
@@ -394,6 +400,7 @@ class CudaGraphRunner:
             tokens = BurstTokens(host, in_step_order=False)
         self._done_with[j].record(stream)
         self._next_burst = 1 - j
+        self._last_tokens[j] = tokens
         return tokens
 
     def replay_single(self) -> torch.Tensor:

@@ -172,7 +172,6 @@ class ModelRunner:
         # decode inputs are PLACEHOLDER_TOKEN on the host and are gathered from here.
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[int, int] = {}
-        self._bursts_out: list[BurstTokens | None] = [None, None]  # each burst graph's last tokens (_execute_burst)
         self.graph_runner = None
         self.persistent_decoder = None
         self.greedy_row = None  # the persistent graphs' argmax (fused_sampler.GreedyRow)
@@ -600,17 +599,15 @@ class ModelRunner:
         """A decode burst (ScheduledSeq.num_steps steps of one greedy or plain-temperature
         sequence): one replay of a burst graph where they have this size and its steps' tokens
         come from the graph (`_graph_picks_token`), its inputs copied on a second stream while
-        the burst before runs (CudaGraphRunner.upload_stream); otherwise (the reference path,
+        the burst before runs (CudaGraphRunner.uploading); otherwise (the reference path,
         and any device) that many ordinary steps launched back to back, each one's input
         gathered on the device from the last one's token."""
         g = self.graph_runner
         if g is not None and item.num_steps in g.burst_graphs and self._graph_picks_token(item):
             j, s = g.next_burst()
-            if self._bursts_out[j] is not None:  # its tokens' pinned memory is about to be rewritten
-                self._bursts_out[j].tolist()
-            self._upload_single(item, steps=item.num_steps, s=s, stream=g.upload_stream(j))
-            g.uploaded(j)
-            tokens = self._bursts_out[j] = g.replay_burst(j, item.num_steps)
+            with g.uploading(j) as stream:
+                self._upload_single(item, steps=item.num_steps, s=s, stream=stream)
+            tokens = g.replay_burst(j, item.num_steps)
             self._prev_tokens, self._prev_rows = g.last_token(j), {item.seq_id: 0}
             return BurstOutput(tokens)
         tokens = []

@@ -193,8 +193,8 @@ def _pick_token(top, top_row, next_tok_ptr, part_val_ptr, part_idx_ptr, sync_ptr
 @triton.jit
 def _tokens_out(tok_ptr, next_tok_ptr, out_ptr, steps, rec8, BLOCK: tl.constexpr = 16):
     """The launch's `steps` tokens in step order into out_ptr (pinned host memory, where the
-    runner reads them once the launch is done: a copy after the launch cost ~4 us more per
-    decode burst on the H200, .dev measurements in docs/benchmarks.md, W5 session 21). Step i <
+    runner reads them once the launch is done: a copy after the launch cost 2-12 us more per
+    decode burst on the H200, benchmarks/burst_handoff.py, docs/benchmarks.md W5 session 21). Step i <
     steps - 1 wrote its token into step i + 1's input record (tok_ptr + (i + 1) * rec8 int64
     words), the last step into next_tok_ptr. Run by the program that picked the last token,
     after the launch's last step: nothing waits for these stores but the launch's end."""
