@@ -903,7 +903,7 @@ def _decode_kernel(
                         num_programs, rows_vocab, vocab, slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES,
                         THREADS, HEAD_Q_CR, HEAD_PX, HEAD_PY, MMA_HEAD_Q, temp_s, seed_s, SAMPLE_BLOCK, HEAD_META_OFF,
                         HEAD_CAND_OFF, HEAD_CAP, HEAD_NC, HEAD_X_SCALE, out_ptr, rows_h, probe_ptr + pid, probe_half,
-                        PROBE, HEAD_LR, MULTI_STEP)
+                        PROBE, HEAD_LR, sync_ptr + 3 + num_layers * NK, MULTI_STEP)
                 more = step + 1 < steps_here
                 nxt = tl.minimum(step + 1, steps_here - 1)
                 if MULTI_STEP:  # layer 0's qkv rows of the next step on their way into slot X (free now)
@@ -1070,8 +1070,9 @@ class PersistentDecoder:
         self.resid2, self.acc_o = empty(self.hidden), empty(self.hidden, torch.float32)  # fused_attn
         self.part_acc = empty(self.num_q * max_splits * self.head_dim, torch.float32)
         self.part_ml = empty(self.num_q * max_splits * 2, torch.float32)
-        # fused_attn: a count per layer and KV head; fused_head: the pick's count and the step word
-        self.sync = empty(3 + self.num_k * self.num_layers, torch.int32)
+        # fused_attn: a count per layer and KV head; fused_head: the pick's count, the step word and
+        # the int8 head's shared bound (_stage_head_q)
+        self.sync = empty(4 + self.num_k * self.num_layers, torch.int32)
         # probe: [2 (global ns, SM cycles), layers, PROBE_POINTS, programs] stamps, 0 = not reached
         self.probe = empty(2 * self.num_layers * _PROBE_POINTS * num_programs if probe else 1, torch.int64)
         self.rows_qkv = -(-n_qkv // num_programs)
