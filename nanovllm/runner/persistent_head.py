@@ -25,7 +25,11 @@ best lower bound of their program's rows: the same token, no logits stored. W5 1
 tok/s (H200, session 18; eager launches at context 384: 529 us with the 16-bit head, 498-508
 with the int8 one, 464 without a head). Listing those rows in one scan of the program's rows
 (each thread a few consecutive ones) instead of one per 256 rows took the phase after the
-stream from ~3.6 to ~2.6 us per program: W5 1,970 -> 1,977 (session 19). A step whose sampler
+stream from ~3.6 to ~2.6 us per program: W5 1,970 -> 1,977 (session 19). The programs also
+share their best lower bounds (a sync word, an atomic max; published every 4 chunks and at the
+stream's end), and each lists only rows that reach the largest one published: most programs
+then recompute nothing, and the step's last program ends ~4 us earlier: W5 1,991-1,992 ->
+2,000-2,003 in the same call (session 22). A step whose sampler
 needs every logit (top-k/p, logprobs, banned ids) asks for them with a temperature below 0 and
 gets the 16-bit head.
 
@@ -267,12 +271,13 @@ def _stage_head_q(
     dtype. Their best (value, row) is returned: the program's part in the argmax (_pick_token). No
     logits are stored.
 
-    tau is also shared: each program publishes its best lower bound at bound_ptr (an atomic max)
-    and lists against the largest published so far where that is higher. A row whose upper bound
+    tau is also shared: each program publishes its best lower bound at bound_ptr (an atomic max,
+    every 4 chunks and at the stream's end) and lists against the largest published so far
+    where that is higher. A row whose upper bound
     is below another program's best lower bound cannot be the step's token, so most programs,
     and most often the late ones, whose end the step waits for, list no row and recompute
-    nothing (the dependent 16-bit row loads took 3.6 us median, 8.2 at most, per program;
-    H200, session 22). A program with no candidate returns (-inf, 0), which loses to the
+    nothing (the phase took 3.6 us median, 8.2 at most, per program, and 1.8 / 3.3 with the
+    shared bound; H200, session 22, docs/benchmarks.md). A program with no candidate returns (-inf, 0), which loses to the
     program that published the bound (its own row has hi >= lo = that bound)."""
     dtype = base_ptr.dtype.element_ty
     z = loop_zero(IN_LOOP)  # added to every arange: see _head_input
@@ -309,6 +314,8 @@ def _stage_head_q(
             hi = hi * inv_t + noise
         stage_f32_to_shared(hi, local * 4 + 3, valid, meta)
         best_lo = tl.maximum(best_lo, tl.where(valid, lo, float("-inf")))
+        if c % 4 == 3:  # published along the way too, for the programs whose streams end first
+            _shared_bound_publish(bound_ptr, tl.max(best_lo, axis=0))
     shared = _shared_bound_read(bound_ptr)  # (issued before the block's max below, which hides its latency)
     tau = tl.max(best_lo, axis=0)
     _shared_bound_publish(bound_ptr, tau)
