@@ -606,7 +606,7 @@ class ModelRunner:
         if g is not None and item.num_steps in g.burst_graphs and self._graph_picks_token(item):
             j, s = g.next_burst()
             with g.uploading(j) as stream:
-                self._upload_single(item, steps=item.num_steps, s=s, stream=stream)
+                self._upload_lone_inputs(item, steps=item.num_steps, s=s, stream=stream)
             tokens = g.replay_burst(j, item.num_steps)
             self._prev_tokens, self._prev_rows = g.last_token(j), {item.seq_id: 0}
             return BurstOutput(tokens)
@@ -618,7 +618,7 @@ class ModelRunner:
             tokens.append(sampled.token_ids.clone())  # the lone-sequence graph writes its argmax in place
         return PendingOutput([item], SamplerOutput(torch.cat(tokens), None, None, None), self.device)
 
-    def _upload_single(self, item: ScheduledSeq, steps: int = 1, s: SingleDecodeInputs | None = None,
+    def _upload_lone_inputs(self, item: ScheduledSeq, steps: int = 1, s: SingleDecodeInputs | None = None,
                        stream: torch.cuda.Stream | None = None) -> None:
         """Copy the inputs of `steps` decode steps of `item` into lone-sequence graph inputs `s`
         (SingleDecodeInputs; None: the graph of one step's) in one copy, on `stream` (None: the
@@ -657,7 +657,7 @@ class ModelRunner:
         Returns (rows, SamplerOutput) as _launch does."""
         g = self.graph_runner
         s = g.single
-        self._upload_single(item)
+        self._upload_lone_inputs(item)
         if not item.sample and self._prev_tokens is s.token:
             self._prev_tokens = s.token.clone()  # the replay's argmax overwrites them
         logits = g.replay_single()
