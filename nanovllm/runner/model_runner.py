@@ -619,7 +619,7 @@ class ModelRunner:
         return PendingOutput([item], SamplerOutput(torch.cat(tokens), None, None, None), self.device)
 
     def _upload_lone_inputs(self, item: ScheduledSeq, steps: int = 1, s: SingleDecodeInputs | None = None,
-                       stream: torch.cuda.Stream | None = None) -> None:
+                            stream: torch.cuda.Stream | None = None) -> None:
         """Copy the inputs of `steps` decode steps of `item` into lone-sequence graph inputs `s`
         (SingleDecodeInputs; None: the graph of one step's) in one copy, on `stream` (None: the
         current one). A greedy stream's input token is where the last replay wrote it, else it is

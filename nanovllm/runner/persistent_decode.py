@@ -699,6 +699,9 @@ def _decode_kernel(
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     count_ptr = sync_ptr + 1  # per-KV-head split counters; sync_ptr[0] counts barrier arrivals
+    # FUSED_HEAD: the pick's count is the last of the head_sync_n words the picker zeroes; the step
+    # word and the int8 head's shared bound follow them (_pick_token).
+    head_sync_n = 2 + num_layers * NK
     slot_x = 0
     slot_y = 0
     bar_x = 0
@@ -903,7 +906,7 @@ def _decode_kernel(
                         num_programs, rows_vocab, vocab, slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES,
                         THREADS, HEAD_Q_CR, HEAD_PX, HEAD_PY, MMA_HEAD_Q, temp_s, seed_s, SAMPLE_BLOCK, HEAD_META_OFF,
                         HEAD_CAND_OFF, HEAD_CAP, HEAD_NC, HEAD_X_SCALE, out_ptr, rows_h, probe_ptr + pid, probe_half,
-                        PROBE, HEAD_LR, sync_ptr + 3 + num_layers * NK, MULTI_STEP)
+                        PROBE, HEAD_LR, sync_ptr + head_sync_n + 1, MULTI_STEP)
                 more = step + 1 < steps_here
                 nxt = tl.minimum(step + 1, steps_here - 1)
                 if MULTI_STEP:  # layer 0's qkv rows of the next step on their way into slot X (free now)
@@ -914,11 +917,11 @@ def _decode_kernel(
                     _next_step_weights(head_cr, rows_vocab, more, table, base_ptr, slot_x, slot_y, bar_x, bar_y, pid,
                                        rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER)
                 last = _pick_token(top, top_row, tl.where(more, tok_ptr + nxt * rec8, next_tok_ptr), head_val_ptr,
-                                   head_idx_ptr, sync_ptr, 2 + num_layers * NK, pid, num_programs, HEAD_PARTS,
+                                   head_idx_ptr, sync_ptr, head_sync_n, pid, num_programs, HEAD_PARTS,
                                    MULTI_STEP, more, step, base_ptr, post_ptr, acc_ptr, H, BK_H, ACC_COPIES)
                 if MULTI_STEP:
                     if more & (last == 0):  # the last program's release of the step word: the next token's embedding is in
-                        wait_count(sync_ptr + 2 + num_layers * NK, step + 1)
+                        wait_count(sync_ptr + head_sync_n, step + 1)
                     arrivals = arrivals * 0  # the last program put the barrier's count back to 0
         if FUSED_HEAD:
             if last:

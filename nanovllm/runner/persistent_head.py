@@ -273,11 +273,11 @@ def _stage_head_q(
 
     tau is also shared: each program publishes its best lower bound at bound_ptr (an atomic max,
     every 4 chunks and at the stream's end) and lists against the largest published so far
-    where that is higher. A row whose upper bound
-    is below another program's best lower bound cannot be the step's token, so most programs,
-    and most often the late ones, whose end the step waits for, list no row and recompute
-    nothing (the phase took 3.6 us median, 8.2 at most, per program, and 1.8 / 3.3 with the
-    shared bound; H200, session 22, docs/benchmarks.md). A program with no candidate returns (-inf, 0), which loses to the
+    where that is higher. A row whose upper bound is below another program's best lower bound
+    cannot be the step's token, so most programs, and most often the late ones, whose end the
+    step waits for, list no row and recompute nothing (the phase took 3.6 us median, 8.2 at
+    most, per program, and 1.8 / 3.3 with the shared bound; H200, session 22,
+    docs/benchmarks.md). A program with no candidate returns (-inf, 0), which loses to the
     program that published the bound (its own row has hi >= lo = that bound)."""
     dtype = base_ptr.dtype.element_ty
     z = loop_zero(IN_LOOP)  # added to every arange: see _head_input
