@@ -464,6 +464,31 @@ def test_cuda_fused_mlp_close_to_two_stages(checkpoint_factory, case, dtype, pro
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(MMA_CASES))
 @pytest.mark.parametrize("programs", ["one-per-sm", "8", "3"])
+@pytest.mark.parametrize("qkv_early", [0, 3])
+def test_cuda_qkv_rows_copied_in_two_parts_match_one_copy(checkpoint_factory, case, programs, qkv_early):
+    """The next layer's qkv rows copied in two parts (qkv_early eighths during the MLP, the rest
+    once the MLP has arrived at its barrier; stage A waits for them only once its input is staged)
+    against one copy during the MLP (qkv_early=8): the same logits, to the last bits that the MLP's
+    atomics leave to their order, and the step's K/V as the model's. A part landing in the wrong
+    place, or stage A not waiting for the second, would multiply stale rows (the gate/up rows
+    that slot X held before). 3 eighths of 1-2 rows per program (one per SM) is no early part."""
+    path, kwargs = slots_case(checkpoint_factory, case, programs)
+    expected, split, expected_caches, caches, decoder = decode_both(path, 45, torch.bfloat16, qkv_early=qkv_early,
+                                                                    **kwargs)
+    assert decoder.constexprs["QKV_EARLY"] == qkv_early and decoder.mma
+    _, whole, _, _, _ = decode_both(path, 45, torch.bfloat16, qkv_early=8, **kwargs)
+    torch.testing.assert_close(split, whole, atol=3e-2, rtol=3e-2)
+    split_error, whole_error = (split - expected).abs().max().item(), (whole - expected).abs().max().item()
+    assert split_error <= 2 * whole_error + 1e-2, (split_error, whole_error)
+    assert split.std() > 0.1
+    for c, e in zip(caches, expected_caches):
+        torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(MMA_CASES))
+@pytest.mark.parametrize("programs", ["one-per-sm", "8", "3"])
 def test_cuda_fused_head_equals_cublas_logits_and_their_argmax(checkpoint_factory, case, programs):
     """The LM head and the greedy argmax inside the kernel (fused_head, on by default with the
     tensor-core slots): the hidden state is the one without it (to the last bits that the MLP's
@@ -714,6 +739,14 @@ def test_tensor_core_program_shape():
     assert ptx.count("mma.sync") == 3 * 8 and ptx.count("ldmatrix.sync.aligned.m8n8.x2") == 3 * 8
     assert ptx.count("prmt.b32") == 4 * 3 * 8 and "f32.f16.f16.f32" in ptx and ".x4" not in ptx
     assert ptx.count("ld.shared.v2.b32 {b0, b1}") == 8  # x: one 8-byte load per step
+
+
+def test_qkv_early_counts_eighths(checkpoint_factory):
+    """qkv_early is a count of eighths of a program's qkv rows; anything else is refused."""
+    model, *_ = build(checkpoint_factory("qwen3"))
+    for bad in (-1, 9):
+        with pytest.raises(ValueError, match="qkv_early counts eighths"):
+            PersistentDecoder(model, num_programs=3, persistent=False, qkv_early=bad)
 
 
 def test_quantized_head_needs_the_fused_head(checkpoint_factory):

@@ -254,18 +254,21 @@ def _stage_qkv(
     first, base_ptr, layer_ptr, resid_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_per_item, slot,
     H: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SMEM: tl.constexpr, xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr,
-    COPIES: tl.constexpr, STAGED: tl.constexpr = False,
+    COPIES: tl.constexpr, STAGED: tl.constexpr = False, bar=0, LATE_WAIT: tl.constexpr = False,
 ):
     """qkv rows = W_qkv[rows] @ rmsnorm(residual) (+ bias). `first`: see _first_tile. MMA_ASM
     (not empty): on tensor cores from the slot (mma_asm), the normed input staged at xbuf (by
     the caller already if STAGED). COPIES: the residual still has the previous layer's down sums
-    to add (see _residual)."""
+    to add (see _residual). LATE_WAIT (MMA_ASM): wait for the slot's rows (phase 0 of mbarrier
+    `bar`) only once the input is staged (QKV_EARLY in _decode_kernel)."""
     dtype = qkv_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_QKV_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN1)
     if MMA_ASM != "":
         if not STAGED:
             _normed_to_shared(resid_ptr, acc_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype, COPIES)
+        if LATE_WAIT:
+            mbarrier_wait(bar, 0)
     else:
         rstd = _rstd(resid_ptr, acc_ptr, eps, H, BLOCK_K, COPIES)
     for item in range(pid, tl.cdiv(N, rows_per_item), num_programs):
@@ -344,7 +347,7 @@ def _stage_gate_up(
     slot, slot_down, bar_down, bar, next_valid, rows_qkv, rows_h, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr,
     H: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SMEM: tl.constexpr,
     xbuf, red, MMA_ASM: tl.constexpr, BLOCK_X: tl.constexpr, THREADS: tl.constexpr, COPIES: tl.constexpr,
-    BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr, acc_in_ptr, IN_COPIES: tl.constexpr,
+    BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr, acc_in_ptr, IN_COPIES: tl.constexpr, QKV_EARLY: tl.constexpr = 8,
 ):
     """act[i] = silu(gate[i]) * up[i] for this program's i, gate/up = W @ rmsnorm(residual)
     (MMA_ASM: see _stage_qkv; its slice is the gate rows then the up rows; IN_COPIES: the
@@ -390,7 +393,7 @@ def _stage_gate_up(
             if MMA_ASM == "":
                 tl.debug_barrier()  # every thread's reads of slot X are done (mma_rows ends with a CTA barrier)
             _issue_weights(0, _next_layer(layer_ptr), next_valid, base_ptr, slot, bar, pid, rows_qkv, rows_h,
-                           rows_per_item, H, NQ, NK, D, INTER)
+                           rows_per_item, H, NQ, NK, D, INTER, False, False, 1, 1, (QKV_EARLY < 8) * 1, QKV_EARLY)
         if COPIES == 0:
             tl.store(act_ptr + rows, act, mask=rmask)
         else:
@@ -400,7 +403,7 @@ def _stage_gate_up(
     if COPIES > 0 and SMEM:
         if pid >= tl.cdiv(INTER, rows_per_item):  # a program without gate/up rows copies its qkv rows here
             _issue_weights(0, _next_layer(layer_ptr), next_valid, base_ptr, slot, bar, pid, rows_qkv, rows_h,
-                           rows_per_item, H, NQ, NK, D, INTER)
+                           rows_per_item, H, NQ, NK, D, INTER, False, False, 1, 1, (QKV_EARLY < 8) * 1, QKV_EARLY)
 
 
 @triton.jit
@@ -478,12 +481,15 @@ def _issue_weights(
     STAGE: tl.constexpr, layer_ptr, valid, base_ptr, slot, bar, pid, rows_qkv, rows_h, rows_inter,
     H: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     FUSED_MLP: tl.constexpr = False, FUSED_ATTN: tl.constexpr = False, RBS: tl.constexpr = 1, num_programs=1,
+    PART: tl.constexpr = 0, EARLY: tl.constexpr = 8,
 ):
     """SMEM_WEIGHTS: copy this program's rows of weight stage STAGE (0 qkv, 2 o, 3 gate and up,
     4 down; with FUSED_MLP, 4 is the program's rows_inter rows of the transposed down weight) of
     a layer into `slot`, counted at mbarrier `bar` (gate rows, then up rows rows_inter rows
     further). valid=False copies nothing but still completes the phase. With FUSED_ATTN, stage 2
-    is the program's o tile (_stage_attn_o's item (pid % NK, pid // NK)), RBS rows of o_perm."""
+    is the program's o tile (_stage_attn_o's item (pid % NK, pid // NK)), RBS rows of o_perm.
+    PART (stage 0 only): 0 all the rows; 1 the first EARLY eighths of them, without completing
+    the phase; 2 the rest, which completes it (see QKV_EARLY in _decode_kernel)."""
     ESIZE: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
     if STAGE == 2 and FUSED_ATTN:
         GD: tl.constexpr = (NQ // NK) * D
@@ -519,10 +525,21 @@ def _issue_weights(
             N: tl.constexpr = H
             K: tl.constexpr = INTER
         row0 = pid * rows_per_item
-        nbytes = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0) * (K * ESIZE)
+        count = tl.where(valid, tl.maximum(tl.minimum(rows_per_item, N - row0), 0), 0)
+        if PART != 0:
+            early = tl.minimum(count, rows_per_item * EARLY // 8)
+            if PART == 1:
+                count = early
+            else:
+                row0 += early
+                count -= early
+                slot += early * (K * ESIZE)
+        nbytes = count * (K * ESIZE)
         src = w_ptr + row0 * K
         if STAGE == 3:  # the up rows: INTER rows after the gate rows in the packed weight
             bulk_copy(bar, slot, src, nbytes, _up_rows_slot(slot, rows_per_item, K, ESIZE), src + INTER * K, nbytes)
+        elif PART == 1:
+            bulk_copy(bar, slot, src, nbytes, slot, src, 0, False)
         else:
             bulk_copy(bar, slot, src, nbytes, slot, src, 0)
 
@@ -560,7 +577,7 @@ def _layer_stage(
     BK_H: tl.constexpr, BX_O: tl.constexpr, BX_DOWN: tl.constexpr, THREADS: tl.constexpr, COPIES: tl.constexpr,
     BK_DT: tl.constexpr, DOWN_ASM: tl.constexpr, resid2_ptr, acc_o_ptr, FUSED_ATTN: tl.constexpr,
     PERSISTENT: tl.constexpr, RBS: tl.constexpr, BR_OB: tl.constexpr, BK_OB: tl.constexpr, MMA_OB: tl.constexpr,
-    GU_IN_B: tl.constexpr = False, O_IN_A: tl.constexpr = False,
+    GU_IN_B: tl.constexpr = False, O_IN_A: tl.constexpr = False, QKV_EARLY: tl.constexpr = 8,
 ):
     """Stage STAGE (0-4: A-E of the module docstring) of the layer at layer_ptr; `first` (and
     `first2`, the up tile of stage 3) from _prefetch, unused by stage 1 (attention), which takes
@@ -583,7 +600,7 @@ def _layer_stage(
                                D, INTER, True, True, RBS, num_programs)
             _stage_qkv(first, base_ptr, layer_ptr, resid2_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
                        H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS, COPIES,
-                       O_IN_A)
+                       O_IN_A, bar_x, QKV_EARLY < 8)
         else:
             _stage_qkv(first, base_ptr, layer_ptr, resid_ptr, acc_ptr, qkv_ptr, eps, pid, num_programs, rows_qkv, slot_x,
                        H, (NQ + 2 * NK) * D, HAS_BIAS, BR_QKV, BK_QKV, SMEM, xbuf, red, MMA_QKV, BK_H, THREADS, COPIES)
@@ -616,7 +633,7 @@ def _layer_stage(
             _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, acc_ptr, eps, pid, num_programs,
                            rows_inter, slot_x, slot_y, bar_y, bar_x, next_valid, rows_qkv, rows_h, NQ, NK, D, H, INTER,
                            BR_INTER, BK_INTER, SMEM, xbuf, red, MMA_GU, BK_H, THREADS, COPIES, BK_DT, DOWN_ASM,
-                           acc_o_ptr, 1)
+                           acc_o_ptr, 1, QKV_EARLY)
         else:
             _stage_gate_up(first, first2, base_ptr, layer_ptr, resid_ptr, act_ptr, acc_ptr, eps, pid, num_programs,
                            rows_inter, slot_x, slot_y, bar_y, bar_x, next_valid, rows_qkv, rows_h, NQ, NK, D, H, INTER,
@@ -647,7 +664,8 @@ def _decode_kernel(
     THREADS: tl.constexpr = 256, KV_PREFETCH_CG: tl.constexpr = False, ACC_COPIES: tl.constexpr = 0,
     BK_DT: tl.constexpr = 16, DOWN_ASM: tl.constexpr = "", FUSED_ATTN: tl.constexpr = False, RBS: tl.constexpr = 1,
     BR_OB: tl.constexpr = 1, BK_OB: tl.constexpr = 16, MMA_OB: tl.constexpr = "", GU_LATE: tl.constexpr = False,
-    O_LATE: tl.constexpr = False, head_off=0, logits_ptr=None, next_tok_ptr=None, head_val_ptr=None, head_idx_ptr=None,
+    O_LATE: tl.constexpr = False, QKV_EARLY: tl.constexpr = 8, head_off=0, logits_ptr=None, next_tok_ptr=None,
+    head_val_ptr=None, head_idx_ptr=None,
     vocab=0, rows_vocab=0, FUSED_HEAD: tl.constexpr = False, HEAD_CR: tl.constexpr = 1, MMA_HEAD: tl.constexpr = "",
     HEAD_PARTS: tl.constexpr = 1, temp_ptr=None, seed_ptr=None, SAMPLE_BLOCK: tl.constexpr = 2048,
     head_q_ptr=None, head_meta_ptr=None, HEAD_Q: tl.constexpr = False, HEAD_Q_CR: tl.constexpr = 1,
@@ -712,6 +730,8 @@ def _decode_kernel(
     # Where the gate/up rows and the o tile are copied into their slots (see _layer_stage).
     GU_IN_B: tl.constexpr = GU_LATE and FUSED_ATTN and SMEM_WEIGHTS
     O_IN_A: tl.constexpr = O_LATE and FUSED_ATTN and SMEM_WEIGHTS and MMA_QKV != ""  # A stages its input first
+    # The next layer's qkv rows: QKV_E eighths of them copied during the MLP, the rest once it arrives.
+    QKV_E: tl.constexpr = QKV_EARLY if O_IN_A and FUSED else 8
     # FUSED_HEAD: the parity of the LM head's first mbarrier phase in each slot, one phase per copy
     # the layers made there before it. X: the first qkv rows, then per layer the gate/up rows and
     # the next qkv rows (the last layer's empty): odd. Y: per layer the o tile (in stage A with
@@ -794,7 +814,8 @@ def _decode_kernel(
                             # (FUSED_ATTN waits for its o tile in _stage_attn_o, FUSED_MLP for its down rows in
                             # _down_partial.)
                             if stage == 0:
-                                mbarrier_wait(bar_x, 0)
+                                if QKV_E == 8:  # (else once its input is staged: _stage_qkv's LATE_WAIT)
+                                    mbarrier_wait(bar_x, 0)
                             elif stage == 2:
                                 mbarrier_wait(bar_y, 0)
                             elif stage == 3:
@@ -811,7 +832,7 @@ def _decode_kernel(
                                 INTER, KV_BLOCK_SIZE, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT, BLOCK_G, HAS_NORM, HAS_BIAS, BR_QKV, BK_QKV,
                                 BR_H, BK_O, BK_DOWN, BR_INTER, BK_INTER, BLOCK_T, PROBE, SMEM_WEIGHTS, xbuf, red, MMA_QKV, MMA_O,
                                 MMA_GU, MMA_DOWN, BK_H, BX_O, BX_DOWN, THREADS, ACC_COPIES, BK_DT, DOWN_ASM, resid2_ptr, acc_o_ptr,
-                                FUSED_ATTN, True, RBS, BR_OB, BK_OB, MMA_OB, GU_IN_B, O_IN_A,
+                                FUSED_ATTN, True, RBS, BR_OB, BK_OB, MMA_OB, GU_IN_B, O_IN_A, QKV_E,
                             )
                         _stamp(probe_row, 3 * stage + 1, num_programs, probe_half, PROBE)
                         seen = grid_arrive(sync_ptr, ONE_THREAD_BARRIER)
@@ -833,6 +854,10 @@ def _decode_kernel(
                                                H, NQ, NK, D, INTER, FUSED)
                             elif stage == 3:
                                 if FUSED:  # the next qkv rows are on their way (_stage_gate_up); no stage 4: slot Y is free
+                                    if QKV_E < 8:  # the rest of them, completing their phase (before the head's chunk 0)
+                                        _issue_weights(0, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_x,
+                                                       bar_x, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER, False,
+                                                       False, 1, 1, 2, QKV_E)
                                     if not O_IN_A:  # (else the next o tile is copied in its stage A)
                                         _issue_weights(2, _next_layer(layer_ptr), layer_i + 1 < num_layers, base_ptr, slot_y,
                                                        bar_y, pid, rows_qkv, rows_h, rows_inter, H, NQ, NK, D, INTER, FUSED,
@@ -1033,9 +1058,11 @@ class PersistentDecoder:
         fused_mlp: bool | None = None, acc_copies: int = 4, fused_attn: bool | None = None,
         gate_up_late: bool = True, o_late: bool = True, fused_head: bool | None = None,
         quantized_head: bool | None = None, head_candidates: int | None = None, head_scan_rows: int | None = None,
-        multi_step: bool | None = None,
+        multi_step: bool | None = None, qkv_early: int = 4,
     ) -> None:
         reason = unsupported_reason(model)
+        if not 0 <= qkv_early <= 8:
+            raise ValueError(f"qkv_early counts eighths of a program's qkv rows, 0 to 8; got {qkv_early}")
         if reason is not None:
             raise ValueError(f"persistent decode does not support this model: {reason}")
         if max_splits < 1 or max_splits & (max_splits - 1):
@@ -1143,7 +1170,8 @@ class PersistentDecoder:
         self.o_perm = ([lyr.self_attn.o_proj.weight.view(h, self.num_k, group_width).permute(1, 0, 2).contiguous()
                         for lyr in inner.layers] if self.fused_attn else [None] * self.num_layers)
         if self.fused_attn:
-            self.constexprs.update(FUSED_ATTN=True, RBS=self.rbs, BR_OB=br_ob, BK_OB=bk_ob, GU_LATE=gate_up_late, O_LATE=o_late)
+            self.constexprs.update(FUSED_ATTN=True, RBS=self.rbs, BR_OB=br_ob, BK_OB=bk_ob, GU_LATE=gate_up_late, O_LATE=o_late,
+                                   QKV_EARLY=qkv_early)
         self._smem_off: int | None = None
         self.mma = (self.smem_weights and mma_projections and self.dtype in (torch.bfloat16, torch.float16)
                     and all(k % MMA_K_STEP == 0 for k in (h, q, self.inter))
