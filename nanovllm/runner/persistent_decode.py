@@ -50,6 +50,16 @@ Code shape that the measurements chose (local sm_90 compiles, `cuobjdump -sass`,
   context 640. The o tile is copied in stage A once the stage's input is loaded, not while it
   loads (O_LATE, `o_late`; within noise, 0-1%). Slower: the gate/up rows after the o item's
   combine, the down rows before attention's arrival, the next qkv rows after the down product.
+- A grid barrier's arrival (its release) waits for the SM's bulk copies in flight, not only for
+  its stores (session 23: issued by warp 1 instead of thread 0, a copy held the arrival after
+  attention 0.74 -> 1.68 us). The next layer's qkv rows, copied as soon as gate/up is done,
+  held the MLP's arrival 1.9 us (0.97 after stage A, whose copy goes out after its arrival);
+  the down sums' reductions only 0.24 of that. So half of them are copied then and the rest
+  once the MLP has arrived (QKV_EARLY, `qkv_early`: eighths copied early), and stage A waits for
+  them only once its input is staged: layers 473.6 -> 458.2 us per token, W5 +49-57 tok/s.
+  Early eighths 0, 2, 3, 4, 5, 6, 8: W5 ~2,010 (no gain), 2,028, 2,045, 2,059, 2,060, 2,051,
+  2,011. The same split of the gate/up rows (stage B) or of the o tile (stage A) was slower
+  (1,985 and 2,025 with qkv_early=4, against 2,058).
 - After a barrier a stage issues every load it needs at once: every acquire empties the SM's L1,
   so a load whose address came from another load cost a second L2 round trip. The offset table
   lives in shared memory (_at), the step's rotary cos/sin, slot and context are loaded once per
@@ -698,7 +708,9 @@ def _decode_kernel(
     the tensor-core program MMA_OB), three stages per layer, the residual in resid and resid2,
     the o sums in acc_o (see _layer_stage); the attention parts count at sync_ptr[1 + layer * NK].
     GU_LATE, O_LATE (FUSED_ATTN, SMEM_WEIGHTS): when the gate/up rows and the o tile are copied
-    in (see the module docstring and _layer_stage). FUSED_HEAD (persistent, FUSED_ATTN, MMA): the
+    in (see the module docstring and _layer_stage); QKV_EARLY (with O_LATE and ACC_COPIES): how
+    many eighths of the next layer's qkv rows are copied during the MLP, the rest once it
+    arrives (8: all during the MLP, stage A waiting for them at its start). FUSED_HEAD (persistent, FUSED_ATTN, MMA): the
     LM head and the greedy argmax follow the last layer (_stage_head: the weight at head_off,
     `vocab` rows, rows_vocab per program, HEAD_CR per chunk; the logits to logits_ptr, the token
     to next_tok_ptr, the programs' bests at head_val/head_idx, their count after the attention
@@ -1036,7 +1048,9 @@ class PersistentDecoder:
     fused_attn (the o projection in the attention stage; needs fused_mlp and a program per KV
     head; None: on with fused_mlp and the slots; 34 us faster), gate_up_late and o_late (with
     fused_attn: when the slots' gate/up rows and o tile are copied in; 4-14 us faster and within
-    noise), fused_head (the LM head and the greedy argmax, or a temperature sample, in the
+    noise), qkv_early (with o_late and fused_mlp: eighths of the next layer's qkv rows copied
+    during the MLP, the rest once it arrives at its barrier; W5 ~2,010 -> ~2,055 tok/s with 4,
+    the module docstring), fused_head (the LM head and the greedy argmax, or a temperature sample, in the
     kernel, into self.logits and next_token; None: on with the tensor-core slots and fused_attn;
     ~1% faster on W5), quantized_head (with fused_head: a step that only needs the token
     picks it from an int8 copy of the head, exactly, see runner/head_quant.py; None: on where
