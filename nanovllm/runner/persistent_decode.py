@@ -370,10 +370,12 @@ def _stage_gate_up(
     follows the atomics' arrival, so their last bits can differ between runs. With SMEM, slot X
     (at mbarrier `bar`) is free as soon as the gate/up rows are multiplied, so the next layer's
     qkv rows (if next_valid) are copied in right then, before the down projection: issued after
-    the stage, they arrived ~1.9 us into stage A (H200, --timeline)."""
+    the stage, they arrived ~1.9 us into stage A (H200, --timeline). QKV_EARLY < 8: only that
+    many eighths of them here, the rest once the stage has arrived (see _decode_kernel)."""
     dtype = act_ptr.dtype.element_ty
     w_ptr = _at(base_ptr, layer_ptr, F_GU_W)
     ln_ptr = _at(base_ptr, layer_ptr, F_LN2)
+    QKV_PART: tl.constexpr = 1 if QKV_EARLY < 8 else 0  # the next qkv rows: their early part, or all of them
     if MMA_ASM != "":
         _normed_to_shared(resid_ptr, acc_in_ptr, ln_ptr, eps, xbuf, H, BLOCK_X, dtype, IN_COPIES)
     else:
@@ -403,7 +405,7 @@ def _stage_gate_up(
             if MMA_ASM == "":
                 tl.debug_barrier()  # every thread's reads of slot X are done (mma_rows ends with a CTA barrier)
             _issue_weights(0, _next_layer(layer_ptr), next_valid, base_ptr, slot, bar, pid, rows_qkv, rows_h,
-                           rows_per_item, H, NQ, NK, D, INTER, False, False, 1, 1, (QKV_EARLY < 8) * 1, QKV_EARLY)
+                           rows_per_item, H, NQ, NK, D, INTER, False, False, 1, 1, QKV_PART, QKV_EARLY)
         if COPIES == 0:
             tl.store(act_ptr + rows, act, mask=rmask)
         else:
@@ -413,7 +415,7 @@ def _stage_gate_up(
     if COPIES > 0 and SMEM:
         if pid >= tl.cdiv(INTER, rows_per_item):  # a program without gate/up rows copies its qkv rows here
             _issue_weights(0, _next_layer(layer_ptr), next_valid, base_ptr, slot, bar, pid, rows_qkv, rows_h,
-                           rows_per_item, H, NQ, NK, D, INTER, False, False, 1, 1, (QKV_EARLY < 8) * 1, QKV_EARLY)
+                           rows_per_item, H, NQ, NK, D, INTER, False, False, 1, 1, QKV_PART, QKV_EARLY)
 
 
 @triton.jit

@@ -102,6 +102,22 @@ def mbarriers_init(bar_x, bar_y):
     tl.debug_barrier()
 
 
+def _bulk_copy_ptx(arrive: bool) -> str:
+    """bulk_copy's PTX: with `arrive` the expected bytes come with the phase's one arrival."""
+    expect = ("@p mbarrier.arrive.expect_tx.shared::cta.b64 s, [$1], n; " if arrive
+              else "@p mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [$1], n; ")
+    return ("{ .reg .pred p, q, r; .reg .u32 t, n; .reg .b64 s; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "add.u32 n, $4, $7; setp.ne.and.u32 q, $4, 0, p; setp.ne.and.u32 r, $7, 0, p; "
+            "@p fence.proxy.async.shared::cta; " + expect +
+            "@q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$2], [$3], $4, [$1]; "
+            "@r cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$5], [$6], $7, [$1]; "
+            "mov.u32 $0, 0; }")
+
+
+_BULK_COPY_ARRIVE = tl.constexpr(_bulk_copy_ptx(True))
+_BULK_COPY_EXPECT = tl.constexpr(_bulk_copy_ptx(False))
+
+
 @triton.jit
 def bulk_copy(bar, dst, src, nbytes, dst2, src2, nbytes2, ARRIVE: tl.constexpr = True):
     """Thread 0: expect nbytes + nbytes2 at mbarrier `bar`, then copy nbytes from global `src` to
@@ -111,26 +127,8 @@ def bulk_copy(bar, dst, src, nbytes, dst2, src2, nbytes2, ARRIVE: tl.constexpr =
     expect the bytes, without the phase's one arrival, so that a later call (ARRIVE=True) can
     copy the rest of the phase's bytes: the phase completes when that call has arrived and all
     the bytes of both have landed."""
-    if ARRIVE:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p, q, r; .reg .u32 t, n; .reg .b64 s; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "add.u32 n, $4, $7; setp.ne.and.u32 q, $4, 0, p; setp.ne.and.u32 r, $7, 0, p; "
-            "@p fence.proxy.async.shared::cta; "
-            "@p mbarrier.arrive.expect_tx.shared::cta.b64 s, [$1], n; "
-            "@q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$2], [$3], $4, [$1]; "
-            "@r cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$5], [$6], $7, [$1]; "
-            "mov.u32 $0, 0; }",
-            "=r,r,r,l,r,r,l,r", [bar, dst, src, nbytes, dst2, src2, nbytes2], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p, q, r; .reg .u32 t, n; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "add.u32 n, $4, $7; setp.ne.and.u32 q, $4, 0, p; setp.ne.and.u32 r, $7, 0, p; "
-            "@p fence.proxy.async.shared::cta; "
-            "@p mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [$1], n; "
-            "@q cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$2], [$3], $4, [$1]; "
-            "@r cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$5], [$6], $7, [$1]; "
-            "mov.u32 $0, 0; }",
-            "=r,r,r,l,r,r,l,r", [bar, dst, src, nbytes, dst2, src2, nbytes2], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(_BULK_COPY_ARRIVE if ARRIVE else _BULK_COPY_EXPECT, "=r,r,r,l,r,r,l,r",
+                              [bar, dst, src, nbytes, dst2, src2, nbytes2], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
