@@ -470,8 +470,10 @@ def test_cuda_qkv_rows_copied_in_two_parts_match_one_copy(checkpoint_factory, ca
     once the MLP has arrived at its barrier; stage A waits for them only once its input is staged)
     against one copy during the MLP (qkv_early=8): the same logits, to the last bits that the MLP's
     atomics leave to their order, and the step's K/V as the model's. A part landing in the wrong
-    place, or stage A not waiting for the second, would multiply stale rows (the gate/up rows
-    that slot X held before). 3 eighths of 1-2 rows per program (one per SM) is no early part."""
+    place (or missing) makes stage A multiply stale rows (the gate/up rows that slot X held
+    before). Stage A not waiting for the second part is a race: these small models' copies land
+    early, so it would show only where one is late. 3 eighths of 1-2 rows per program (one per
+    SM) is no early part."""
     path, kwargs = slots_case(checkpoint_factory, case, programs)
     expected, split, expected_caches, caches, decoder = decode_both(path, 45, torch.bfloat16, qkv_early=qkv_early,
                                                                     **kwargs)
