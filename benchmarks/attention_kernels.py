@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from nanovllm.attention.backend import AttentionMetadata  # noqa: E402
+from nanovllm.attention.metadata import AttentionMetadata  # noqa: E402
 from nanovllm.attention.kernels.paged_attention import TileConfig  # noqa: E402
 from nanovllm.attention.kernels.store_kv import store_kv  # noqa: E402
 from nanovllm.attention.torch_backend import TorchAttentionBackend  # noqa: E402

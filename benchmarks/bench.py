@@ -115,11 +115,11 @@ def run_w5(llm, runs: int, temperature: float = 0.0) -> dict:
     prompt = [randint(0, 10000) for _ in range(128)]
     # W5 is greedy; a temperature > 0 measures a sampling stream the same way (not W5).
     sp = SamplingParams(temperature=temperature, max_tokens=512, ignore_eos=True)
-    # The persistent decode kernel compiles in the background after start-up (a first start:
-    # ~7 s); W5 measures the steady state, so it waits for it (and says whether it was used).
+    # The persistent decode kernel compiles in the background after start-up; W5 measures the
+    # steady state, so it waits for it (and says whether it was used).
     runner = engine.executor.runner
     runner.finish_background_compile()
-    persistent = runner.graph_runner is not None and 1 in runner.graph_runner.graphs
+    persistent = runner.fastpath is not None and runner.fastpath.graphs.has_single
     llm.generate([prompt], sp, use_tqdm=False)  # warm-up
     results = []
     for i in range(runs):
@@ -140,11 +140,9 @@ def run_w5(llm, runs: int, temperature: float = 0.0) -> dict:
         t_end = time.perf_counter()
         # W5 (../shared/BENCHMARKS.md): decode tok/s after the first token, and the time to the
         # first token. Both from the request's own times (monotonic, host side): it arrived, its
-        # first token reached the host (the prefill's result processed), its last did. (Until
-        # session 20 the window started when the first engine step returned: with async
-        # scheduling that step only launches the prefill, so the decode window held the rest of
-        # the prefill and the time to first token did not; those figures are kept as
-        # *_first_step for comparison.)
+        # first token reached the host (the prefill's result processed), its last did. (Timed
+        # from the first engine step's return instead, the window would hold the rest of the
+        # prefill, which async scheduling only launches there: *_first_step reports that too.)
         m = final.metrics
         decode_s = m["finished_time"] - m["first_token_time"]
         r = dict(run=i, ttft_ms=(m["first_token_time"] - m["arrival_time"]) * 1e3,
@@ -215,7 +213,7 @@ def main() -> None:
         w5 = report["w5"]
         print(f"W5 decode {w5['median_decode_tok_per_s']:.0f} tok/s, TTFT {w5['median_ttft_ms']:.1f} ms"
               f" (persistent kernel {'on' if w5['persistent_kernel'] else 'off'}, decode burst {runner.decode_burst}); "
-              f"timed from the first engine step's return as before session 20: "
+              f"timed from the first engine step's return: "
               f"{w5['median_decode_tok_per_s_first_step']:.0f} tok/s")
 
 

@@ -1,8 +1,9 @@
-"""Where the persistent one-sequence decode kernel's time goes (H200; docs/benchmarks.md, W5).
+"""Where the persistent one-sequence decode kernel's time goes: the per-token kernel times that
+docs/persistent_kernel.md reports (graph replay per context, per-stage costs, the grid barrier).
 
     python benchmarks/persistent_decode.py --model /tmp/q06 [--contexts 640 64 4000] [--breakdown] [--timeline]
-        [--compare one_thread_barrier=True split_tokens=32,block_t=32 ...] [--barriers]
-        [--timeline-variants gate_up_late=True ...] [--dump /tmp/stamps] [--burst 8] [--sm-streams 400]
+        [--compare split_tokens=32,block_t=32 ...] [--barriers]
+        [--timeline-variants fused_head=False ...] [--dump /tmp/stamps] [--burst 8] [--sm-streams 400]
 
 Per context: one replay of the batch-1 CUDA graph (the persistent kernel) against one replay of
 the per-op graph of 8 rows with only the first row live (what a lone sequence runs without the
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.runner.ptx import grid_arrive, grid_wait
+from nanovllm.fastpath.ptx import grid_arrive, grid_wait
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -74,12 +75,8 @@ def _volatile_poll_barrier(sync_ptr, target):
 @triton.jit
 def _barriers_only(sync_ptr, n, POLL: tl.constexpr):
     """n grid barriers in a row. POLL 0: the counter of grid_arrive, grid_wait with every
-    thread taking the arrival's answer (one_thread_barrier=False; acquire-load polling); 1: the
-    first version's (atomics); 2: the second's (volatile loads); 3: the kernel's default
-    (one_thread_barrier: thread 0 adds and polls).
-    (Per-program arrival flags, each program's release store polled by every program with
-    acquire loads and a min-reduction, measured 1.77 us at commit 65cf178, and the kernel with
-    them 744 -> 872 us per token at context 640: removed.)"""
+    thread taking the arrival's answer (acquire-load polling); 1: atomics; 2: volatile loads;
+    3: the kernel's (decoder.ONE_THREAD_BARRIER: thread 0 adds and polls)."""
     num_programs = tl.num_programs(0)
     arrivals = num_programs * 0
     for _ in range(0, n):
@@ -110,7 +107,7 @@ def timeline(dec, runner, ids, pos, meta, dump: str | None = None, **kwargs) -> 
     raw stamps ([2, layers, PROBE_POINTS, programs], numpy) there; kwargs: PersistentDecoder keywords."""
     import numpy as np
 
-    from nanovllm.runner import persistent_decode as pd
+    from nanovllm.fastpath import decoder as pd
 
     d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True, **kwargs)
     d.bind(runner.k_caches, runner.v_caches)
@@ -205,9 +202,9 @@ def burst_in_one_launch(runner, steps: int, ctx: int) -> None:
     per-step build, in us per token, three rounds; then the tokens of both from the same start."""
     import numpy as np
 
-    from nanovllm.runner import persistent_decode as pd
+    from nanovllm.fastpath import decoder as pd
 
-    g, multi = runner.graph_runner, runner.persistent_decoder
+    g, multi = runner.fastpath.graphs, runner.fastpath.decoder
     if not multi.multi_step:
         print("burst: the decoder cannot run several steps in one launch (no fused head)")
         return
@@ -254,7 +251,7 @@ def sm_streams(dec, runner, ids, pos, meta, launches: int) -> None:
     the spread between programs is the SM's own)."""
     import numpy as np
 
-    from nanovllm.runner import persistent_decode as pd
+    from nanovllm.fastpath import decoder as pd
 
     d = pd.PersistentDecoder(dec.model, num_programs=dec.num_programs, probe=True)
     d.bind(runner.k_caches, runner.v_caches)
@@ -292,7 +289,7 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="also time each stage, the barrier and tile shapes (at the first context)")
     ap.add_argument("--timeline", action="store_true", help="also stamp times inside the kernel (a PROBE build, at the first context)")
     ap.add_argument("--compare", nargs="+", metavar="KEY=VALUE[,KEY=VALUE]", default=[],
-                    help="also time the kernel built with these PersistentDecoder keywords (e.g. own_token_split=True) "
+                    help="also time the kernel built with these PersistentDecoder keywords (e.g. split_tokens=32,block_t=32) "
                          "between two runs of the default one, at every context")
     ap.add_argument("--barriers", action="store_true", help="also time the grid barrier variants alone")
     ap.add_argument("--timeline-variants", nargs="+", metavar="KEY=VALUE[,KEY=VALUE]", default=[],
@@ -305,12 +302,12 @@ def main() -> None:
                     "(0 the default kernel, then the variants in order)")
     args = ap.parse_args()
     from nanovllm import LLM
-    from nanovllm.runner import persistent_decode as pd
+    from nanovllm.fastpath import decoder as pd
 
     llm = LLM(args.model, max_model_len=max(4096, max(args.contexts)))
     runner = llm.engine.executor.runner
     runner.finish_background_compile()
-    g, dec = runner.graph_runner, runner.persistent_decoder
+    g, lone, dec = runner.graph_runner, runner.fastpath.graphs, runner.fastpath.decoder
 
     def set_context(ctx: int) -> None:
         blocks = -(-ctx // runner.block_size)
@@ -320,7 +317,7 @@ def main() -> None:
         g.seq_lens[0] = ctx
         g.positions[0] = ctx - 1
         g.block_tables[0, :blocks] = table
-        s = g.single  # the persistent graph's inputs
+        s = lone.single  # the persistent graph's inputs
         s.slot.fill_(-1)
         s.seq_len.fill_(ctx)
         s.position.fill_(ctx - 1)
@@ -332,12 +329,12 @@ def main() -> None:
         set_context(ctx)
         # The persistent graph also holds the LM head and the argmax: its forward alone is the
         # replay less the LM head's eager time (timed here on one row).
-        single = timed(g.graphs[1].replay)
+        single = timed(lone.single_graph.replay)
         print(f"context {ctx:5d}: persistent graph (batch 1) {single:8.1f} us with LM head and argmax, "
               f"~{single - logits_us:6.1f} without (LM head alone {logits_us:.1f}); "
               f"per-op graph (8 rows, one live) {timed(g.graphs[8].replay):8.1f} us")
-    meta = g.single.meta()
-    ids, pos = g.single.token, g.single.position
+    meta = lone.single.meta()
+    ids, pos = lone.single.token, lone.single.position
     sms = dec.num_programs
     decoders: dict[str, pd.PersistentDecoder] = {}
     seen: set[int] = set()
@@ -414,10 +411,9 @@ def breakdown(persistent, registers, num_layers: int) -> None:
     variants = [
         dict(),
         dict(tile_elements=16384),
-        dict(tile_elements=16384, gate_up_tile_elements=8192),
         dict(split_tokens=32, block_t=32),
         dict(split_tokens=32, block_t=64),
-        dict(tile_elements=16384, gate_up_tile_elements=8192, split_tokens=32, block_t=64),
+        dict(tile_elements=16384, split_tokens=32, block_t=64),
     ]
     for kwargs in variants:
         us = persistent(**kwargs)
@@ -429,8 +425,8 @@ def barriers(sms: int) -> None:
     buf = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"empty launch, {sms} programs: {timed(lambda: _empty[(sms,)](buf)):6.2f} us")
     n = 1000
-    variants = ((0, "counter, acquire-load polling (one_thread_barrier=False)"), (1, "counter, atomic polling"),
-                (2, "counter, volatile-load polling"), (3, "counter, thread 0 adds and polls (the kernel's: one_thread_barrier)"))
+    variants = ((0, "counter, acquire-load polling"), (1, "counter, atomic polling"),
+                (2, "counter, volatile-load polling"), (3, "counter, thread 0 adds and polls (the kernel's)"))
     for poll, name in variants:
         us = timed(lambda: (buf.zero_(), _barriers_only[(sms,)](buf, n, POLL=poll))) / n
         print(f"grid barrier, {sms} programs, {name}: {us:6.3f} us each")

@@ -7,7 +7,7 @@ Run on the H200 from the repository root:
 1. Builds a random-weight Qwen3-0.6B-shaped checkpoint (bf16) in a temporary directory, unless
    --model names one.
 2. Creates two engines side by side in this process, on the same GPU: one through
-   InProcessExecutor, one through MultiprocExecutor with one rank (NANOVLLM_EXECUTOR=mp: the
+   InProcessExecutor, one through MultiprocExecutor with one rank (put in by this script: the
    process group, the per-step checks and bookkeeping of the TP path, with no worker to talk
    to). Both get the same explicit KV pool (--num-kvcache-blocks, default: enough for the whole
    workload, so neither preempts) so the two fit on one GPU together.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pickle
 import random
 import statistics
@@ -40,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
-from nanovllm.executor.executor import EXECUTOR_ENV  # noqa: E402
-from nanovllm.executor.multiproc import _dumps, decode_step, encode_step  # noqa: E402
+from nanovllm.engine import llm_engine  # noqa: E402
+from nanovllm.executor.multiproc import MultiprocExecutor, _dumps, decode_step, encode_step  # noqa: E402
+from nanovllm.step import ScheduledSeq, SchedulerOutput  # noqa: E402
 
 QWEN3_06B = dict(
     vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -179,12 +178,16 @@ def main() -> None:
         opts["enable_prefix_caching"] = False
 
     engines: dict[str, LLM] = {}
-    for name, kind in [("in-process", "inprocess"), ("mp, TP=1", "mp")]:
-        os.environ[EXECUTOR_ENV] = kind
+    make_executor = llm_engine.make_executor
+    for name, multiproc in [("in-process", False), ("mp, TP=1", True)]:
+        if multiproc:  # the TP path with one rank, which the engine never takes on its own
+            llm_engine.make_executor = lambda config, source: MultiprocExecutor(config, source)
         t0 = time.perf_counter()
-        engines[name] = LLM(path, **opts)
+        try:
+            engines[name] = LLM(path, **opts)
+        finally:
+            llm_engine.make_executor = make_executor
         print(f"{name}: {type(engines[name].engine.executor).__name__} ready in {time.perf_counter() - t0:.1f}s", flush=True)
-    del os.environ[EXECUTOR_ENV]
     # Warm-up (bench.py does one short generate): a slice of the workload, so kernels for
     # long prefills and large decode batches are compiled before either path is timed.
     warm = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=32)] * min(32, len(prompts))

@@ -31,8 +31,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     # CUDA graphs on, one rank: a decode step of exactly one sequence runs as one persistent
-    # Triton kernel (runner/persistent_decode.py) instead of the per-op graph, once its compile,
-    # started in the background after start-up, is done (docs/benchmarks.md, W5).
+    # Triton kernel (nanovllm/fastpath/) instead of the per-op graph, once its compile, started
+    # in the background after start-up, is done.
     persistent_decode: bool = True
     # Decode steps a lone greedy or plain-temperature sequence runs per engine step, back to
     # back on the device (a decode burst: engine/scheduler.py). None = 8 once the persistent

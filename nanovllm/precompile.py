@@ -1,8 +1,8 @@
 """Compile the Triton kernels a model will launch in parallel, before they first run.
 
 Why: on a machine whose Triton cache is empty, the first start compiled each kernel variant when
-it was first launched, one after another, in the profiling run and the graph capture: ~8 s of a
-23.6 s cold start on the H200 (docs/benchmarks.md). Triton's compiler releases the GIL, so
+it was first launched, one after another, in the profiling run and the graph capture: about a
+third of a cold start. Triton's compiler releases the GIL, so
 compiles run side by side in threads.
 
 How: every launch site calls `launch(kernel, grid, ...)` instead of `kernel[grid](...)`. Inside
@@ -16,7 +16,7 @@ find every kernel compiled. Where Triton has no AsyncCompileMode, `precompiling`
 and the caller skips its dry pass: kernels then compile when first launched, as before.
 
 `compile_in_background` runs such a dry pass on a thread of its own, for a kernel that start-up
-need not wait for (the persistent decode kernel, the longest compile: ~7 s on the H200's host).
+need not wait for (the persistent decode kernel, the longest compile).
 """
 from __future__ import annotations
 

@@ -318,14 +318,17 @@ def test_abandoned_stream_frees_blocks(qwen3_tiny, async_scheduling):
     assert llm.generate([[1, 2]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_cuda_graph_capture_sizes():
-    from nanovllm.runner.cuda_graph import capture_sizes
+def test_every_decode_batch_has_a_graph_that_fits():
+    """A step of n decodes replays the smallest captured graph of at least n rows (padded)."""
+    from nanovllm.runner.cuda_graph import CudaGraphRunner
 
-    # The smallest graph has 8 rows (small batches are padded up to it), then multiples of 16.
-    assert capture_sizes(512) == [8] + list(range(16, 513, 16))
-    assert capture_sizes(256)[:3] == [8, 16, 32] and capture_sizes(256)[-1] == 256
-    assert capture_sizes(40) == [8, 16, 32, 40]
-    assert capture_sizes(1) == [8] and capture_sizes(8) == [8] and capture_sizes(16) == [8, 16]
+    for max_batch in (1, 8, 40, 512):
+        graphs = CudaGraphRunner(None, torch.device("cpu"), max_batch, 4, 64)
+        assert graphs.max_batch >= max_batch
+        for n in range(1, max_batch + 1):
+            size = graphs.graph_size(n)
+            assert size in graphs.sizes and n <= size
+            assert not any(n <= smaller < size for smaller in graphs.sizes)
 
 
 def test_packed_step_arrays_start_on_16_byte_boundaries(qwen3_tiny):
@@ -357,15 +360,16 @@ def test_engine_freezes_startup_objects_out_of_gc(qwen3_tiny):
 
 
 def count_bursts(llm):
-    """Wrap the runner's burst entry point; returns the list its calls' step counts land in."""
+    """Wrap the runner's multi-step decode (run_steps, what runs a burst on the CPU); returns the
+    list its calls' step counts land in."""
     runner = llm.engine.executor.runner
-    calls, inner = [], runner._execute_burst
+    calls, inner = [], runner.run_steps
 
-    def counted(item):
+    def counted(item, launch):
         calls.append(item.num_steps)
-        return inner(item)
+        return inner(item, launch)
 
-    runner._execute_burst = counted
+    runner.run_steps = counted
     return calls
 
 

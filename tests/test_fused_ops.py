@@ -21,7 +21,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not importable; the fused kernels cannot run")
 
-from nanovllm.attention.backend import AttentionMetadata, bind_kv_cache  # noqa: E402
+from nanovllm.attention.backend import bind_kv_cache  # noqa: E402
+from nanovllm.attention.metadata import AttentionMetadata  # noqa: E402
 from nanovllm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from nanovllm.layers import fused  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
@@ -207,7 +208,7 @@ def test_qk_norm_rope_shapes(num_heads, num_kv_heads, head_dim, layout, pos_dtyp
 def test_qk_norm_rope_stores_kv_like_store_kv(dtype, cache_dtype):
     """With kv_write the same launch leaves q/k as without it and writes the caches exactly as
     rotary followed by the reference store would; slot -1 (padding) writes nothing."""
-    from nanovllm.attention.backend import KVCacheWrite
+    from nanovllm.attention.metadata import KVCacheWrite
     from nanovllm.attention.torch_backend import store_kv as reference_store
 
     num_tokens, num_heads, num_kv_heads, head_dim, max_pos, block_size = 6, 4, 2, 32, 64, 4

@@ -96,13 +96,13 @@ def test_capturing_the_lone_sequence_graph_mid_run_keeps_the_caches(checkpoint_f
     llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=4096, max_num_batched_tokens=4096,
               max_num_seqs=64, gpu_memory_utilization=0.3)
     runner = llm.engine.executor.runner
-    assert runner.persistent_decoder is not None
+    assert runner.fastpath is not None and runner.fastpath.decoder is not None
     # One prefill step of the full token budget and no decode step, so the background compile
     # (started by the first decode step) has not begun.
     llm.generate(prompts(llm.engine.vocab_size, [4000, 96], seed=5), SamplingParams(max_tokens=1), use_tqdm=False)
-    assert not runner.graph_runner.has_single
+    assert not runner.fastpath.graphs.has_single
     runner.finish_background_compile()  # compiles and captures the graph now, between steps
-    assert runner.graph_runner.has_single
+    assert runner.fastpath.graphs.has_single
     adopted = torch.cuda.memory_stats()["num_device_alloc"]
     # Other prompts (no prefix-cache hit): a full-budget step again, then decodes.
     outs = llm.generate(prompts(llm.engine.vocab_size, [4000, 96], seed=6),
@@ -114,7 +114,7 @@ def test_capturing_the_lone_sequence_graph_mid_run_keeps_the_caches(checkpoint_f
 def test_small_batches_pad_to_the_smallest_graph(checkpoint_factory):
     """Batches of 1-7 decodes replay the 8-row graph with padded rows (slot -1, length 0), or,
     with the persistent decode kernel adopted, a lone sequence replays its graph of that kernel
-    (runner/persistent_decode.py); the tokens must equal eager mode's as the batch shrinks
+    (nanovllm/fastpath/); the tokens must equal eager mode's as the batch shrinks
     3 -> 2 -> 1."""
     path = checkpoint_factory("qwen3")
     outs = {}
@@ -123,11 +123,11 @@ def test_small_batches_pad_to_the_smallest_graph(checkpoint_factory):
                   enforce_eager=mode == "eager", persistent_decode=mode == "graphs+persistent")
         runner = llm.engine.executor.runner
         assert (runner.graph_runner is None) == (mode == "eager")
-        assert (runner.persistent_decoder is not None) == (mode == "graphs+persistent")
+        assert (runner.fastpath is not None) == (mode == "graphs+persistent")
         if mode == "graphs+persistent":
             runner.finish_background_compile()
-            counted = CountedGraph(runner.graph_runner.graphs[1])
-            runner.graph_runner.graphs[1] = counted
+            counted = CountedGraph(runner.fastpath.graphs.single_graph)
+            runner.fastpath.graphs.single_graph = counted
         ps = prompts(llm.engine.vocab_size, [5, 40, 9], seed=3)
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 20, 30)]
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
@@ -151,11 +151,11 @@ def test_persistent_kernel_is_adopted_while_serving_and_handles_long_contexts(ch
     llm = LLM(str(path), **kw)
     runner = llm.engine.executor.runner
     deadline = time.monotonic() + 300
-    while 1 not in runner.graph_runner.graphs:  # each step checks whether the compile is done
+    while not runner.fastpath.graphs.has_single:  # each step checks whether the compile is done
         assert time.monotonic() < deadline, "the persistent kernel was never adopted"
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
         time.sleep(0.2)
-    counted = LoneSequenceGraphs(runner.graph_runner)
+    counted = LoneSequenceGraphs(runner.fastpath.graphs)
     assert llm.generate(ps, params, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert counted.steps >= 15  # every decode step after the prefill
 
@@ -176,7 +176,7 @@ def test_lone_sequence_graph_feeds_the_sampler_when_not_plain_greedy(checkpoint_
         runner = llm.engine.executor.runner
         if mode == "persistent":
             runner.finish_background_compile()
-            counted = LoneSequenceGraphs(runner.graph_runner)
+            counted = LoneSequenceGraphs(runner.fastpath.graphs)
         ps = prompts(llm.engine.vocab_size, [21, 6], seed=7)
         first = llm.generate([ps[0]], params[0], use_tqdm=False)[0].outputs[0]
         llm.engine.async_scheduling = False
@@ -202,9 +202,9 @@ class CountedGraph:
 class CountedBursts:
     """Counts the replays of the decode bursts' graphs (per burst length, two taken in turn)."""
 
-    def __init__(self, graph_runner) -> None:
-        self.graphs = graph_runner.burst_graphs = {
-            n: [CountedGraph(g) for g in pair] for n, pair in graph_runner.burst_graphs.items()}
+    def __init__(self, lone_graphs) -> None:
+        self.graphs = lone_graphs.burst_graphs = {
+            n: [CountedGraph(g) for g in pair] for n, pair in lone_graphs.burst_graphs.items()}
 
     @property
     def replays(self) -> int:
@@ -219,10 +219,10 @@ class LoneSequenceGraphs:
     """Counts the decode steps that the persistent kernel's graphs ran: one per replay of the
     graph of one step, burst_steps per replay of a decode burst's graph."""
 
-    def __init__(self, graph_runner) -> None:
-        self.graph_runner = graph_runner
-        self.single = graph_runner.graphs[1] = CountedGraph(graph_runner.graphs[1])
-        self.burst = CountedBursts(graph_runner)
+    def __init__(self, lone_graphs) -> None:
+        self.lone_graphs = lone_graphs
+        self.single = lone_graphs.single_graph = CountedGraph(lone_graphs.single_graph)
+        self.burst = CountedBursts(lone_graphs)
 
     @property
     def steps(self) -> int:
@@ -231,7 +231,7 @@ class LoneSequenceGraphs:
 
 def test_start_up_leaves_the_largest_step_memory_cached(checkpoint_factory):
     """Graph capture empties the caching allocator; start-up then runs the largest step again so
-    that the first full prefill step does not cudaMalloc (W1's first run paid 0.1-0.6 s for it)."""
+    that the first full prefill step does not cudaMalloc its activations."""
     # 4,096 tokens: the step's projections are 2 MB tensors, from the allocator's large pool,
     # whose free segments an empty_cache returns (a tiny model's 1,024-token step fits in the
     # small pool's segments that the weights keep alive, and would pass either way).
@@ -266,9 +266,9 @@ def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
                   decode_burst=burst)
         runner = llm.engine.executor.runner
         runner.finish_background_compile()
-        g = runner.graph_runner
+        g = runner.fastpath.graphs
         assert bool(g.burst_graphs) == (burst is None) and runner.decode_burst == (8 if burst is None else 1)
-        assert runner.persistent_decoder.fused_head == (dtype == "bfloat16" and torch.cuda.get_device_capability() >= (9, 0))
+        assert runner.fastpath.decoder.fused_head == (dtype == "bfloat16" and torch.cuda.get_device_capability() >= (9, 0))
         if burst is None:
             counted = CountedBursts(g)
         ps = prompts(llm.engine.vocab_size, [5, 40, 9, 200], seed=4)
@@ -315,9 +315,9 @@ def test_sampled_stream_bursts_in_the_graph_equal_single_steps(checkpoint_factor
                   decode_burst=burst)
         runner = llm.engine.executor.runner
         runner.finish_background_compile()
-        assert runner.lone_sampling
-        g = runner.graph_runner
-        single = g.graphs[1] = CountedGraph(g.graphs[1])
+        assert runner.fastpath.lone_sampling
+        g = runner.fastpath.graphs
+        single = g.single_graph = CountedGraph(g.single_graph)
         if burst is None:
             counted = CountedBursts(g)
         ps = prompts(llm.engine.vocab_size, [5, 40, 200], seed=6)

@@ -1,4 +1,4 @@
-"""The int8 copy of the LM head (runner/head_quant.py): its error bound must hold for every row,
+"""The int8 copy of the LM head (fastpath/head_quant.py): its error bound must hold for every row,
 or the persistent kernel's quantized head could miss the exact head's token. The bound is held
 against the logits computed in float64 from the 16-bit weights, for random heads, heads with
 outlier weights, zero rows, inputs with large and tiny entries, and a final norm whose weights
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.runner import head_quant
+from nanovllm.fastpath import head_quant
 
 
 def held(weight: torch.Tensor, x: torch.Tensor, exponent: int) -> tuple[torch.Tensor, torch.Tensor]:

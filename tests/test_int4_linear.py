@@ -6,10 +6,12 @@ import torch
 from checkpoints import load_model
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention.backend import AttentionMetadata, bind_kv_cache
+from nanovllm.attention.backend import bind_kv_cache
+from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend
 from nanovllm.layers import int4_linear
-from nanovllm.layers.int4_linear import GROUP_SIZE, Int4Weight, _codes, dequantize, quantize, quantize_model
+from nanovllm.layers.int4_linear import GROUP_SIZE, Int4Weight, _codes, dequantize, quantize
+from nanovllm.layers.linear import quantize_int4
 
 pytestmark = pytest.mark.skipif(not int4_linear.available(), reason="this torch has no CPU int4 kernels")
 
@@ -88,7 +90,7 @@ def test_model_with_int4_weights_computes_with_its_dequantized_weights(checkpoin
         bind_kv_cache(model, caches, [c.clone() for c in caches], TorchAttentionBackend())
         models.append(model)
     quantized, dense = models
-    done, kept = quantize_model(quantized)
+    done, kept = quantize_int4(quantized)
     assert done == 4 * config.num_hidden_layers and kept == 0  # qkv, o, gate_up, down per layer
     assert isinstance(quantized.lm_head.weight, torch.Tensor)  # the vocabulary matrix stays dense
     for (name, q), (_, d) in zip(quantized.named_modules(), dense.named_modules()):

@@ -19,7 +19,8 @@ import pytest
 import torch
 from checkpoints import make_checkpoint
 
-from nanovllm.attention.backend import AttentionMetadata, bind_kv_cache
+from nanovllm.attention.backend import bind_kv_cache
+from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend
 from nanovllm.loaders.safetensors import iter_safetensors
 from nanovllm.models.registry import get_model_class

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler, burst_sizes
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.step import burst_sizes
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 from nanovllm.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not importable; the Triton attention backend cannot run")
 
-from nanovllm.attention.backend import AttentionMetadata  # noqa: E402
+from nanovllm.attention.metadata import AttentionMetadata  # noqa: E402
 from nanovllm.attention.kernels.paged_attention import TileConfig, choose_num_splits, paged_attention  # noqa: E402
 from nanovllm.attention.kernels.store_kv import store_kv  # noqa: E402
 from nanovllm.attention.torch_backend import TorchAttentionBackend  # noqa: E402
@@ -247,8 +247,8 @@ def test_store_kv_writes_exactly_the_given_slots(block_size):
 
 
 def test_choose_num_splits():
-    # Measured on the H200 with W1-shaped contexts (docs/benchmarks.md): a batch of 64 already
-    # fills the GPU; 32 and 16 sequences run fastest at 2 and 4 splits; one sequence at 8-16.
+    # On a 132-SM GPU a batch of 64 already fills it; 32 and 16 sequences run fastest at 2 and 4
+    # splits; one sequence at 8-16.
     assert choose_num_splits(256, 8, 132) == 1
     assert choose_num_splits(64, 8, 132) == 1
     assert choose_num_splits(32, 8, 132) == 2

@@ -1,60 +1,21 @@
-"""The attention interface every backend implements, and the per-forward metadata.
+"""The attention interface every backend implements, the layer that calls it, and the lazy
+backend registry.
 
 A backend does two things for one layer in one forward: store the step's new K/V into the
 paged cache (by `slot_mapping`), then attend each query token over its sequence's cached
-context (read through `block_tables`). Prefill chunks and decodes share one step. The `Attention`
-layer also applies the model's q/k norms and rotary first; where those run as the fused Triton
-kernel, that launch stores K/V too and the backend is told so (`kv_stored`).
-
-Layout (all backends):
-- KV cache per layer: `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim].
-  Token `t` of a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`.
-- The batch is ordered decodes first: the first `num_decodes` sequences have query length 1.
-- `AttentionMetadata` is built by the model runner for one forward and passed down the model
-  explicitly (no module-level mutable state), so CUDA graphs can capture it as static buffers.
+context (read through `block_tables`). Prefill chunks and decodes share one step. The model
+applies its q/k norms and rotary before it calls the layer; where those run as the fused Triton
+kernel, that launch stores K/V too and the backend is told so (`kv_stored`). The cache layout
+and the per-forward metadata are in attention/metadata.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from nanovllm.layers.norm import RMSNorm
-from nanovllm.layers.rotary import RotaryEmbedding, apply_qk_norm_rope
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 means "padding, do not store"
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
-    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, rows padded with 0
-    num_decodes: int  # the first num_decodes sequences have exactly one query token
-    max_query_len: int
-    max_seq_len: int
-    # Host copies (Python ints) so a backend never has to sync to learn shapes.
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
-    # What a backend derives from this metadata once and every layer reuses (the torch
-    # backend's decode plan on the CPU). The metadata describes one step: its tensors are not
-    # changed after the first layer has read them.
-    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-
-class KVCacheWrite(NamedTuple):
-    """A step's V rows and where they (and the rotated K rows) go: handed to the fused q/k
-    norm + rotary kernel so that it stores K/V in the same launch (layers/fused.py)."""
-
-    v: torch.Tensor  # [num_tokens, num_kv_heads * head_dim] or [num_tokens, num_kv_heads, head_dim]
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slot_mapping: torch.Tensor  # [num_tokens]; -1 = padding, nothing stored
+from nanovllm.attention.metadata import AttentionMetadata, KVCacheWrite
 
 
 class AttentionBackend(Protocol):
@@ -89,31 +50,20 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        meta: AttentionMetadata,
-        positions: torch.Tensor | None = None,
-        rotary_emb: RotaryEmbedding | None = None,
-        q_norm: RMSNorm | None = None,
-        k_norm: RMSNorm | None = None,
-    ) -> torch.Tensor:
-        """Attention over the paged cache. With `rotary_emb` (and `positions`), q and k first get
-        the optional per-head norms and rotary; where that runs as the fused kernel, the same
-        launch stores K/V in the cache and the backend skips its own store."""
+    def cache_write(self, v: torch.Tensor, meta: AttentionMetadata) -> KVCacheWrite:
+        """Where this step's K/V go, for the fused q/k norm + rotary launch that stores them."""
         if self.backend is None:
             raise RuntimeError("Attention layer has no backend bound; call bind_kv_cache() first")
-        kv_stored = False
-        if rotary_emb is not None:
-            if positions is None:
-                raise ValueError("Attention: rotary_emb needs positions")
-            kv_write = None
-            if rotary_emb.is_fused_for(positions):
-                kv_write = KVCacheWrite(v, self.k_cache, self.v_cache, meta.slot_mapping)
-            q, k = apply_qk_norm_rope(rotary_emb, positions, q, k, q_norm, k_norm, kv_write)
-            kv_stored = kv_write is not None
+        return KVCacheWrite(v, self.k_cache, self.v_cache, meta.slot_mapping)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_stored: bool = False
+    ) -> torch.Tensor:
+        """Attention over the paged cache of q, k, v ([T, H * D] or [T, H, D], norms and rotary
+        applied). kv_stored: the fused q/k norm + rotary launch has stored K/V already
+        (KVCacheWrite), so the backend skips its own store."""
+        if self.backend is None:
+            raise RuntimeError("Attention layer has no backend bound; call bind_kv_cache() first")
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401  (ImportError = not installed)
 
-from nanovllm.attention.backend import AttentionMetadata
+from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.kernels.store_kv import store_kv
 
 

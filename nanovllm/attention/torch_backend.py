@@ -7,8 +7,7 @@ is over sequences, never over tokens.
 
 On the CPU, what every layer would derive again from the step's metadata (whether every slot is
 real, the decodes' block ids and padding mask) is derived by the first layer and kept in
-`meta.derived` (_step_plan): each of those small ops costs its dispatch (~3 us on the CPU),
-several per layer. Not on CUDA, where this path may run under graph capture, which must record
+`meta.derived` (_step_plan): each of those small ops costs its dispatch, several per layer. Not on CUDA, where this path may run under graph capture, which must record
 every op of every layer.
 """
 from __future__ import annotations
@@ -16,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanovllm.attention.backend import AttentionMetadata
+from nanovllm.attention.metadata import AttentionMetadata
 
 
 def store_kv(
@@ -95,9 +94,8 @@ class TorchAttentionBackend:
         nd = meta.num_decodes
         if nd:
             # One SDPA call over every decode, in fp32, on [seqs, heads, positions, head_dim]
-            # views of the gathered blocks (no transposing copies: the einsum this replaced
-            # permuted K and V into bmm layout, 1.08 -> 0.39 ms per layer at 16 x 96 positions,
-            # 2-vCPU machine, and its copies grew with the context). Query head h reads KV head
+            # views of the gathered blocks (no transposing copies of K and V into bmm layout,
+            # which would grow with the context). Query head h reads KV head
             # h // (heads / kv_heads), as everywhere in the engine.
             keys = _gather_context(k_cache, plan.block_ids).float().transpose(1, 2)  # [nd, Hkv, L, D]
             values = _gather_context(v_cache, plan.block_ids).float().transpose(1, 2)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.attention.backend import AttentionMetadata
+from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.kernels.paged_attention import (
     TileConfig,
     choose_num_splits,

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.executor.executor import make_executor
 from nanovllm.layers.rotary import context_length
 from nanovllm.loaders.source import resolve_model
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.step import SchedulerOutput
 
 if TYPE_CHECKING:
     from nanovllm.runner.model_runner import RunnerOutput
@@ -101,8 +102,8 @@ class LLMEngine:
         # without waiting (the in-process one); the step in flight is kept here.
         wanted = config.async_scheduling
         if wanted is None:
-            wanted = getattr(self.executor, "device_type", "cpu") == "cuda"
-        self.async_scheduling = wanted and hasattr(self.executor, "execute_async")
+            wanted = self.executor.device_type == "cuda"
+        self.async_scheduling = wanted and self.executor.supports_async
         self._in_flight = None
         t = time.perf_counter()
         _freeze_startup_objects()

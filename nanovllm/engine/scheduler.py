@@ -30,57 +30,11 @@ it (docs/benchmarks.md, W5); a burst pays that once per K tokens.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from operator import attrgetter
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
-from nanovllm.sampling_params import SamplingParams
-
-
-def burst_sizes(decode_burst: int) -> list[int]:
-    """The decode bursts a lone sequence takes: decode_burst steps, and where fewer tokens are
-    left under its max_tokens, halves of it down to 2 (the runner has a graph for each). A
-    W5 request (511 tokens after the prefill's, bursts of 8) ended in 7 single steps, each
-    ~35 us slower than a token in a burst on the H200 (docs/benchmarks.md, W5 session 21); now
-    in bursts of 4 and 2 and one single step."""
-    sizes = []
-    while decode_burst >= 2:
-        sizes.append(decode_burst)
-        decode_burst //= 2
-    return sizes
-
-
-@dataclass
-class ScheduledSeq:
-    seq_id: int
-    token_ids: list[int]  # the tokens whose K/V this step computes
-    start_pos: int  # position of token_ids[0]
-    block_table: list[int]
-    sample: bool  # True when this step reaches the end of the sequence: sample one token
-    params: SamplingParams
-    seed: int | None
-    banned_token_ids: list[int] | None  # not samplable yet (min_tokens)
-    # A decode burst (greedy or plain temperature, one token in): K steps back to back, the K/V
-    # of token_ids[0] and of the first K-1 tokens sampled, and K tokens sampled. 1: an ordinary
-    # step.
-    num_steps: int = 1
-
-
-@dataclass
-class SchedulerOutput:
-    seqs: list[ScheduledSeq]  # decodes (one token each) first
-    num_decodes: int
-    num_batched_tokens: int  # a burst counts its K steps
-    finished_seq_ids: list[int] = field(default_factory=list)  # runner may drop per-seq state
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(s.num_steps for s in self.seqs[: self.num_decodes])
+from nanovllm.step import ScheduledSeq, SchedulerOutput, burst_sizes
 
 
 class Scheduler:

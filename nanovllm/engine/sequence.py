@@ -11,11 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from nanovllm.sampling_params import SamplingParams
-
-
-# Stands in for a token that has been sampled on the device but not yet copied to the host
-# (async scheduling: step N+1 is scheduled while step N is still running).
-PLACEHOLDER_TOKEN = -1
+from nanovllm.step import PLACEHOLDER_TOKEN
 
 
 class SequenceStatus(enum.Enum):

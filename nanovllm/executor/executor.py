@@ -1,38 +1,41 @@
 """Runs each step on every tensor-parallel rank.
 
-The engine sees three things: `num_kvcache_blocks` (the pool every rank allocated), `execute(step)`
-and `shutdown()`. With one rank the model runner lives in this process and a step is a method
-call. With N ranks, `multiproc.MultiprocExecutor` keeps rank 0 here and runs ranks 1..N-1 in
-worker processes behind the same three members.
-
-`NANOVLLM_EXECUTOR=mp` sends a one-rank engine through MultiprocExecutor too (no workers; the
-process group has one rank). It exists to measure that path's overhead against the in-process
-one (benchmarks/tp_overhead.py), not for serving.
+The engine sees the `Executor` interface below. With one rank the model runner lives in this
+process and a step is a method call, which can be launched without waiting for it
+(`supports_async`). With N ranks, `multiproc.MultiprocExecutor` keeps rank 0 here and runs
+ranks 1..N-1 in worker processes behind the same interface, one step at a time.
 """
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
-from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.loaders.source import ModelSource
 from nanovllm.runner.model_runner import ModelRunner, RunnerOutput
-
-EXECUTOR_ENV = "NANOVLLM_EXECUTOR"
+from nanovllm.runner.output import StepResult
+from nanovllm.step import SchedulerOutput
 
 
 class Executor(Protocol):
     num_kvcache_blocks: int
-    decode_burst: int
+    decode_burst: int  # decode steps a lone greedy or plain-temperature sequence may run per step
+    device_type: str  # "cuda" or "cpu": where the steps run
+    supports_async: bool  # execute_async launches a step without waiting for it
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
+
+    def execute_async(self, out: SchedulerOutput) -> StepResult:
+        """Launch the step; `.result()` on the return value waits for its sampled ids (only
+        where supports_async)."""
+        ...
 
     def shutdown(self) -> None: ...
 
 
 class InProcessExecutor:
+    supports_async = True
+
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         if tp_size() != 1:
             # The layers would shard themselves by the process group already set up here.
@@ -53,8 +56,7 @@ class InProcessExecutor:
         (Scheduler.schedule)."""
         return self.runner.decode_burst
 
-    def execute_async(self, out: SchedulerOutput):
-        """Launch the step; `.result()` on the return value waits for its sampled ids."""
+    def execute_async(self, out: SchedulerOutput) -> StepResult:
         return self.runner.execute_async(out)
 
     def shutdown(self) -> None:
@@ -62,10 +64,7 @@ class InProcessExecutor:
 
 
 def make_executor(config: EngineConfig, source: ModelSource) -> Executor:
-    kind = os.environ.get(EXECUTOR_ENV, "")
-    if kind not in ("", "inprocess", "mp"):
-        raise ValueError(f"{EXECUTOR_ENV}={kind!r}: expected 'inprocess' or 'mp'")
-    if config.tensor_parallel_size == 1 and kind != "mp":
+    if config.tensor_parallel_size == 1:
         return InProcessExecutor(config, source)
     from nanovllm.executor.multiproc import MultiprocExecutor
 

@@ -75,9 +75,10 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import EngineConfig
-from nanovllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from nanovllm.loaders.source import ModelSource
 from nanovllm.runner.model_runner import ModelRunner, RunnerOutput, resolve_device
+from nanovllm.runner.output import Done, StepResult
+from nanovllm.step import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger("nanovllm")
 
@@ -396,8 +397,11 @@ class MultiprocExecutor:
     NANOVLLM_TP_TIMEOUT_S, else 300) are read here because EngineConfig does not carry them;
     `worker_runner_cls` replaces the runner of ranks >= 1 (tests use it to inject failures).
     With one rank there are no workers: only the process group and the bookkeeping remain
-    (NANOVLLM_EXECUTOR=mp, used by benchmarks/tp_overhead.py to measure this path).
+    (benchmarks/tp_overhead.py measures that path). Steps run one at a time: every rank must
+    answer before the next is sent (supports_async is False).
     """
+
+    supports_async = False
 
     def __init__(
         self,
@@ -453,12 +457,17 @@ class MultiprocExecutor:
             self._fail(exc, "start-up")
             raise
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+        self.device_type = self.runner.device.type
         self.decode_burst = 1  # bursts run on one rank (EngineConfig checks decode_burst)
         logger.info("tensor parallel: %d ranks (%s), pids %s", world, backend, [p.pid for p in self._workers.procs])
 
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._workers.procs]
+
+    def execute_async(self, out: SchedulerOutput) -> StepResult:
+        """The step, run to completion (see supports_async)."""
+        return Done(self.execute(out))
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if self._failure is not None:

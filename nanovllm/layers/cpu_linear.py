@@ -1,10 +1,8 @@
 """`linear(x, weight, bias)`: F.linear, except fp32 on an x86 CPU, which goes to oneDNN.
 
 Why: torch's fp32 F.linear on the CPU calls MKL's sgemm, and the MKL that ships with torch
-takes a generic code path on AMD processors. On the 2-vCPU AMD EPYC machine of W3
-(docs/benchmarks.md), at the shapes of a decode step of 16 sequences, oneDNN's matmul on the
-same dense weights took 0.43 against 0.66 ms (gate/up), 0.21 against 0.31 (down) and 11.4
-against 21.0 ms (the 49,152-row LM head), with no copy of the weights. It is the op PyTorch's
+takes a generic code path on AMD processors, where oneDNN's matmul on the same dense weights
+is markedly faster at decode shapes, with no copy of the weights. It is the op PyTorch's
 own compiler emits for CPU linears (`torch.ops.mkldnn._linear_pointwise`), so it is used only
 where this torch has it, and the result is fp32 like F.linear's, summed in another order
 (tests/test_cpu_linear.py compares them).

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.attention.backend import KVCacheWrite
+from nanovllm.attention.metadata import KVCacheWrite
 from nanovllm.precompile import launch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -2,7 +2,7 @@
 
 The reference sampler (sampler.py) runs ~6 full-vocabulary passes per step (fp32 cast, divide,
 softmax, exponential noise, divide, argmax); on a 151,936-token vocabulary at batch 256 that
-is ~0.6 ms, about a tenth of a decode step. Here the logits are streamed once, in their own
+is about a tenth of a decode step. Here the logits are streamed once, in their own
 dtype, keeping a running argmax of `logits / T + Gumbel noise` (greedy rows: of the
 logits), which draws exactly from softmax(logits / T) (the Gumbel-max trick). The noise is
 Philox (`tl.rand4x`) keyed by a per-step seed that is drawn on the device from torch's RNG (so
@@ -14,14 +14,12 @@ SM idle. The split count is chosen from the shapes only and passed at run time, 
 kernel serves every batch (the runner's profiling step compiles it: nothing compiles in the
 middle of a run). The noise of an element depends on its position alone, so the sampled token is
 the same for every split count. One Philox call feeds four elements (`tl.rand4x`), and each lane
-keeps its own running best until one reduction at the end. On the H200 at batch 256 the pass
-went from 261 us (one program per row) to 134 us.
+keeps its own running best until one reduction at the end.
 
-The scan is bound by instruction issue, not by memory (its 78 MB of bf16 logits take ~20 us to
-read): the two precise logs of the Gumbel noise were ~40 of its ~84 instructions per element.
-On the GPU they are now one MUFU.LG2 each (`_gumbel` keeps the noise's upper tail exact, see
-there) and columns are 32-bit: 43 instructions per element, 135 -> 76 us at batch 256 and
-24 -> 15 us at 32 (GPU time, `benchmarks/sampler.py`). Under the interpreter (CPU tests) the
+The scan is bound by instruction issue, not by memory: two precise logs of the Gumbel noise
+would be about half its instructions per element. On the GPU they are one MUFU.LG2 each
+(`_gumbel` keeps the noise's upper tail exact, see there) and columns are 32-bit
+(`benchmarks/sampler.py` times the pass). Under the interpreter (CPU tests) the
 precise log runs instead; the noise function is checked against float64 on both.
 
 Only batches without top-k / top-p / min-p, without seeded requests (they keep their own
@@ -95,7 +93,7 @@ def gumbel_noise(cols, seed, BLOCK: tl.constexpr, FAST: tl.constexpr):
 def gumbel_score(x, cols, inv_t, seed, BLOCK: tl.constexpr, FAST: tl.constexpr):
     """x * inv_t plus gumbel_noise(cols): a kernel that keeps the best of these scores over a row
     samples the token gumbel_argmax would (the persistent decode kernel's LM head does,
-    runner/persistent_head.py). The score only grows with x (each rounding does), which the
+    fastpath/head.py). The score only grows with x (each rounding does), which the
     quantized head's bounds rely on."""
     return x * inv_t + gumbel_noise(cols, seed, BLOCK, FAST)
 
@@ -205,9 +203,8 @@ def gumbel_argmax(
     return out
 
 
-# A lone greedy sequence (the persistent decode graph, runner/cuda_graph.py): one row, one
-# launch. torch.argmax reduces a [1, 151,936] row in one thread block: 8.8 us per token on the
-# H200 (W5 profile, session 15), 1.5% of the step.
+# A lone greedy sequence (the fast path's graphs, nanovllm/fastpath/graphs.py): one row, one
+# launch across the vocabulary; torch.argmax reduces a [1, 151,936] row in one thread block.
 GREEDY_BLOCK = 2048
 
 

@@ -1,9 +1,8 @@
 """Weight-only int4 linears for the CPU: `LLM(..., quantization="int4")`.
 
 Why: decoding one sequence on a CPU reads every weight once per token, so it runs at the
-memory's pace. On the 2-vCPU machine of W3 (docs/benchmarks.md), streaming the 120 projections
-of SmolLM2-135M for one token took 25.7 ms in fp32, 17.5 ms in bf16 and 4.0 ms as int4 codes;
-at 16 rows (W3's batch) int4 costs what bf16 does (23.1 against 24.7 ms).
+memory's pace, and int4 codes are an eighth of fp32's bytes; at a batch of 16 rows int4 costs
+about what bf16 does.
 
 How: each weight row is cut into groups of GROUP_SIZE along K, stored as 4-bit codes q with one
 scale and one offset per group: w ~ (q - 8) * scale + zero, the layout that torch's CPU kernel
@@ -12,22 +11,19 @@ calls on CPUs). The codes come from each group's minimum and maximum. For GGUF Q
 (the embedded default model) that gives back the file's own codes: Q4_1 quantizes every block of
 32 from its minimum and maximum, so each block holds codes 0 and 15. What changes is the scale
 and offset, which become bf16 values (the kernel takes them in the activations' dtype, and it
-needs bf16 activations to be fast: 0.93 ms against 0.03 for one qkv projection in fp32), chosen
+needs bf16 activations to be fast: fp32 ones take a slow path), chosen
 to keep the error small (_codes). So the model runs in bf16 and its output differs from the
 fp32 reference path (tests/test_int4_linear.py compares it with the same weights dequantized,
 and checks the README question's answer on the embedded model).
 
-The LM head and the embedding stay dense (quantize_model says why), as does a linear whose K is
-not a multiple of GROUP_SIZE. Measured on W3's machine (docs/benchmarks.md, W3): single-stream
-decode 41-51 tok/s against 20 in fp32 and 22-25 in bf16; the batch of 16 228-241 tok/s against
-150-158 in fp32 (bf16 157-232: that VM's speed varies from hour to hour).
+The LM head and the embedding stay dense (layers/linear.py's quantize_int4 says why), as does a
+linear whose K is not a multiple of GROUP_SIZE.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 GROUP_SIZE = 32
 
@@ -126,28 +122,3 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None =
     """`x @ W.T + bias` for 2-D bf16 x."""
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, weight.group_size, weight.scales_and_zeros)
     return y if bias is None else y + bias
-
-
-def quantize_model(model: nn.Module, group_size: int = GROUP_SIZE) -> tuple[int, int]:
-    """Replace the weight of every projection whose in-features divide into groups by its
-    Int4Weight. The LM head (and the embedding) stay dense: the vocabulary matrix is the one
-    quantizers keep finer (the embedded GGUF file stores it as Q8_0 beside Q4_1 projections), and
-    as int4 it flipped the near tie of the README's first greedy token. Returns (layers
-    quantized, layers kept dense)."""
-    from nanovllm.layers.linear import LinearBase
-
-    done = kept = 0
-    for module in model.modules():
-        if not isinstance(module, LinearBase):
-            continue
-        weight = module.weight
-        if not isinstance(weight, torch.Tensor):
-            continue  # quantized already
-        if weight.shape[1] % group_size:
-            kept += 1
-            continue
-        int4 = quantize(weight.data, group_size, weight.dtype)
-        del module._parameters["weight"]
-        module.weight = int4
-        done += 1
-    return done, kept

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed import all_reduce, divide, tp_rank, tp_size
+from nanovllm.layers import int4_linear
 from nanovllm.layers.cpu_linear import linear
 
 
@@ -191,3 +192,26 @@ class RowParallelLinear(LinearBase):
             return linear(x, self.weight, self.bias)
         y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+def quantize_int4(model: nn.Module, group_size: int = int4_linear.GROUP_SIZE) -> tuple[int, int]:
+    """Replace the weight of every projection whose in-features divide into groups by its
+    Int4Weight. The LM head (and the embedding) stay dense: the vocabulary matrix is the one
+    quantizers keep finer (the embedded GGUF file stores it as Q8_0 beside Q4_1 projections), and
+    as int4 it flipped the near tie of the README's first greedy token. Returns (layers
+    quantized, layers kept dense)."""
+    done = kept = 0
+    for module in model.modules():
+        if not isinstance(module, LinearBase):
+            continue
+        weight = module.weight
+        if not isinstance(weight, torch.Tensor):
+            continue  # quantized already
+        if weight.shape[1] % group_size:
+            kept += 1
+            continue
+        int4 = int4_linear.quantize(weight.data, group_size, weight.dtype)
+        del module._parameters["weight"]
+        module.weight = int4
+        done += 1
+    return done, kept

@@ -17,10 +17,10 @@ it). Each follows Hugging Face's formulas (tests compare them with transformers'
 ("dynamic", whose frequencies change with the sequence length, "longrope", ...) raises, rather
 than silently producing a model that degrades past the original context.
 
-Attention calls `apply_qk_norm_rope`, which also applies Qwen3's per-head q/k RMSNorm: with fused
-ops on (CUDA tensors, `fused=True`), norm and rotary for q and k are one Triton launch that rewrites
-the q/k slices of the packed qkv output in place (layers/fused.py), instead of ~25 elementwise
-kernels. The torch code here stays the reference, for CPU and for fused ops turned off.
+The model's attention block calls `apply_qk_norm_rope`, which also applies Qwen3's per-head q/k
+RMSNorm: with fused ops on (CUDA tensors, `fused=True`), norm and rotary for q and k are one
+Triton launch that rewrites the q/k slices of the packed qkv output in place (layers/fused.py),
+instead of ~25 elementwise kernels. The torch code here stays the reference, for CPU and for fused ops turned off.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from torch import nn
 from nanovllm.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
-    from nanovllm.attention.backend import KVCacheWrite
+    from nanovllm.attention.metadata import KVCacheWrite
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -181,7 +181,7 @@ class RotaryEmbedding(nn.Module):
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of `positions` ([T, 1, D/2] each) in `dtype`. On the CPU the last call's are
         reused while the positions are equal: every layer of a forward asks for the same ones,
-        and gathering and casting them costs ~5 small ops (~3 us of dispatch each on the CPU).
+        and gathering and casting them costs ~5 small ops, each its dispatch on the CPU.
         Not on CUDA, where this path may run under graph capture (which must record every op,
         and where comparing positions would sync)."""
         last = self._last

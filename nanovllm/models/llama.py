@@ -13,8 +13,8 @@ inside the layers; this file only wires them together.
 
 Fused ops: on CUDA the small ops (RMSNorm with the residual add, q/k norm plus rotary, SiLU-and-mul)
 run as single Triton launches (layers/fused.py); a decode step is otherwise ~1,500 tiny kernels.
-The attention layer applies q/k norm plus rotary itself (the model hands it the modules), so the
-fused launch can also store the step's K/V in the paged cache.
+The attention block applies q/k norm plus rotary before the attention layer; where that runs as
+the fused launch, it also stores the step's K/V in the paged cache (`Attention.cache_write`).
 `NANOVLLM_FUSED_OPS=0` keeps the torch reference path for debugging. It is read once, when the
 model is built, and stored on the modules (`fused_devices`), never consulted per step.
 """
@@ -27,13 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanovllm.attention.backend import Attention, AttentionMetadata
+from nanovllm.attention.backend import Attention
+from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fusion import fused_ops_from_env
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, default_weight_loader
 from nanovllm.layers.norm import RMSNorm
-from nanovllm.layers.rotary import RotaryEmbedding, build_rotary
+from nanovllm.layers.rotary import RotaryEmbedding, apply_qk_norm_rope, build_rotary
 
 # HF module name -> (our packed module name, shard id).
 PACKED_MODULES = {
@@ -83,7 +84,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out = self.attn(q, k, v, meta, positions, self.rotary_emb, self.q_norm, self.k_norm)  # norms + rotary inside
+        kv_write = self.attn.cache_write(v, meta) if self.rotary_emb.is_fused_for(positions) else None
+        q, k = apply_qk_norm_rope(self.rotary_emb, positions, q, k, self.q_norm, self.k_norm, kv_write)
+        out = self.attn(q, k, v, meta, kv_stored=kv_write is not None)
         return self.o_proj(out)
 
 

@@ -2,9 +2,8 @@
 
 Why: a non-blocking host-to-device copy needs pinned (page-locked) host memory. Pinning a fresh
 array every step (`Tensor.pin_memory()`) costs a pointer-attribute query and an allocation per
-copy: with two packed copies per step it was ~40 us of host time per decode step on the H200's
-host (W5, benchmarks/profile_step.py), where the whole step's host work is ~0.5 ms and a lone
-sequence's GPU step ~0.8 ms. Here each slot is pinned once and grows when a step needs more.
+copy, a large share of a lone sequence's host time per step. Here each slot is pinned once and
+grows when a step needs more.
 
 A slot is reused only after the copy that read it has run: each copy records an event, and
 taking the slot again waits for it (already passed in steady state: the slots outnumber the

@@ -23,9 +23,8 @@ Why the work is cut this way:
 - Decode-only launches put the KV heads on the fastest grid axis, and the scheduler hands decodes
   over longest context first. Programs start roughly in grid order, so the long sequences start
   first, the short ones fill in the end of the launch instead of a long one running alone, and a
-  sequence's heads (adjacent in the cache rows) are read at the same time. On W1-shaped batches
-  this was 5-12% faster at batch 128-256 than sequences in arrival order, sequence-major
-  (`benchmarks/attention_kernels.py --order`).
+  sequence's heads (adjacent in the cache rows) are read at the same time; large batches run
+  faster so than in arrival order, sequence-major (`benchmarks/attention_kernels.py --order`).
 - Mixed steps are launched twice by the backend (decodes with a 16-row tile, prefills with a
   128-row one), but one launch can cover any mix.
 - Causal masking: KV tiles that every query row of the tile can see completely run without any
@@ -132,8 +131,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits
     Static inputs only (CUDA graphs replay one captured grid for all context lengths). Returns 1
     when num_seqs * num_kv_heads programs already do. Contexts shorter than the split count leave
     trailing splits empty, which costs a few idle programs and nothing more; that cost is why the
-    count is capped at 16 (a single 300-700 token sequence ran fastest at 8-16 splits on the
-    H200, 32 was slower; `benchmarks/attention_kernels.py --splits`).
+    count is capped at 16 (a single few-hundred-token sequence runs fastest at 8-16 splits, 32
+    is slower; `benchmarks/attention_kernels.py --splits`).
     """
     programs = max(1, num_seqs * num_kv_heads)
     target = _PROGRAMS_PER_SM * num_sms

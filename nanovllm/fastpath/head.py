@@ -1,39 +1,30 @@
-"""The persistent decode kernel's last stage (runner/persistent_decode.py, FUSED_HEAD): the LM
+"""The persistent decode kernel's last stage (kernel.py, FUSED_HEAD): the LM
 head and the greedy argmax of the step, after the last layer, or a temperature sample.
 
-Why in the kernel: after the layers, a lone greedy stream's step was three more launches on its
-critical path, cuBLAS's LM head (for Qwen3-0.6B a [151,936 x 1,024] weight, 311 MB: 74.8 us on
-an H200), a memset inside it and the argmax (fused_sampler.GreedyRow, 3.3 us). Here the
-programs that just finished the last layer stream the head's rows through the same
-shared-memory slots the layers' weights came through (the first chunks copied during the last
-layer's barrier) and multiply them on the tensor cores with the layers' program; the argmax is
-a count whose last arrival picks the best part. W5 1,855 -> 1,871-1,877 tok/s (H200, session 16,
-docs/benchmarks.md); eager launches at context 384: 472 us without the head, 533-537 with it
-(the weight's bytes alone take 65 us at 4.8 TB/s).
+Why in the kernel: after the layers, a lone greedy stream's step would be three more launches
+on its critical path (cuBLAS's LM head, a memset, the argmax). Here the programs that just
+finished the last layer stream the head's rows through the same shared-memory slots the
+layers' weights came through (the first chunks copied during the last layer's barrier) and
+multiply them on the tensor cores with the layers' program; the argmax is a count whose last
+arrival picks the best part.
 
 Sampling here too (a temperature above 0 in the step's input record): each row's score is its
 logit / temperature plus the Gumbel noise fused_sampler.gumbel_argmax would add to it
 (`gumbel_score`: the same Philox counter per column), so the best score is the token that
 sampler draws from these logits. A stream with only a temperature then decodes in bursts of
-steps in one graph, as a greedy one does: at temperature 0.7 on an H200, 1,579 -> 1,859 tok/s
-(it sampled after each step's graph, from the logits, with ~6 small launches; session 17).
+steps in one graph, as a greedy one does, instead of sampling after each step's graph.
 
 A step whose token the kernel picks (greedy, or a plain temperature) reads the head's int8
-copy instead (`quantized_head`, runner/head_quant.py: half the bytes, each row's logit with a
-bound on its error), then recomputes from the 16-bit weight only the rows whose bound reaches the
-best lower bound of their program's rows: the same token, no logits stored. W5 1,881 -> 1,966-1,974
-tok/s (H200, session 18; eager launches at context 384: 529 us with the 16-bit head, 498-508
-with the int8 one, 464 without a head). Listing those rows in one scan of the program's rows
-(each thread a few consecutive ones) instead of one per 256 rows took the phase after the
-stream from ~3.6 to ~2.6 us per program: W5 1,970 -> 1,977 (session 19). The programs also
-share their best lower bounds (a sync word, an atomic max; published every 4 chunks and at the
-stream's end), and each lists only rows that reach the largest one published: most programs
-then recompute nothing, and the step's last program ends ~4 us earlier: W5 1,991-1,992 ->
-2,000-2,003 in the same call (session 22). A step whose sampler
-needs every logit (top-k/p, logprobs, banned ids) asks for them with a temperature below 0 and
-gets the 16-bit head.
+copy instead (`quantized_head`, head_quant.py: half the bytes, each row's logit with a bound on
+its error), then recomputes from the 16-bit weight only the rows whose bound reaches the best
+lower bound of their program's rows: the same token, no logits stored. Those rows are listed
+in one scan of the program's rows (each thread a few consecutive ones), and the programs share
+their best lower bounds (a sync word, an atomic max; published every 4 chunks and at the
+stream's end), so that each lists only rows that reach the largest one published and most
+programs recompute nothing. A step whose sampler needs every logit (top-k/p, logprobs, banned
+ids) asks for them with a temperature below 0 and gets the 16-bit head.
 
-Why a module of its own: as runner/persistent_attention.py, one stage of the kernel; Triton
+Why a module of its own: as attention.py, one stage of the kernel; Triton
 inlines every jit function into the one kernel, so the split costs nothing at run time.
 """
 from __future__ import annotations
@@ -42,8 +33,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.fused_sampler import best_part, gumbel_noise, gumbel_score
-from nanovllm.runner.persistent_common import _embed_rows, _normed_input, _stamp
-from nanovllm.runner.ptx import (
+from nanovllm.fastpath.common import _embed_rows, _normed_input, _stamp
+from nanovllm.fastpath.ptx import (
     bulk_copy, loop_zero, mbarrier_wait, mma_rows, prefetch_l2, shared_f32, shared_i32, stage_f32_to_shared, stage_i32_to_shared,
     stage_to_shared,
 )
@@ -98,8 +89,7 @@ def _issue_head_chunk(c, base_ptr, head_off, slot, bar, pid, rows_per_program, V
 def _head_buffer(c, slot_x, slot_y, bar_x, bar_y, PX: tl.constexpr, PY: tl.constexpr):
     """FUSED_HEAD: (shared address, mbarrier, phase parity) of the slot that holds the LM head's
     chunk c: X and Y in turn. PX, PY: the parity of the first head phase of X's and Y's
-    mbarriers (one phase per copy the layers made before). (A third buffer, X's second half with
-    a mbarrier of its own, was no faster: W5 1,868 against 1,871 tok/s on the H200.)"""
+    mbarriers (one phase per copy the layers made before)."""
     in_x = c % 2 == 0
     use = c // 2
     return tl.where(in_x, slot_x, slot_y), tl.where(in_x, bar_x, bar_y), tl.where(in_x, PX + use, PY + use) % 2
@@ -224,8 +214,8 @@ def _pick_token(top, top_row, next_tok_ptr, part_val_ptr, part_idx_ptr, sync_ptr
 @triton.jit
 def _tokens_out(tok_ptr, next_tok_ptr, out_ptr, steps, rec8, BLOCK: tl.constexpr = 16):
     """The launch's `steps` tokens in step order into out_ptr (pinned host memory, where the
-    runner reads them once the launch is done: a copy after the launch cost 2-12 us more per
-    decode burst on the H200, benchmarks/burst_handoff.py, docs/benchmarks.md W5 session 21). Step i <
+    runner reads them once the launch is done: no copy after the launch delays the next burst).
+    Step i <
     steps - 1 wrote its token into step i + 1's input record (tok_ptr + (i + 1) * rec8 int64
     words), the last step into next_tok_ptr. Run by the program that picked the last token,
     after the launch's last step: nothing waits for these stores but the launch's end."""
@@ -258,7 +248,7 @@ def _stage_head_q(
     X_SCALE: tl.constexpr, out_ptr, rows_h, probe_row, probe_half, PROBE: tl.constexpr, LR: tl.constexpr,
     bound_ptr, IN_LOOP: tl.constexpr = False,
 ):
-    """The LM head's pick from its int8 copy (runner/head_quant.py), the same token _stage_head
+    """The LM head's pick from its int8 copy (head_quant.py), the same token _stage_head
     would pick. Every program norms the residual stream (x, the model's dtype) and stages x *
     X_SCALE in fp16 for the int8 tensor-core program (MMA_HEAD_Q), then takes its rows CR at a
     time from slots X and Y in turn, as _stage_head does (half the bytes per row). Per row: the
@@ -275,9 +265,7 @@ def _stage_head_q(
     every 4 chunks and at the stream's end) and lists against the largest published so far
     where that is higher. A row whose upper bound is below another program's best lower bound
     cannot be the step's token, so most programs, and most often the late ones, whose end the
-    step waits for, list no row and recompute nothing (the phase took 3.6 us median, 8.2 at
-    most, per program, and 1.8 / 3.3 with the shared bound; H200, session 22,
-    docs/benchmarks.md). A program with no candidate returns (-inf, 0), which loses to the
+    step waits for, list no row and recompute nothing. A program with no candidate returns (-inf, 0), which loses to the
     program that published the bound (its own row has hi >= lo = that bound)."""
     dtype = base_ptr.dtype.element_ty
     z = loop_zero(IN_LOOP)  # added to every arange: see _head_input
@@ -333,8 +321,7 @@ def _stage_head_q(
         n = 0
         last = -1
         # Thread t lists rows t * LR .. t * LR + LR - 1 of each block, in order: one scan of the
-        # threads' counts places them (one block of THREADS * LR rows for Qwen3-0.6B on 132 SMs;
-        # a scan per THREADS rows took ~1.7 us of the phase's ~3.6, H200).
+        # threads' counts places them (one block of THREADS * LR rows for Qwen3-0.6B on 132 SMs).
         for r0 in range(0, rows_per_program, THREADS * LR):
             local = r0 + t[:, None] * LR + jr[None, :]
             live = (local >= start) & (local < nrows)

@@ -1,4 +1,4 @@
-"""Inline-PTX building blocks of the persistent decode kernel (runner/persistent_decode.py).
+"""Inline-PTX building blocks of the persistent decode kernel (kernel.py).
 
 Why a module of their own: Triton has no grid barrier, no acquire load, no bulk asynchronous copy
 (TMA without a tensor map), no mbarrier and no way to read shared memory it does not manage, and
@@ -31,16 +31,14 @@ def grid_arrive(sync_ptr, ONE_THREAD: tl.constexpr = False):
     counter only grows within a launch: barrier n waits for n * num_programs). The CTA barrier
     makes every thread's stores precede the release. What does not depend on the other programs
     (the next stage's weight tiles) is issued between this and grid_wait, so that it overlaps
-    the barrier's latency instead of delaying the arrival (786 -> 747 us per token, H200).
+    the barrier's latency instead of delaying the arrival.
 
     With tl.atomic_add those loads still wait for the add's answer: Triton hands a scalar
     atomic's result to every thread through shared memory and a CTA barrier. An add whose result
     is unused compiles to a reduction that does not wait, but then the last program to arrive
-    must poll once more (761 us). ONE_THREAD: thread 0 adds in inline PTX and keeps the answer in
-    its own register, the other threads get 2**31 - 1 (above any target: they do not poll), so
-    nothing waits for the answer until thread 0 polls in grid_wait: 702 -> 688 us per token at
-    context 640, 14-25 us less at every context measured (64 to 16,384; H200, eager launches);
-    the barrier alone 0.91 -> 0.87 us (PersistentDecoder's one_thread_barrier, on by default)."""
+    must poll once more. ONE_THREAD (decoder.ONE_THREAD_BARRIER): thread 0 adds in inline PTX and
+    keeps the answer in its own register, the other threads get 2**31 - 1 (above any target:
+    they do not poll), so nothing waits for the answer until thread 0 polls in grid_wait."""
     tl.debug_barrier()
     if ONE_THREAD:
         return tl.inline_asm_elementwise(
@@ -57,9 +55,8 @@ def grid_wait(sync_ptr, seen, target):
     sees the count orders this program's later reads after the other programs' released stores
     (the arrival's acq_rel does it for the last program to arrive). With grid_arrive's
     ONE_THREAD only thread 0 polls, and the CTA barrier after the loop passes its acquire on to
-    the other threads, as a cooperative grid sync does. Polling with atomics queues every SM's
-    polls behind each other at one L2 address: 0.94 against 0.93 us per barrier (H200,
-    benchmarks/persistent_decode.py); volatile loads measured 0.92 but order nothing."""
+    the other threads, as a cooperative grid sync does. Polling with atomics would queue every
+    SM's polls behind each other at one L2 address; volatile loads order nothing."""
     while seen < target:
         seen = load_acquire(sync_ptr)
     tl.debug_barrier()
@@ -203,8 +200,8 @@ def loop_zero(IN_LOOP: tl.constexpr):
     tl.arange inside a loop, it keeps the compiler from computing the arange's values (and all
     that follows from them alone) once before the loop and holding them in registers through
     it: the persistent decode kernel's LM head, inside its loop of decode steps (MULTI_STEP),
-    took ~17 registers more so, and the layers (the same loop) ran up to ~12 us per step slower
-    (H200, session 20). Outside such a loop a plain 0: there the opaque one made the kernel slower."""
+    would hold ~17 registers more so, and the layers (the same loop) run slower. Outside such a
+    loop a plain 0: there the opaque one makes the kernel slower."""
     if IN_LOOP:
         return tl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     else:
@@ -326,7 +323,7 @@ def mma_asm(rows: int, k: int, warps: int, row2: int, dtype: torch.dtype) -> str
     """PTX for one program's slice of a projection on tensor cores (MMA_* of _decode_kernel):
     y[r] = sum_k W[r, k] x[k] for the `rows` rows of a shared-memory slot (16-bit, row-major
     [rows, k], as the bulk copy left them) and x in shared memory at xbuf (16-bit, [k]).
-    dtype torch.int8: int8 rows (the quantized LM head, runner/head_quant.py) and an fp16 x;
+    dtype torch.int8: int8 rows (the quantized LM head, head_quant.py) and an fp16 x;
     see below.
 
     The weights are the mma's A operand without any re-layout, by a change of what its rows mean:
@@ -336,8 +333,7 @@ def mma_asm(rows: int, k: int, warps: int, row2: int, dtype: torch.dtype) -> str
     product's diagonal D[m][m] (D[8 + m][m] for r') is chunk m's share of the dot product; the
     rest is discarded. ldmatrix.x4's eight row addresses per matrix are then eight consecutive
     16-byte chunks of one row, in eight different bank groups: no conflicts (rows 2 KB apart, the
-    plain mapping, hit one bank group 8 times: 811 against 615 us per token, H200, commit
-    aa1fe56; padding rows cost a bulk copy per row). Eight of the 64 products per row pair count,
+    plain mapping, hit one bank group 8 times; padding rows would cost a bulk copy per row). Eight of the 64 products per row pair count,
     which the tensor cores do in far fewer instructions than the FMA path's conversions and FMAs.
 
     Warps take whole pairs (each accumulates its pairs over all of K) while there are at least as

@@ -1,8 +1,8 @@
 """An int8 copy of the LM head that picks the exact head's token (the persistent decode kernel's
-quantized head, runner/persistent_head.py).
+quantized head, head.py).
 
 Why: at one sequence the LM head is the largest single read of a decode step (Qwen3-0.6B: 311
-MB of bf16, ~65 us of an H200's ~530 us). A greedy or plain-temperature pick does not need
+MB of bf16, about an eighth of the step's reads). A greedy or plain-temperature pick does not need
 every logit, only the best row. So the kernel streams an int8 copy of the weight (half the
 bytes), computes every row's logit approximately with a bound on its error, and recomputes
 exactly, from the 16-bit weight, only the rows whose upper bound reaches the best lower bound of

@@ -1,20 +1,20 @@
-"""The attention stage of the persistent decode kernel (runner/persistent_decode.py, stage B):
+"""The attention stage of the persistent decode kernel (kernel.py, stage B):
 the step's rotary values, q/k norm and rotary, attention over the paged KV cache in context
 splits (one part per (KV head, split) item; the step's own token in a part of its own where that
 costs no split), and the combine of the parts: by the last part to finish, or, with FUSED_ATTN,
 by each item of the o projection that follows in the same stage (_stage_attn_o).
 
-Why a module of its own: see runner/persistent_common.py.
+Why a module of its own: see common.py.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from nanovllm.runner.persistent_common import (
+from nanovllm.fastpath.common import (
     _NEG_BIG, F_K_CACHE, F_K_NORM, F_O_PERM, F_Q_NORM, F_V_CACHE, _at, _stamp, _tile_columns, _weight_tile, _zero_rows,
 )
-from nanovllm.runner.ptx import mbarrier_wait, mma_rows, slot_tile, stage_to_shared, wait_count
+from nanovllm.fastpath.ptx import mbarrier_wait, mma_rows, slot_tile, stage_to_shared, wait_count
 
 
 @triton.jit
@@ -98,7 +98,7 @@ def _first_kv_rows(
     """_kv_row_starts of this program's first attention item's first tile. The cache holds that
     tile before the step's q/k/v exist, so the persistent kernel loads it ahead, like weight
     tiles; and it is at the same place in every layer's cache, so the block-table lookup runs
-    once per step (per layer, its dependent load held each program ~0.9 us before the barrier)."""
+    once per step (per layer, its dependent load would hold each program before the barrier)."""
     ctx = tl.load(seq_len_ptr)
     parts, per_split = _splits(ctx, num_programs, NK, SPLIT_MIN, MAX_SPLITS, OWN_SPLIT)
     start = (pid % parts) * per_split
@@ -239,8 +239,8 @@ def _combine_group(kvh, parts, part_acc_ptr, part_ml_ptr, GROUP: tl.constexpr, D
     """The attention output of KV head kvh's query heads ([BLOCK_G, D // 2] halves, fp32) from
     its `parts` partial results. Every split's partials are loaded at once (an unrolled loop,
     masked past `parts`: one round trip to the L2) and combined with elementwise operations only.
-    Loading them as one [MAX_SPLITS, BLOCK_G, HALF] tensor and reducing over its first axis took
-    3.2 us (cross-warp reductions through shared memory; H200, --timeline)."""
+    Loading them as one [MAX_SPLITS, BLOCK_G, HALF] tensor and reducing over its first axis is
+    slower: cross-warp reductions through shared memory."""
     HALF: tl.constexpr = D // 2
     offs_d = tl.arange(0, HALF)
     offs_g = tl.arange(0, BLOCK_G)

@@ -1,20 +1,20 @@
-"""What every stage of the persistent decode kernel (runner/persistent_decode.py) shares: the
+"""What every stage of the persistent decode kernel (kernel.py) shares: the
 per-layer offset table that addresses a layer's weights and KV cache, the PROBE build's time
 stamps, the index helpers for a program's rows and a weight tile's columns, the residual
 stream as it is read while a projection's sums still sit in an fp32 accumulator, and its
 RMSNorm staged in shared memory for the tensor cores (stage A, the MLP and the LM head).
 
 Why a module of its own: the kernel is split by what its stages do (this file, the attention
-stage in runner/persistent_attention.py, the LM head in runner/persistent_head.py, the
-projections, the MLP and the launch in runner/persistent_decode.py); Triton inlines every jit
-function into the one kernel, so the split costs nothing at run time (the sm_90 SASS is the same as from the single file).
+stage in attention.py, the LM head in head.py, the projections and the MLP in stages.py, the
+layer loop in kernel.py); Triton inlines every jit function into the one kernel, so the split
+costs nothing at run time.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from nanovllm.runner.ptx import stage_to_shared
+from nanovllm.fastpath.ptx import stage_to_shared
 
 # Rows of the per-layer offset table: where each layer's tensors start, in elements from the
 # embedding weight (every tensor has the model's dtype, so one base pointer reaches them all).
@@ -172,7 +172,7 @@ def _embed_rows(base_ptr, token, resid_ptr, acc_ptr, offs, mask, H: tl.constexpr
     """Rows `offs` (where mask) of the token's embedding row (the table at base_ptr) become those
     rows of the residual stream, and those rows of the down sums' COPIES accumulators start at
     zero: the embedding stage's work, which a decode burst in one launch's picker does whole
-    between steps (persistent_head._pick_token)."""
+    between steps (head._pick_token)."""
     tl.store(resid_ptr + offs, tl.load(base_ptr + token * H + offs, mask=mask), mask=mask)
     _zero_acc(acc_ptr, offs, mask, H, COPIES)
 

@@ -1,0 +1,74 @@
+"""What a launched step gives back: `StepResult.result()` waits for its sampled ids.
+
+Every way of running a step (the runner's own, and the fast path's: nanovllm/fastpath/) returns
+an object with that one method, so the engine can launch the next step before it waits for
+this one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class RunnerOutput:
+    token_ids: list[int]  # one per sampling row, in scheduler order (a burst's row: its steps' ids)
+    # Per sampling row: None, or (sampled logprob, {token_id: logprob} of the top k).
+    logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+
+
+class StepResult(Protocol):
+    def result(self) -> RunnerOutput: ...
+
+
+class PendingOutput:
+    """The sampled ids of a launched step, on their way to the host.
+
+    The device-to-host copy is queued behind the step's kernels into pinned memory and marked
+    with an event, so the host can launch the next step before it waits for this one.
+    """
+
+    def __init__(self, rows, sampled, device: torch.device) -> None:
+        self.rows = rows
+        self.has_logprobs = sampled.sampled_logprobs is not None
+        tensors = [sampled.token_ids]
+        if self.has_logprobs:
+            tensors += [sampled.sampled_logprobs, sampled.top_token_ids, sampled.top_logprobs]
+        self.event = None
+        if device.type == "cuda":
+            self.host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensors
+
+    def result(self) -> RunnerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        token_ids = self.host[0].tolist()
+        if not self.has_logprobs:
+            return RunnerOutput(token_ids)
+        sampled_lp = self.host[1].tolist()
+        top_ids = self.host[2].tolist() if self.host[2] is not None else None
+        top_lp = self.host[3].tolist() if self.host[3] is not None else None
+        logprobs: list = []
+        for i, s in enumerate(self.rows):
+            k = s.params.logprobs
+            if k is None:
+                logprobs.append(None)
+                continue
+            top = dict(zip(top_ids[i][:k], top_lp[i][:k])) if (k and top_ids is not None) else {}
+            logprobs.append((sampled_lp[i], top))
+        return RunnerOutput(token_ids, logprobs)
+
+
+class Done:
+    """A step result that is already complete (nothing sampled, or a non-zero rank)."""
+
+    def __init__(self, output: RunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> RunnerOutput:
+        return self.output

@@ -1,0 +1,59 @@
+"""The data of one scheduled step: what the scheduler hands down to the executor, the runner
+and its workers. Plain Python, no torch, imported by everything below the engine.
+
+`burst_sizes` is the generic multi-step decode rule: a lone sequence may be given several
+decode steps at once (`ScheduledSeq.num_steps`), and the runner must be able to run each size
+the scheduler can ask for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanovllm.sampling_params import SamplingParams
+
+# Stands in for a token that has been sampled on the device but not yet copied to the host
+# (async scheduling: step N+1 is scheduled while step N is still running).
+PLACEHOLDER_TOKEN = -1
+
+
+def burst_sizes(decode_burst: int) -> list[int]:
+    """The decode bursts a lone sequence takes: decode_burst steps, and where fewer tokens are
+    left under its max_tokens, halves of it down to 2, so that a request's last tokens still
+    come in bursts rather than single steps. The runner must run every size listed."""
+    sizes = []
+    while decode_burst >= 2:
+        sizes.append(decode_burst)
+        decode_burst //= 2
+    return sizes
+
+
+@dataclass
+class ScheduledSeq:
+    seq_id: int
+    token_ids: list[int]  # the tokens whose K/V this step computes
+    start_pos: int  # position of token_ids[0]
+    block_table: list[int]
+    sample: bool  # True when this step reaches the end of the sequence: sample one token
+    params: SamplingParams
+    seed: int | None
+    banned_token_ids: list[int] | None  # not samplable yet (min_tokens)
+    # A decode burst (greedy or plain temperature, one token in): K steps back to back, the K/V
+    # of token_ids[0] and of the first K-1 tokens sampled, and K tokens sampled. 1: an ordinary
+    # step.
+    num_steps: int = 1
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]  # decodes (one token each) first
+    num_decodes: int
+    num_batched_tokens: int  # a burst counts its K steps
+    finished_seq_ids: list[int] = field(default_factory=list)  # runner may drop per-seq state
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_steps for s in self.seqs[: self.num_decodes])
