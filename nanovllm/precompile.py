@@ -13,7 +13,7 @@ compiled variants) inside `precompiling()`; leaving it waits for every compile (
 thread also builds its kernel's host-side launcher, which older Tritons compile from C). The dry
 pass's results are garbage (no Triton kernel ran) and are dropped; the real passes that follow
 find every kernel compiled. Where Triton has no AsyncCompileMode, `precompiling` yields False
-and the caller skips its dry pass: kernels then compile when first launched, as before.
+and the caller skips its dry pass: kernels then compile when first launched.
 
 `compile_in_background` runs such a dry pass on a thread of its own, for a kernel that start-up
 need not wait for (the persistent decode kernel, the longest compile).
