@@ -306,6 +306,86 @@ def test_background_compile_is_adopted_or_leaves_the_per_op_path(caplog):
         assert f"persistent decode off: {reason}" in caplog.text
 
 
+class EagerStaging:
+    """Stands in for HostStaging on the CPU: the slot is a numpy array, an upload a copy."""
+
+    def take(self, nbytes: int):
+        import numpy as np
+
+        self.buf = np.zeros(nbytes, dtype=np.uint8)
+        return self.buf
+
+    def upload(self, start: int, end: int, out: torch.Tensor, stream=None) -> torch.Tensor:
+        return out.copy_(torch.from_numpy(self.buf[start:end]))
+
+
+class EagerReplay:
+    """Stands in for the lone-sequence CUDA graph: runs what LoneGraphs.capture records (the step
+    over the single inputs, its token into their own token) eagerly."""
+
+    def __init__(self, graphs, step) -> None:
+        self.graphs, self.step = graphs, step
+
+    def replay(self) -> None:
+        s = self.graphs.single
+        self.graphs.single_logits = self.step(s.token, s.position, s.meta(), s.token, s.temperatures[0], s.seeds[0])
+
+
+def test_fast_path_takes_lone_decodes_through_the_seam(checkpoint_factory):
+    """FastPath.take end to end on the CPU, its graph replaced by an eager call of the same step
+    (the stepwise kernel, then GreedyRow): a lone greedy decode's token, then a decode burst with
+    no burst graph (one lone step per token, each input the token the last left in place), then
+    a step that wants logprobs (the runner's sampler, from the step's logits) give the model's
+    own greedy tokens; a batch of two is left to the runner."""
+    from nanovllm.fastpath.seam import FastPath
+    from nanovllm.layers.sampler import Sampler
+    from nanovllm.runner.model_runner import ModelRunner
+    from nanovllm.sampling_params import SamplingParams
+    from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
+
+    model, config, k_caches, v_caches = build(checkpoint_factory("qwen3"))
+    gen = torch.Generator().manual_seed(0)
+    context = 9
+    table = torch.randperm(NUM_BLOCKS, generator=gen)[:6].to(torch.int32)
+    prompt = torch.randint(config.vocab_size, (context,), generator=gen)
+    expected, token = [], prompt[-1:]
+    with torch.inference_mode():
+        model(prompt[:-1], torch.arange(context - 1), meta_for(table, 0, context - 1, 0))
+        saved = [c.clone() for c in k_caches + v_caches]
+        for pos in range(context - 1, context + 3):  # the model's own greedy decode
+            token = model.compute_logits(model(token, torch.tensor([pos]), meta_for(table, pos, 1, 1))).argmax(-1)
+            expected.append(token.item())
+        for c, c0 in zip(k_caches + v_caches, saved):
+            c.copy_(c0)
+
+    runner = SimpleNamespace(
+        model=model, device=DEVICE, dtype=torch.float32, block_size=BLOCK_SIZE, rank=0,
+        config=SimpleNamespace(decode_burst=1, max_model_len=NUM_BLOCKS * BLOCK_SIZE),
+        staging=EagerStaging(), graph_runner=SimpleNamespace(capture_in_pool=None),
+        prev_tokens=None, prev_rows={}, generators={}, sampler=Sampler(),
+    )
+    runner.sample = lambda rows, logits: ModelRunner.sample(runner, rows, logits)
+    runner.run_steps = lambda item, launch: ModelRunner.run_steps(runner, item, launch)
+    decoder = PersistentDecoder(model, num_programs=3, persistent=False)
+    decoder.bind(k_caches, v_caches)
+    fast = FastPath(runner, decoder)
+    fast._dry_pass = None  # no background compile: the "graph" runs eagerly
+    item = ScheduledSeq(7, [prompt[-1].item()], context - 1, table.tolist(), True, SamplingParams(temperature=0), None, None)
+    with torch.inference_mode():
+        assert fast.take(SchedulerOutput([item], 1, 1)) is None  # nothing captured yet
+        fast.graphs.single_graph = EagerReplay(fast.graphs, fast._lone_step)
+        assert fast.take(SchedulerOutput([item, item], 2, 2)) is None  # a batch: the runner's
+        got = fast.take(SchedulerOutput([item], 1, 1)).result().token_ids
+        burst = ScheduledSeq(7, [PLACEHOLDER_TOKEN], context, table.tolist(), True, SamplingParams(temperature=0), None,
+                             None, num_steps=2)
+        got += fast.take(SchedulerOutput([burst], 1, 2)).result().token_ids
+        wants_logprobs = ScheduledSeq(7, [PLACEHOLDER_TOKEN], context + 2, table.tolist(), True,
+                                      SamplingParams(temperature=0, logprobs=2), None, None)
+        out = fast.take(SchedulerOutput([wants_logprobs], 1, 1)).result()
+    assert got + out.token_ids == expected
+    assert out.logprobs[0] is not None and len(out.logprobs[0][1]) == 2
+
+
 # ---- CUDA ------------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the persistent launch needs a CUDA device (its grid barrier spins)")
