@@ -189,9 +189,9 @@ class LoneGraphs:
         replay_burst): that many such steps, each step's token the next one's input (see
         SingleDecodeInputs); one_launch: `step` also takes `steps=n, record_bytes=...,
         host_tokens=...` and runs the n steps in one launch (the persistent kernel's MULTI_STEP),
-        writing their tokens into `self.burst_tokens`, else the graph holds n launches. Runs between steps, on the
-        thread that runs them: the warm-up launches read the static inputs, so they are first
-        made to store nothing and attend to nothing cached."""
+        writing their tokens into `self.burst_tokens`, else the graph holds n launches. Runs
+        between steps, on the thread that runs them: the warm-up launches read the static
+        inputs, so they are first made to store nothing and attend to nothing cached."""
         t0 = time.perf_counter()
         if burst > 1 and (not self.bursts or burst > self.bursts[0].steps):
             raise ValueError(f"a decode burst of {burst} steps needs as many input records, there are "
