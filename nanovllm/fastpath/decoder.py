@@ -25,6 +25,7 @@ ACC_COPIES = 4  # fp32 copies of the down sums (fused_mlp): fewer atomic reducti
 GATE_UP_LATE = True  # gate/up rows copied once the attention parts are stored, off stage A's barrier
 O_LATE = True  # the o tile copied once stage A's input is loaded; MULTI_STEP's mbarrier parities assume it
 QKV_EARLY_EIGHTHS = 4  # eighths of the next layer's qkv rows copied during the MLP, the rest after its arrival
+NUM_WARPS = 8  # per program (one per SM): the rows of the tensor-core and K-split programs are split among them
 
 
 def _tile_shape(rows: int, k: int, elements: int) -> tuple[int, int]:
@@ -68,7 +69,7 @@ class PersistentDecoder:
 
     num_programs: one per SM for the persistent launch (every program must be resident). The
     other keywords are shapes: context splits (at most max_splits parts, a power of two, of at
-    least split_tokens positions, walked block_t at a time), warps and weights per register tile;
+    least split_tokens positions, walked block_t at a time) and weights per register tile;
     the defaults suit the GPUs' SM counts and the models served, and the tests use small ones so
     that programs take several items and contexts several splits. Then the build's stages, each
     on by default where the GPU and the model allow it (None) and turned off where they do not:
@@ -87,7 +88,7 @@ class PersistentDecoder:
 
     def __init__(
         self, model: Any, num_programs: int, persistent: bool = True,
-        max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T, num_warps: int = 8,
+        max_splits: int = 16, split_tokens: int = SPLIT_TOKENS, block_t: int = BLOCK_T,
         tile_elements: int = _TILE_ELEMENTS, stage_mask: int = 31, probe: bool = False,
         smem_weights: bool = True, mma_projections: bool = True, fused_mlp: bool | None = None,
         fused_attn: bool | None = None, fused_head: bool | None = None, quantized_head: bool | None = None,
@@ -106,7 +107,7 @@ class PersistentDecoder:
         self.model = model
         self.persistent = persistent
         self.num_programs = num_programs
-        self.num_warps = num_warps
+        self.num_warps = num_warps = NUM_WARPS
         self.max_splits = max_splits
         self.dtype = inner.embed_tokens.weight.dtype
         device = inner.embed_tokens.weight.device
