@@ -172,3 +172,25 @@ def test_scheduling_is_torch_free():
 
 def test_the_checker_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_checker_reads_every_kind_of_import(tmp_path):
+    """Relative imports, `from package import submodule`, and imports inside functions and under
+    TYPE_CHECKING are all edges."""
+    source = tmp_path / "mod.py"
+    source.write_text(
+        "from __future__ import annotations\n"
+        "from typing import TYPE_CHECKING\n"
+        "from . import sibling\n"
+        "from ..other import thing\n"
+        "if TYPE_CHECKING:\n"
+        "    from nanovllm.typed import T\n"
+        "def f():\n"
+        "    import nanovllm.late\n"
+        "    import torch\n"
+    )
+    modules = dict.fromkeys(["nanovllm.pkg.mod", "nanovllm.pkg.sibling", "nanovllm.other", "nanovllm.typed",
+                             "nanovllm.late"], source)
+    inside, outside = imports_of("nanovllm.pkg.mod", source, modules)
+    assert inside == {"nanovllm.pkg.sibling", "nanovllm.other", "nanovllm.typed", "nanovllm.late"}
+    assert {"torch", "typing", "__future__"} <= outside
