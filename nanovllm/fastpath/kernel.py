@@ -51,7 +51,7 @@ import triton.language as tl
 
 from nanovllm.fastpath.attention import _first_kv_rows, _kv_load, _step_values
 from nanovllm.fastpath.common import (
-    BLOCK_T, F_K_CACHE, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, _at, _next_layer, _stamp, _stamp_sm, _table_to_shared,
+    F_K_CACHE, F_V_CACHE, NUM_FIELDS, PROBE_POINTS, _at, _next_layer, _stamp, _stamp_sm, _table_to_shared,
 )
 from nanovllm.fastpath.head import (
     _issue_head_chunk, _issue_head_q_chunk, _pick_token, _stage_head, _stage_head_q, _tokens_out,

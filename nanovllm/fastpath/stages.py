@@ -8,8 +8,8 @@ import triton.language as tl
 
 from nanovllm.fastpath.attention import _stage_attention, _stage_attn_o
 from nanovllm.fastpath.common import (
-    BLOCK_T, F_DOWN_T, F_DOWN_W, F_GU_W, F_LN1, F_LN2, F_O_PERM, F_O_W, F_QKV_B, F_QKV_W, _at, _embed_rows, _item_rows,
-    _next_layer, _normed_to_shared, _residual, _rows, _tile_columns, _weight_tile, _zero_acc,
+    F_DOWN_T, F_DOWN_W, F_GU_W, F_LN1, F_LN2, F_O_PERM, F_O_W, F_QKV_B, F_QKV_W, _at, _embed_rows, _item_rows, _next_layer,
+    _normed_to_shared, _residual, _rows, _tile_columns, _weight_tile, _zero_acc,
 )
 from nanovllm.fastpath.ptx import (
     bulk_copy, down_rows, mbarrier_wait, mma_rows, slot_tile, stage_f32_to_shared, stage_to_shared,
