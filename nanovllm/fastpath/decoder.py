@@ -20,7 +20,7 @@ from nanovllm.precompile import compiling_only, launch
 # says why each wins):
 OWN_TOKEN_SPLIT = True  # one more attention part for the step's own token where that costs no split
 ONE_THREAD_BARRIER = True  # thread 0 alone arrives at and polls a grid barrier (ptx.grid_arrive)
-KV_PREFETCH_CG = True  # the first cached K/V tile loaded through the L2 only: its L1 fills held the barrier
+KV_PREFETCH_CG = True  # the first cached K/V tile loaded through the L2 only: L1 fills would hold the barrier
 ACC_COPIES = 4  # fp32 copies of the down sums (fused_mlp): fewer atomic reductions collide per address
 GATE_UP_LATE = True  # gate/up rows copied once the attention parts are stored, off stage A's barrier
 O_LATE = True  # the o tile copied once stage A's input is loaded; MULTI_STEP's mbarrier parities assume it
