@@ -7,6 +7,8 @@ prompt is chunked by the budget; a prefix-cache hit starts a sequence partly com
 block pool runs dry, the most recently admitted running sequence is preempted: its blocks are
 freed and it goes back to the front of the waiting queue to be recomputed (its prefix blocks
 usually survive in the prefix cache). No waiting sequence is admitted in a step that preempted.
+Waiting sequences are admitted preempted ones first, then round-robin across requests
+(engine/waiting_queue.py), so that one request of many sequences cannot starve a small one.
 
 The output is plain data (`SchedulerOutput`) with decodes first, which is all the model runner
 (or a tensor-parallel worker) needs for one step. Decodes are listed longest context first: the
@@ -29,12 +31,12 @@ it (docs/benchmarks.md, W5); a burst pays that once per K tokens.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm.engine.waiting_queue import WaitingQueue
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -93,7 +95,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()  # admission order: preempted first, then round-robin by request
         self.running: list[Sequence] = []
         self._finished_since_last_step: list[int] = []
         self.num_preemptions = 0

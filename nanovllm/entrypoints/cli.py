@@ -144,6 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # ---- chat ------------------------------------------------------------------------------------
 def cmd_chat(args: argparse.Namespace) -> int:
     from nanovllm import LLM
+    from nanovllm.chat import chat_prompt_ids
 
     llm = LLM(_model_arg(args), **engine_kwargs(args))
     params = _sampling_params(args)
@@ -172,7 +173,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": line})
             try:
-                ids = tok.encode(llm.apply_chat_template(history), add_special_tokens=False)
+                ids = chat_prompt_ids(tok, history)  # special-token text typed stays text
                 reply = _stream_reply(llm, ids, params)
             except ValueError as exc:  # e.g. the conversation outgrew max_model_len
                 print(f"error: {exc}", file=sys.stderr)
