@@ -27,7 +27,7 @@ from nanovllm.entrypoints.limits import ServerLimits
 from nanovllm.entrypoints.server import create_app
 from test_server_limits import KEY, MODEL, serve
 
-FUZZ_SECONDS = float(os.environ.get("NANOVLLM_FUZZ_SECONDS", "40"))
+FUZZ_SECONDS = float(os.environ.get("NANOVLLM_FUZZ_SECONDS", "30"))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 LIMITS = ServerLimits(max_n=2, max_prompts=2, max_body_bytes=256 * 1024)
 
@@ -45,6 +45,9 @@ def test_fuzz_the_openapi_schema(qwen3_tiny):
             url = f"http://127.0.0.1:{port}"
             schema = schemathesis.openapi.from_url(url + "/openapi.json")
             operations = [result.ok() for result in schema.get_all_operations()]
+            # Operations without a body first: they run out of distinct inputs at once, leaving
+            # their time to the completions endpoints.
+            operations.sort(key=lambda op: op.method.upper() == "POST")
             runs = [(op, mode) for op in operations for mode in schemathesis.GenerationMode]
             deadline = time.monotonic() + FUZZ_SECONDS
             tried: dict[str, int] = {}

@@ -103,24 +103,53 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
 
 
 # ---- item 1: connections, headers, bodies ------------------------------------------------------
-def test_connections_over_the_cap_get_503_at_accept_and_health_recovers(engine, caplog):
+def test_idle_connections_at_the_cap_make_room_for_new_ones(engine):
     limits = ServerLimits(max_connections=4, timeout_header=30.0, log_interval=60.0)
     with serve(create_app(engine, MODEL, limits=limits), limits) as port:
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
         try:
             time.sleep(0.2)  # all four accepted
+            kept = []
+            for _ in range(4):  # each new client gets in: the oldest silent connection is closed for it
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # and stays (keep-alive)
+                answer = b""
+                while b'{"status":"ok"}' not in answer:
+                    answer += s.recv(4096)
+                kept.append(s)
+            assert [closed_within(s, 1.0) for s in idle] == [True, True, True, True]
+            # no silent connection left: the one idle the longest between requests makes room
+            assert raw_request(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+                               ).startswith(b"HTTP/1.1 200")
+            assert [closed_within(s, 1.0) for s in kept] == [True, False, False, False]
+            idle += kept
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_busy_connections_at_the_cap_turn_new_ones_away_with_503_logged_once(engine, caplog):
+    limits = ServerLimits(max_connections=4, timeout_body=30.0, log_interval=60.0)
+    with serve(create_app(engine, MODEL, limits=limits), limits) as port:
+        busy = []
+        for _ in range(4):  # each is reading a request body that never ends
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 99\r\n\r\n{")
+            busy.append(s)
+        try:
+            time.sleep(0.3)
             with caplog.at_level(logging.WARNING, logger="nanovllm.server"):
-                answers = [raw_request(port, b"") for _ in range(20)]
+                answers = [raw_request(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") for _ in range(20)]
             for answer in answers:
                 head, _, body = answer.partition(b"\r\n\r\n")
                 assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower()
                 assert json.loads(body)["error"]["code"] == "too_many_connections"
-            turned_away = [r for r in caplog.records if "turned a connection away" in r.getMessage()]
+            turned_away = [r for r in caplog.records if "turned connections away" in r.getMessage()]
             assert len(turned_away) == 1  # logged once, not per socket
         finally:
-            for s in idle:
+            for s in busy:
                 s.close()
-        time.sleep(0.2)
+        time.sleep(0.3)
         assert client(port).get("/health").json() == {"status": "ok"}
 
 

@@ -1,16 +1,24 @@
-"""uvicorn's h11 protocol with a connection cap and a header timeout.
+"""uvicorn's h11 protocol with a connection cap, idle-connection eviction and a header timeout.
 
 uvicorn keeps a connection that never sends a request open forever, and its
 `limit_concurrency` answers 503 only once a request arrives, so idle sockets pile up until the
 process runs out of file descriptors and nothing (not even /health) gets in. This subclass
-turns a connection away at accept when `max_connections` are open (a 503 with OpenAI's error
-body and `Retry-After`, then close), and closes a connection that has not sent a complete
-request line and headers within `timeout_header` seconds of connecting or of its previous
-response (slow or stalled clients). Idle keep-alive connections are closed by uvicorn after
-`timeout_keep_alive`; header size is bounded by h11 (`h11_max_incomplete_event_size`).
+holds open connections to `max_connections`. When a new one arrives at the cap, the oldest
+idle connection is closed to make room: first one that has not completed a request's headers
+since it connected, else one idle between keep-alive requests. So a flood of silent sockets
+cannot lock real clients out: a real client's connection sends its request within
+milliseconds and is then no longer idle, while the flood's sockets evict each other. Only when
+every connection is busy with a request is the new one turned away: a 503 with OpenAI's error
+body and `Retry-After`, then the write side is shut and the socket closed a moment later
+(closing at once could reset the connection before the client reads the 503).
+
+A connection must also send a complete request line and headers within `timeout_header`
+seconds of connecting or of its previous response (slow or stalled clients are closed). Idle
+keep-alive connections are closed by uvicorn after `timeout_keep_alive`; header size is bounded
+by h11 (`h11_max_incomplete_event_size`).
 
 It also rate-limits the event loop's log of accept() failures (EMFILE and the like): asyncio
-logs one per failed accept with a traceback.
+logs one per failed accept, with a traceback.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ logger = logging.getLogger("nanovllm.server")
 
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 RETRY_AFTER_S = 1
+LINGER_S = 1.0  # a turned-away socket stays half-open this long, so the client can read the 503
 
 
 def _over_capacity_response(max_connections: int) -> bytes:
@@ -52,6 +61,12 @@ def guarded_h11_protocol(limits: ServerLimits) -> type[H11Protocol]:
             return
         loop.default_exception_handler(context)
 
+    # Idle connections of this server, oldest first: never sent a request / between requests.
+    fresh: dict[H11Protocol, None] = {}
+    kept_alive: dict[H11Protocol, None] = {}
+    lingering: set[asyncio.Transport] = set()
+    max_lingering = max(16, limits.max_connections // 4)
+
     class GuardedH11Protocol(H11Protocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -61,34 +76,67 @@ def guarded_h11_protocol(limits: ServerLimits) -> type[H11Protocol]:
             self._turned_away = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if len(self.connections) >= limits.max_connections:
-                self._turned_away = True
-                self.transport = transport
-                throttle.warning("connections", "turned a connection away: %d connections open (--max-connections)",
-                                 len(self.connections))
-                transport.write(over_capacity)
-                transport.close()
+            if len(self.connections) >= limits.max_connections and not self._evict_idle():
+                self._turn_away(transport)
                 return
             super().connection_made(transport)
+            fresh[self] = None
             self._arm_header_timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
-            if not self._turned_away:
-                super().connection_lost(exc)
+            self._not_idle()
+            if self._turned_away:
+                lingering.discard(self.transport)
+                return
+            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if self._turned_away:
-                return
+                return  # the request of a connection answered 503 already: discarded
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:  # the request's headers are in
                 self._cancel_header_timer()
+                self._not_idle()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():
+                kept_alive[self] = None
                 self._arm_header_timer()
 
+        # ---- the cap ----
+        def _evict_idle(self) -> bool:
+            for idle in (fresh, kept_alive):
+                while idle:
+                    victim = next(iter(idle))
+                    del idle[victim]
+                    if victim.conn.their_state is h11.IDLE and not victim.transport.is_closing():
+                        throttle.warning("evicted", "closed idle connections to make room (--max-connections %d)",
+                                         limits.max_connections)
+                        victim.transport.close()
+                        victim.connections.discard(victim)  # its room is free now, not at connection_lost
+                        return True
+            return False
+
+        def _turn_away(self, transport: asyncio.Transport) -> None:
+            self._turned_away = True
+            self.transport = transport
+            throttle.warning("connections", "turned connections away: all %d are busy (--max-connections)",
+                             limits.max_connections)
+            transport.write(over_capacity)
+            if transport.can_write_eof() and len(lingering) < max_lingering:
+                transport.write_eof()
+                lingering.add(transport)
+                self.loop.call_later(LINGER_S, transport.close)
+            else:
+                transport.close()
+
+        def _not_idle(self) -> None:
+            fresh.pop(self, None)
+            kept_alive.pop(self, None)
+
+        # ---- the header timeout ----
         def _arm_header_timer(self) -> None:
             self._cancel_header_timer()
             self._header_timer = self.loop.call_later(limits.timeout_header, self._header_timeout)
@@ -101,7 +149,7 @@ def guarded_h11_protocol(limits: ServerLimits) -> type[H11Protocol]:
         def _header_timeout(self) -> None:
             self._header_timer = None
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                throttle.warning("header_timeout", "closed a connection that sent no complete request headers "
+                throttle.warning("header_timeout", "closed connections that sent no complete request headers "
                                  "within %g s (--timeout-header)", limits.timeout_header)
                 self.transport.close()
 
