@@ -5,7 +5,8 @@ given), the time to first token (TTFT) of normal streaming clients, first alone 
 then while these run beside them (loaded):
 
 - an idle-connection flood: --idle-connections TCP connections that never send a byte,
-  re-opened as the server closes them (header timeout) or turns them away (connection cap);
+  re-opened --idle-reconnect-delay seconds after the server closes them (header timeout,
+  eviction at the connection cap);
 - stalled clients: they send part of a request's headers, or the headers and part of a body,
   and stop;
 - slow readers: streaming requests read one chunk every --slow-read-interval seconds;
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import socket
 import statistics
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -44,6 +47,7 @@ class Load:
     normal_clients: int = 4
     max_tokens: int = 16
     idle_connections: int = 300
+    idle_reconnect_delay: float = 1.0  # seconds before a closed idle connection is opened again
     stalled_clients: int = 20
     slow_readers: int = 4
     slow_read_interval: float = 1.0
@@ -95,7 +99,7 @@ async def _normal_client(url: str, headers: dict, load: Load, stop: float, phase
                 phase.errors.append(f"{type(exc).__name__}: {exc}")
 
 
-async def _idle_flood(host: str, port: int, count: int, stop: float, phase: Phase) -> None:
+async def _idle_flood(host: str, port: int, count: int, delay: float, stop: float, phase: Phase) -> None:
     """Keep `count` silent connections open, re-opening those the server closes."""
     async def one() -> None:
         while time.monotonic() < stop:
@@ -114,6 +118,7 @@ async def _idle_flood(host: str, port: int, count: int, stop: float, phase: Phas
                 pass
             finally:
                 writer.close()
+            await asyncio.sleep(delay)
 
     await asyncio.gather(*(one() for _ in range(count)))
 
@@ -165,18 +170,39 @@ async def _disconnecting_client(url: str, headers: dict, stop: float, phase: Pha
                 _count(phase, "disconnect_errors")
 
 
-async def _phase(url: str, key: str | None, load: Load, abusive: bool) -> Phase:
-    phase = Phase()
+async def _abuse(url: str, key: str | None, load: Load, stop: float, phase: Phase) -> None:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     parsed = urlparse(url)
-    stop = time.monotonic() + load.duration
-    tasks = [_normal_client(url, headers, load, stop, phase, i) for i in range(load.normal_clients)]
-    if abusive:
-        tasks.append(_idle_flood(parsed.hostname, parsed.port, load.idle_connections, stop, phase))
-        tasks += [_stalled_client(parsed.hostname, parsed.port, key, stop, phase, i) for i in range(load.stalled_clients)]
-        tasks += [_slow_reader(url, headers, load, stop, phase) for _ in range(load.slow_readers)]
-        tasks += [_disconnecting_client(url, headers, stop, phase) for _ in range(load.disconnecting_clients)]
+    tasks = [_idle_flood(parsed.hostname, parsed.port, load.idle_connections, load.idle_reconnect_delay, stop, phase)]
+    tasks += [_stalled_client(parsed.hostname, parsed.port, key, stop, phase, i) for i in range(load.stalled_clients)]
+    tasks += [_slow_reader(url, headers, load, stop, phase) for _ in range(load.slow_readers)]
+    tasks += [_disconnecting_client(url, headers, stop, phase) for _ in range(load.disconnecting_clients)]
     await asyncio.gather(*tasks)
+
+
+def _abuse_process(url: str, key: str | None, load: Load, seconds: float, results: Any) -> None:
+    phase = Phase()
+    asyncio.run(_abuse(url, key, load, time.monotonic() + seconds, phase))
+    results.put(phase.abuse)
+
+
+async def _phase(url: str, key: str | None, load: Load, abusive: bool) -> Phase:
+    """Normal clients here; the abusive ones in another process, so that their event loop's
+    work does not delay this one's (and with it the TTFT measured)."""
+    phase = Phase()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    abuser = None
+    if abusive:
+        ctx = multiprocessing.get_context("spawn")
+        results = ctx.Queue()
+        abuser = ctx.Process(target=_abuse_process, args=(url, key, load, load.duration + 1.0, results))
+        abuser.start()
+        await asyncio.sleep(1.0)  # the flood is in place before the normal clients start
+    stop = time.monotonic() + load.duration
+    await asyncio.gather(*(_normal_client(url, headers, load, stop, phase, i) for i in range(load.normal_clients)))
+    if abuser is not None:
+        phase.abuse = await asyncio.get_running_loop().run_in_executor(None, results.get)
+        abuser.join()
     return phase
 
 
