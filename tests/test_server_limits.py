@@ -301,3 +301,39 @@ def test_openapi_declares_400_not_422_and_the_error_body(keyed):
     assert "422" not in op and {"200", "400", "401", "413", "503"} <= set(op)
     assert op["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert "text/event-stream" in op["200"]["content"]
+
+
+# ---- item 1: file descriptors and the log --------------------------------------------------------
+def test_running_out_of_fds_is_logged_once_per_interval(caplog):
+    import asyncio
+    import errno
+
+    from nanovllm.entrypoints.guard import LogThrottle
+    from nanovllm.entrypoints.http_protocol import accept_error_handler
+
+    handler = accept_error_handler(LogThrottle(logging.getLogger("nanovllm.server"), 60.0))
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.WARNING):
+            for _ in range(1000):
+                handler(loop, {"message": "socket.accept() out of system resource",
+                               "exception": OSError(errno.EMFILE, "Too many open files")})
+            handler(loop, {"message": "something else", "exception": RuntimeError("boom")})
+    finally:
+        loop.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("Too many open files" in m for m in messages) == 1
+    assert any("something else" in m for m in messages)  # other errors still reach the default handler
+
+
+def test_fd_limit_is_raised_and_the_connection_cap_fits_under_it():
+    import resource
+
+    from nanovllm.entrypoints.limits import FD_RESERVE, fit_to_fd_limit, raise_fd_limit
+
+    soft = raise_fd_limit()
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    expected = 2**20 if hard == resource.RLIM_INFINITY else min(hard, 2**20)
+    assert soft == resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= expected
+    assert fit_to_fd_limit(ServerLimits(max_connections=5000), 1024).max_connections == 1024 - FD_RESERVE
+    assert fit_to_fd_limit(ServerLimits(max_connections=100), 1024).max_connections == 100

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -48,18 +49,26 @@ def _over_capacity_response(max_connections: int) -> bytes:
     return head.encode() + body
 
 
-def guarded_h11_protocol(limits: ServerLimits) -> type[H11Protocol]:
-    """An H11Protocol class applying `limits` (pass it as uvicorn's `http` option)."""
-    throttle = LogThrottle(logger, limits.log_interval)
-    over_capacity = _over_capacity_response(limits.max_connections)
+def accept_error_handler(throttle: LogThrottle) -> Callable[[asyncio.AbstractEventLoop, dict], None]:
+    """An event-loop exception handler that logs running out of file descriptors through
+    `throttle` and passes everything else to the loop's default handler."""
 
-    def exception_handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
         exc = context.get("exception")
         if isinstance(exc, OSError) and exc.errno in _OUT_OF_FDS:
             throttle.warning("accept", "%s: %s (raise the open-file limit or lower --max-connections)",
                              context.get("message", "accept failed"), exc)
             return
         loop.default_exception_handler(context)
+
+    return handler
+
+
+def guarded_h11_protocol(limits: ServerLimits) -> type[H11Protocol]:
+    """An H11Protocol class applying `limits` (pass it as uvicorn's `http` option)."""
+    throttle = LogThrottle(logger, limits.log_interval)
+    over_capacity = _over_capacity_response(limits.max_connections)
+    exception_handler = accept_error_handler(throttle)
 
     # Idle connections of this server, oldest first: never sent a request / between requests.
     fresh: dict[H11Protocol, None] = {}
