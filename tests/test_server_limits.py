@@ -164,6 +164,17 @@ def test_idle_and_stalled_connections_are_closed_after_the_header_timeout(open_l
     assert b"200 OK" in raw_request(open_local, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
 
 
+def test_headers_over_the_limit_are_refused(keyed):
+    # h11 bounds what it buffers of an incomplete header block; asyncio reads up to 256 KiB at
+    # a time, so a header block is refused once more than that arrives without its end.
+    big = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"a" * 1000) for i in range(400))
+    try:
+        answer = raw_request(keyed, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + big + b"\r\n")
+    except ConnectionResetError:  # closed while we were still sending: refused too
+        answer = b"HTTP/1.1 400 (reset)"
+    assert answer.startswith(b"HTTP/1.1 4"), answer[:100]
+
+
 def test_body_over_the_limit_is_413_by_length_or_while_streaming(keyed):
     big = json.dumps({"model": MODEL, "prompt": "x" * 5000})
     err = error(client(keyed).post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413)

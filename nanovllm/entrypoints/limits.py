@@ -26,7 +26,7 @@ class ServerLimits:
     max_connections: int = 2048  # open at once; more are answered 503 and closed at accept
     timeout_header: float = 10.0  # seconds from connect (or the end of a response) to a request's headers
     timeout_keep_alive: float = 5.0  # seconds an idle keep-alive connection is kept (uvicorn's)
-    max_header_bytes: int = 16 * 1024  # request line + headers (uvicorn's h11_max_incomplete_event_size)
+    max_header_bytes: int = 16 * 1024  # incomplete request line + headers buffered (uvicorn's h11_max_incomplete_event_size)
     backlog: int = 2048  # listen backlog (uvicorn's)
     # Requests (nanovllm/entrypoints/guard.py)
     max_body_bytes: int = 32 * 1024 * 1024  # request body; over it -> 413
@@ -126,7 +126,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
                    help="seconds an idle keep-alive connection is kept open (default: %(default)s)")
     g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
-                   help="largest request line + headers (default: %(default)s)")
+                   help="most bytes of an incomplete request line + headers buffered (default: %(default)s)")
     g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="largest request body; larger -> 413 (default: %(default)s)")
