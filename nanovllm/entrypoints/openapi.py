@@ -42,12 +42,39 @@ _OK = {
 }
 
 
+def _only(*values: Any) -> dict[str, Any]:
+    return {"anyOf": [{"enum": list(values)}, {"type": "null"}]}
+
+
+_NULL = {"type": "null"}
+_EMPTY_LIST = {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]}
+# Values the server accepts, where the models' own schema says more: fields known to OpenAI but
+# not supported here are accepted only at their neutral values (protocol.py refuses the rest
+# with a 400 naming them), stop strings must not be empty, roles and content parts are limited.
+_SAMPLING: dict[str, Any] = {  # both endpoints
+    "presence_penalty": _only(0), "frequency_penalty": _only(0),
+    "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]},
+    "stop": {"anyOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}}, _NULL]},
+}
+_ACCEPTED: dict[str, dict[str, Any]] = {  # by schema component
+    "CompletionRequest": {"echo": {"enum": [False]}, "suffix": _only(""), "best_of": _NULL},
+    "ChatCompletionRequest": {"tools": _EMPTY_LIST, "functions": _EMPTY_LIST, "tool_choice": _only("none"),
+                              "function_call": _only("none")},
+    "ChatMessage": {"role": {"enum": ["system", "user", "assistant"]}, "tool_calls": _NULL,
+                    "tool_call_id": _NULL, "function_call": _NULL},
+    "ContentPart": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+    "ResponseFormat": {"type": {"enum": ["text"]}},
+}
+
+
 def _json(ref: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": _REF.format(model=ref)}}}
 
 
-def document_responses(app: Any) -> None:
-    """Make `app.openapi()` describe the real responses (see the module docstring)."""
+def document_responses(app: Any, model_name: str) -> None:
+    """Make `app.openapi()` describe the real responses (see the module docstring), and the
+    `model` field of requests as what it is: the served name or nothing."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -60,6 +87,13 @@ def document_responses(app: Any) -> None:
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.update(defs.get("$defs", {}))
+        model = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}],
+                 "description": "the served model's name (optional)"}
+        for component, fields in _ACCEPTED.items():
+            properties = components.get(component, {}).get("properties", {})
+            if component in ("CompletionRequest", "ChatCompletionRequest"):
+                fields = {**_SAMPLING, "model": model, **fields}
+            properties.update({k: v for k, v in fields.items() if k in properties})
         for path, operations in schema.get("paths", {}).items():
             for op in operations.values():
                 responses = {}

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_serializer
 
 from nanovllm.chat import ROLES
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import MAX_SEED, MAX_TEMPERATURE, SamplingParams
 from nanovllm.text import check_text
 
 
@@ -85,13 +85,14 @@ class StreamOptions(_Request):
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    # The ranges are SamplingParams' (which checks them again), stated here for the OpenAPI schema.
     model: str | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(1, ge=1)
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
-    max_tokens: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
+    temperature: StrictFloat | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -100,10 +101,10 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM-style extras.
-    top_k: StrictInt | None = None
-    min_p: StrictFloat | None = None
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: StrictFloat | None = Field(None, ge=0, le=1)
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = 0
+    min_tokens: StrictInt = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
 
@@ -158,7 +159,7 @@ class _SamplingRequest(_Request):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -238,9 +239,9 @@ class ResponseFormat(_Request):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None

@@ -592,7 +592,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app.state.server = server
     app.add_middleware(RequestGuard, limits=limits, api_key=api_key)  # harden: inside the metrics middleware
     app.add_middleware(_HTTPMetricsMiddleware, counter=server.metrics.http_requests)
-    document_responses(app)  # harden: the OpenAPI schema declares the real responses
+    document_responses(app, model_name)  # harden: the OpenAPI schema declares the real responses
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
