@@ -153,8 +153,8 @@ async def _slow_reader(url: str, headers: dict, load: Load, stop: float, phase: 
                         if time.monotonic() > stop:
                             break
                 _count(phase, "slow_reads")
-            except Exception:
-                _count(phase, "slow_read_errors")
+            except Exception as exc:
+                _count(phase, f"slow_read_error_{type(exc).__name__}")
 
 
 async def _disconnecting_client(url: str, headers: dict, stop: float, phase: Phase) -> None:
@@ -166,8 +166,8 @@ async def _disconnecting_client(url: str, headers: dict, stop: float, phase: Pha
                     async for _ in resp.aiter_lines():
                         break  # gone after the first chunk
                 _count(phase, "disconnects")
-            except Exception:
-                _count(phase, "disconnect_errors")
+            except Exception as exc:
+                _count(phase, f"disconnect_error_{type(exc).__name__}")
 
 
 async def _abuse(url: str, key: str | None, load: Load, stop: float, phase: Phase) -> None:
@@ -250,6 +250,9 @@ def main() -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = parser.parse_args()
     load = Load(**{k: getattr(args, k) for k in asdict(Load())})
+    from nanovllm.entrypoints.limits import raise_fd_limit
+
+    raise_fd_limit()  # the flood's sockets (the abusive process inherits the limit)
     proc = None
     url = args.url
     if url is None:
