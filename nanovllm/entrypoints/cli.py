@@ -121,8 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model = _model_arg(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("NANOVLLM_API_KEY")
-    limits = fit_to_fd_limit(limits_from_args(args), raise_fd_limit())  # harden (docs/limits.md)
-    warn_open_host(args.host, api_key, limits)  # harden
+    limits = fit_to_fd_limit(limits_from_args(args), raise_fd_limit())  # docs/limits.md
+    warn_open_host(args.host, api_key, limits)
     engine = AsyncEngine.from_kwargs(model, **engine_kwargs(args))
     caught: list[int] = []
     previous = {}
@@ -131,7 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = create_app(engine, name, api_key=api_key or None, limits=limits)
         server = GracefulServer(engine, app, args.shutdown_timeout, host=args.host, port=args.port,
                                 log_level=args.log_level, access_log=args.access_log,
-                                **uvicorn_options(limits))  # harden
+                                **uvicorn_options(limits))
         logging.getLogger("nanovllm").info("serving the model as %r", name)
         # uvicorn re-raises the signal it handled after shutting down; these handlers swallow it.
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -271,9 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    from nanovllm.entrypoints.limits import add_limit_args  # harden
+    from nanovllm.entrypoints.limits import add_limit_args
 
-    add_limit_args(serve)  # harden
+    add_limit_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

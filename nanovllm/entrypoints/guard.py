@@ -49,13 +49,13 @@ class LogThrottle:
         self.log.warning(message + suffix, *args)
 
 
-def json_error_bytes(status: int, message: str, type: str, code: str | None, param: str | None = None) -> bytes:
+def json_error_bytes(message: str, type: str, code: str | None, param: str | None = None) -> bytes:
     return json.dumps(error_body(message, type, param, code)).encode()
 
 
 async def send_error(send: Callable, status: int, message: str, type: str, code: str | None,
                      headers: dict[str, str] | None = None) -> None:
-    body = json_error_bytes(status, message, type, code)
+    body = json_error_bytes(message, type, code)
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})

@@ -42,7 +42,7 @@ LINGER_S = 1.0  # a turned-away socket stays half-open this long, so the client 
 
 
 def _over_capacity_response(max_connections: int) -> bytes:
-    body = json_error_bytes(503, f"the server has {max_connections} connections open, its limit; retry shortly",
+    body = json_error_bytes(f"all {max_connections} connections this server takes are busy; retry shortly",
                             "service_unavailable", "too_many_connections")
     head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nretry-after: {RETRY_AFTER_S}\r\nconnection: close\r\n\r\n")

@@ -4,10 +4,12 @@
 does not own the engine: `nanovllm serve` shuts the engine down after uvicorn has stopped (after
 in-flight requests finished, or were cancelled at the graceful-shutdown timeout).
 
-A request goes: parse (pydantic) -> checks -> `SamplingParams` -> `AsyncEngine.add_request` for
-each prompt. The engine accepts or rejects a prompt before any byte of the response is sent, so
-a bad prompt (too long, empty, ids outside the vocabulary) is a clean 400 even for a stream.
-Then the handler streams SSE chunks or waits for the final outputs.
+A request goes: `RequestGuard` (Host header, API key and body limits, before the body is parsed;
+entrypoints/guard.py, docs/limits.md) -> parse (pydantic) -> checks -> `SamplingParams` ->
+`AsyncEngine.add_request` for each prompt. The engine accepts or rejects a prompt before any
+byte of the response is sent, so a bad prompt (too long, empty, ids outside the vocabulary) is
+a clean 400 even for a stream. Then the handler streams SSE chunks or waits for the final
+outputs.
 
 Clients that go away abort their requests (blocks freed at once): for streams, Starlette cancels
 the response when it sees `http.disconnect` and `_EventStream` aborts whatever is unfinished; for
@@ -42,9 +44,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.chat import chat_prompt_ids
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from nanovllm.entrypoints.guard import RequestGuard  # harden: limits, Host/auth before the body
-from nanovllm.entrypoints.limits import ServerLimits  # harden
-from nanovllm.entrypoints.openapi import document_responses  # harden
+from nanovllm.entrypoints.guard import RequestGuard
+from nanovllm.entrypoints.limits import ServerLimits
+from nanovllm.entrypoints.openapi import document_responses
 from nanovllm.entrypoints.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -363,7 +365,7 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         body.check_unsupported()
-        body.check_limits(self.limits.max_n, self.limits.max_prompts)  # harden
+        body.check_limits(self.limits.max_n, self.limits.max_prompts)
         prompts = body.prompts()
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         params = body.sampling_params(max_tokens, body.logprobs, self.engine.vocab_size)
@@ -421,7 +423,7 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         body.check_unsupported()
-        body.check_limits(self.limits.max_n, self.limits.max_prompts)  # harden
+        body.check_limits(self.limits.max_n, self.limits.max_prompts)
         prompt_ids = self._chat_prompt(body)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
@@ -452,7 +454,7 @@ class OpenAIServer:
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:  # harden: contents tokenized apart, special-token text stays text (nanovllm/chat.py)
+        try:  # contents tokenized apart, special-token text stays text (nanovllm/chat.py)
             return chat_prompt_ids(tok, messages, body.add_generation_prompt,
                                    parse_special_tokens=self.limits.parse_special_tokens_in_chat)
         except (ValueError, TypeError) as exc:
@@ -586,13 +588,13 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     `Authorization: Bearer <api_key>` (/health and /metrics stay open). `limits`: the limits and
     Host policy (docs/limits.md); the connection-level ones go to uvicorn separately
     (http_protocol.uvicorn_options)."""
-    limits = limits if limits is not None else ServerLimits()  # harden
+    limits = limits if limits is not None else ServerLimits()
     server = OpenAIServer(engine, model_name, limits)
     app = FastAPI(title="nano-vllm", docs_url=None, redoc_url=None)
     app.state.server = server
-    app.add_middleware(RequestGuard, limits=limits, api_key=api_key)  # harden: inside the metrics middleware
+    app.add_middleware(RequestGuard, limits=limits, api_key=api_key)  # inside the metrics middleware
     app.add_middleware(_HTTPMetricsMiddleware, counter=server.metrics.http_requests)
-    document_responses(app, model_name)  # harden: the OpenAPI schema declares the real responses
+    document_responses(app, model_name)  # the OpenAPI schema declares the real responses
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
