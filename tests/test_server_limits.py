@@ -222,8 +222,9 @@ def test_without_a_key_only_loopback_host_names_are_served(open_local, host, ok)
 
 
 def test_allowed_hosts_widen_the_host_policy():
-    limits = ServerLimits(allowed_hosts=("api.example",))
+    limits = ServerLimits(allowed_hosts=("API.example", "[::2]"))
     assert limits.host_allowed("api.example:443", api_key_set=True)
+    assert limits.host_allowed("[::2]:80", api_key_set=False)
     assert not limits.host_allowed("localhost", api_key_set=False)
     assert ServerLimits(allowed_hosts=("*",)).host_allowed("anything", api_key_set=False)
     assert ServerLimits().host_allowed("anything", api_key_set=True)

@@ -26,7 +26,8 @@ class ServerLimits:
     max_connections: int = 2048  # open at once; more are answered 503 and closed at accept
     timeout_header: float = 10.0  # seconds from connect (or the end of a response) to a request's headers
     timeout_keep_alive: float = 5.0  # seconds an idle keep-alive connection is kept (uvicorn's)
-    max_header_bytes: int = 16 * 1024  # incomplete request line + headers buffered (uvicorn's h11_max_incomplete_event_size)
+    # incomplete request line + headers buffered (uvicorn's h11_max_incomplete_event_size)
+    max_header_bytes: int = 16 * 1024
     backlog: int = 2048  # listen backlog (uvicorn's)
     # Requests (nanovllm/entrypoints/guard.py)
     max_body_bytes: int = 32 * 1024 * 1024  # request body; over it -> 413
@@ -49,6 +50,11 @@ class ServerLimits:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"ServerLimits.{name} must be a number > 0 (got {value!r})")
+        if self.allowed_hosts is not None:
+            if isinstance(self.allowed_hosts, str) or not all(isinstance(h, str) for h in self.allowed_hosts):
+                raise ValueError(f"ServerLimits.allowed_hosts must be a tuple of names (got {self.allowed_hosts!r})")
+            # compared with the Host header's name: lower case, no brackets around IPv6
+            object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().strip("[]") for h in self.allowed_hosts))
 
     def host_allowed(self, host: str | None, api_key_set: bool) -> bool:
         """Whether a request with this Host header is served. With --allowed-hosts, those names
@@ -110,7 +116,8 @@ def warn_open_host(bind_host: str, api_key: str | None, limits: ServerLimits) ->
         return
     if limits.allowed_hosts is None:
         logger.warning("listening on %s with no API key: only Host headers %s are served; pass --allowed-hosts "
-                       "with the names clients use (or '*'), and consider --api-key", bind_host, ", ".join(LOOPBACK_HOSTS))
+                       "with the names clients use (or '*'), and consider --api-key",
+                       bind_host, ", ".join(LOOPBACK_HOSTS))
     else:
         logger.warning("listening on %s with no API key: anyone who can reach it can use it (Host: %s)",
                        bind_host, ", ".join(limits.allowed_hosts))
@@ -145,7 +152,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     hosts = None
     if args.allowed_hosts is not None:
-        hosts = tuple(h.strip().lower().strip("[]") for h in args.allowed_hosts.split(",") if h.strip())
+        hosts = tuple(h for h in args.allowed_hosts.split(",") if h.strip())
     return ServerLimits(
         max_connections=args.max_connections, timeout_header=args.timeout_header,
         timeout_keep_alive=args.timeout_keep_alive, max_header_bytes=args.max_header_bytes, backlog=args.backlog,

@@ -22,7 +22,16 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_serializer,
+)
 
 from nanovllm.chat import ROLES
 from nanovllm.sampling_params import MAX_SEED, MAX_TEMPERATURE, SamplingParams
