@@ -349,3 +349,23 @@ def test_fd_limit_is_raised_and_the_connection_cap_fits_under_it():
     assert soft == resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= expected
     assert fit_to_fd_limit(ServerLimits(max_connections=5000), 1024).max_connections == 1024 - FD_RESERVE
     assert fit_to_fd_limit(ServerLimits(max_connections=100), 1024).max_connections == 100
+
+
+def test_serve_flags_map_onto_server_limits():
+    from nanovllm.entrypoints.cli import build_parser
+    from nanovllm.entrypoints.limits import limits_from_args
+
+    args = build_parser().parse_args([
+        "serve", "--max-connections", "10", "--timeout-header", "2.5", "--timeout-keep-alive", "1",
+        "--max-header-bytes", "999", "--backlog", "7", "--max-body-bytes", "1000", "--timeout-body", "3",
+        "--allowed-hosts", "a.example, B.example", "--max-n", "4", "--max-prompts-per-request", "5",
+        "--parse-special-tokens-in-chat",
+    ])
+    assert limits_from_args(args) == ServerLimits(
+        max_connections=10, timeout_header=2.5, timeout_keep_alive=1.0, max_header_bytes=999, backlog=7,
+        max_body_bytes=1000, timeout_body=3.0, allowed_hosts=("a.example", "b.example"), max_n=4, max_prompts=5,
+        parse_special_tokens_in_chat=True,
+    )
+    assert limits_from_args(build_parser().parse_args(["serve"])) == ServerLimits()
+    with pytest.raises(ValueError, match="max_n"):
+        limits_from_args(build_parser().parse_args(["serve", "--max-n", "0"]))
