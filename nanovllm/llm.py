@@ -13,10 +13,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from nanovllm.chat import chat_prompt_ids, check_messages, render
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.text import check_text
 
 logger = logging.getLogger("nanovllm")
 
@@ -41,17 +43,34 @@ class LLM:
     # ---- helpers -------------------------------------------------------------------------
     @staticmethod
     def _normalize(prompts: Prompt | Sequence[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
+        """(prompts, one SamplingParams per prompt); TypeError/ValueError naming the argument."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(
+                f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                check_text(p, f"prompt {i}")
+            elif not isinstance(p, (list, tuple)):
+                raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
         if sampling_params is None:
             params = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
+            bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+            if bad is not None:
+                raise TypeError(f"sampling_params must hold SamplingParams objects, got a {type(bad).__name__}")
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        else:
+            raise TypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
         return prompts, params
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams], stream: bool) -> list[str]:
@@ -131,21 +150,24 @@ class LLM:
                 self.engine.abort_request(request_id)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        """The chat template's text for `messages` (checked: nanovllm/chat.py). To generate, use
+        `chat`: it tokenizes message contents so that special-token text in them stays text."""
+        return render(self.engine.tokenizer, check_messages(messages), add_generation_prompt=True)
 
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        parse_special_tokens: bool = False,
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        # The template already holds any BOS, so the text is encoded without special tokens.
+        """Generate replies to one conversation or a list of them. Special-token text inside a
+        message stays text unless parse_special_tokens (nanovllm/chat.py)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a non-empty list of messages or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [
-            self.engine.tokenizer.encode(self.apply_chat_template(conv), add_special_tokens=False)
+            chat_prompt_ids(self.engine.tokenizer, conv, parse_special_tokens=parse_special_tokens)
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

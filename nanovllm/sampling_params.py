@@ -1,17 +1,33 @@
 """Per-request sampling controls, validated at construction.
 
 Mirrors vLLM's `SamplingParams` for the fields we support. Every invalid value raises
-`ValueError` naming the field, so bad input never reaches the engine loop.
+`ValueError` naming the field, so bad input never reaches the engine loop: numbers must be
+finite and in range, a `bool` is never taken for a number (`logprobs=True` is refused), and
+flags must be real bools. The object is frozen once validated, so a value cannot be changed
+behind the validation's back (use `dataclasses.replace(params, n=2)`, which validates again).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Temperatures below this are sampled greedily (as in vLLM); logits / 1e-6 can overflow fp32.
 GREEDY_EPS = 1e-5
+# Above this, sampling is uniform to within float precision; larger values are a client bug.
+MAX_TEMPERATURE = 100.0
+# Seeds (plus the sample index) must fit torch.Generator.manual_seed's unsigned 64 bits.
+MAX_SEED = 2**63 - 1
 
 
-@dataclass
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
@@ -33,24 +49,27 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", "must be a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "must be -1 (off) or an integer >= 1")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "must be an integer or None")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be a number in (0, 1]")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be a number in [0, 1]")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0 or self.logprobs > 20):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED - self.n):
+            raise bad("seed", "must be None or an integer in [0, 2**63 - 1 - n]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be None or an integer in [0, 20]")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
         if self.stop is None:
             stops: list[str] = []
         elif isinstance(self.stop, str):
@@ -61,15 +80,16 @@ class SamplingParams:
             raise bad("stop", "must be a string or a list of strings")
         if any(s == "" for s in stops):
             raise bad("stop", "stop strings must not be empty")
-        self.stop_list = stops
+        # Frozen: the normalized values are set once, here, through object.__setattr__.
+        object.__setattr__(self, "stop_list", stops)
         if self.stop_token_ids is None:
-            self.stop_token_ids = []
+            object.__setattr__(self, "stop_token_ids", [])
         elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
         else:
-            self.stop_token_ids = list(self.stop_token_ids)
+            object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

@@ -321,3 +321,41 @@ def test_burst_only_where_eligible():
     assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=4)[:2] == (2, 2)  # 1 sampled: room for 3
     assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=2)[0] == 1
     assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=5)[0] == 4
+
+
+def test_a_request_of_many_sequences_does_not_starve_a_later_small_one():
+    """Admission is round-robin across requests: a request of 20 samples queued first and a
+    2-token request queued after it are both admitted in the first step (FIFO would admit 4 of
+    the big request and leave the small one waiting for 16 more)."""
+    bm = BlockManager(256, 4, True)
+    sched = Scheduler(bm, 4, 1000)
+    big = [Sequence(i, "big", [1, 2, 3], SamplingParams(max_tokens=50, n=20), max_tokens=50) for i in range(20)]
+    small = Sequence(20, "small", [4, 5], SamplingParams(max_tokens=2), max_tokens=2)
+    for seq in big + [small]:
+        sched.add(seq)
+    out = sched.schedule()
+    admitted = [s.seq_id for s in out.seqs]
+    assert len(admitted) == 4 and small.seq_id in admitted
+    # the big request's own sequences keep their order
+    assert [i for i in admitted if i != small.seq_id] == [0, 1, 2]
+
+
+def test_waiting_order_preempted_first_then_round_robin_by_request():
+    from nanovllm.engine.waiting_queue import WaitingQueue
+
+    q = WaitingQueue()
+    seqs = {name: Sequence(i, name[0], [1], SamplingParams()) for i, name in enumerate(["a1", "a2", "a3", "b1", "c1", "c2", "p1"])}
+    for name in ["a1", "a2", "a3", "b1", "c1", "c2"]:
+        q.append(seqs[name])
+    q.appendleft(seqs["p1"])  # preempted
+    q.remove(seqs["a2"])
+    assert len(q) == 6
+    order = []
+    while q:
+        head = q[0]
+        seq = q.popleft()
+        assert seq is head
+        order.append(next(k for k, v in seqs.items() if v is seq))
+    assert order == ["p1", "a1", "b1", "c1", "a3", "c2"]
+    with pytest.raises(IndexError):
+        q.popleft()

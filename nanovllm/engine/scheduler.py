@@ -7,33 +7,35 @@ prompt is chunked by the budget; a prefix-cache hit starts a sequence partly com
 block pool runs dry, the most recently admitted running sequence is preempted: its blocks are
 freed and it goes back to the front of the waiting queue to be recomputed (its prefix blocks
 usually survive in the prefix cache). No waiting sequence is admitted in a step that preempted.
+Waiting sequences are admitted preempted ones first, then round-robin across requests
+(engine/waiting_queue.py), so that one request of many sequences cannot starve a small one.
 
 The output is plain data (`SchedulerOutput`) with decodes first, which is all the model runner
 (or a tensor-parallel worker) needs for one step. Decodes are listed longest context first: the
 attention kernels start programs in batch order, and long ones started first leave short ones,
-not a long one alone, to finish a launch (5-12% less decode attention time at batch 128-256).
+not a long one alone, to finish a launch.
 
 Async scheduling: after a step is launched, `advance` counts its tokens as computed and gives
 each sampling sequence a PLACEHOLDER_TOKEN, so the next step can be scheduled (its decode input
 is gathered on the device) before the sampled ids reach the host; `resolve` later writes the
 real ids in. A synchronous engine calls both back to back.
 
-Decode bursts (`schedule(decode_burst=K)`): a sequence decoding alone, greedily or at a plain
-temperature, with nothing waiting, is given K decode steps at once (`ScheduledSeq.num_steps`;
-fewer near its max_tokens: burst_sizes),
-which the runner runs back to back on the device, each step's token feeding the next. Its blocks
-are allocated for the K positions up front; the K tokens come back together, and the engine
-drops those after a stop (`finish(..., num_tokens=)`). Why: one token of a lone stream takes ~0.55 ms on an H200, and the
-host-device round trip between steps (input copy, graph launch, output copy) was ~15-20 us of
-it (docs/benchmarks.md, W5); a burst pays that once per K tokens.
+Multi-step decode (`schedule(decode_burst=K)`): a sequence decoding alone, greedily or at a
+plain temperature, with nothing waiting, is given K decode steps at once
+(`ScheduledSeq.num_steps`; fewer near its max_tokens: `step.burst_sizes`), which the runner runs
+back to back on the device, each step's token feeding the next. Its blocks are allocated for
+the K positions up front; the K tokens come back together, and the engine drops those after a
+stop (`finish(..., num_tokens=)`). Why: a lone stream's step is short, and the host-device round
+trip between steps (input copy, launch, output copy) is a real share of it; a burst pays that
+once per K tokens.
 """
 from __future__ import annotations
 
-from collections import deque
 from operator import attrgetter
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm.engine.waiting_queue import WaitingQueue
 from nanovllm.step import ScheduledSeq, SchedulerOutput, burst_sizes
 
 
@@ -47,7 +49,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()  # admission order: preempted first, then round-robin by request
         self.running: list[Sequence] = []
         self._finished_since_last_step: list[int] = []
         self.num_preemptions = 0

@@ -115,18 +115,23 @@ def _served_name(source_path: str) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from nanovllm.engine.async_engine import AsyncEngine
+    from nanovllm.entrypoints.http_protocol import uvicorn_options
+    from nanovllm.entrypoints.limits import fit_to_fd_limit, limits_from_args, raise_fd_limit, warn_open_host
     from nanovllm.entrypoints.server import GracefulServer, create_app
 
     model = _model_arg(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("NANOVLLM_API_KEY")
+    limits = fit_to_fd_limit(limits_from_args(args), raise_fd_limit())  # docs/limits.md
+    warn_open_host(args.host, api_key, limits)
     engine = AsyncEngine.from_kwargs(model, **engine_kwargs(args))
     caught: list[int] = []
     previous = {}
     try:
         name = args.served_model_name or _served_name(engine.engine.source.path)
-        app = create_app(engine, name, api_key=api_key or None)
+        app = create_app(engine, name, api_key=api_key or None, limits=limits)
         server = GracefulServer(engine, app, args.shutdown_timeout, host=args.host, port=args.port,
-                                log_level=args.log_level, access_log=args.access_log)
+                                log_level=args.log_level, access_log=args.access_log,
+                                **uvicorn_options(limits))
         logging.getLogger("nanovllm").info("serving the model as %r", name)
         # uvicorn re-raises the signal it handled after shutting down; these handlers swallow it.
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -144,6 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # ---- chat ------------------------------------------------------------------------------------
 def cmd_chat(args: argparse.Namespace) -> int:
     from nanovllm import LLM
+    from nanovllm.chat import chat_prompt_ids
 
     llm = LLM(_model_arg(args), **engine_kwargs(args))
     params = _sampling_params(args)
@@ -172,7 +178,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": line})
             try:
-                ids = tok.encode(llm.apply_chat_template(history), add_special_tokens=False)
+                ids = chat_prompt_ids(tok, history)  # special-token text typed stays text
                 reply = _stream_reply(llm, ids, params)
             except ValueError as exc:  # e.g. the conversation outgrew max_model_len
                 print(f"error: {exc}", file=sys.stderr)
@@ -265,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    from nanovllm.entrypoints.limits import add_limit_args
+
+    add_limit_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -9,6 +9,12 @@ the field; `sampling_params()` turns that into an `OpenAIError` with `param` set
 
 Besides OpenAI's parameters, requests take vLLM's extras: top_k, min_p, ignore_eos, min_tokens,
 stop_token_ids, skip_special_tokens (send them with the openai client's `extra_body`).
+
+Numbers and flags are strict: `true` is not the integer 1 and `1` is not a bool (SamplingParams
+refuses bools as numbers too). Strings with lone surrogates (JSON's "\ud800") are refused here,
+naming the field, as tokenizers cannot encode them. Chat roles are system, user and assistant;
+tools, functions and tool messages are refused (not supported). Per-request caps that depend
+on the server's configuration (n, prompts per request) are checked by `check_limits`.
 """
 from __future__ import annotations
 
@@ -16,9 +22,20 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_serializer,
+)
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.chat import ROLES
+from nanovllm.sampling_params import MAX_SEED, MAX_TEMPERATURE, SamplingParams
+from nanovllm.text import check_text
 
 
 class OpenAIError(Exception):
@@ -47,28 +64,45 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, "invalid_request_error", param, code)
 
 
-MAX_N = 128  # samples per prompt, as OpenAI allows
+def _check_strings(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        check_text(value, where)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_strings(item, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, where)
+            _check_strings(item, where)
+
 
 # ---- requests --------------------------------------------------------------------------------
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: Any) -> Any:
+        _check_strings(value, info.field_name)
+        return value
+
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    # The ranges are SamplingParams' (which checks them again), stated here for the OpenAPI schema.
     model: str | None = None
-    n: int = Field(1, le=MAX_N)
+    n: StrictInt = Field(1, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stream: bool = False
+    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
+    temperature: StrictFloat | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Known to OpenAI, not supported here: accepted only at their neutral values.
@@ -76,12 +110,12 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM-style extras.
-    top_k: int | None = None
-    min_p: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: StrictFloat | None = Field(None, ge=0, le=1)
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
 
     def check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -91,6 +125,11 @@ class _SamplingRequest(_Request):
             raise bad_request("logit_bias is not supported by this server", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+    def check_limits(self, max_n: int, max_prompts: int) -> None:
+        """The server's per-request caps (ServerLimits), as 400s naming the field."""
+        if self.n > max_n:
+            raise bad_request(f"n must be at most {max_n} on this server (got {self.n})", param="n")
 
     @property
     def include_usage(self) -> bool:
@@ -128,9 +167,9 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -142,6 +181,13 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported by this server (only best_of == n)", param="best_of")
+
+    def check_limits(self, max_n: int, max_prompts: int) -> None:
+        super().check_limits(max_n, max_prompts)
+        count = len(self.prompts())
+        if count > max_prompts:
+            raise bad_request(f"prompt holds {count} prompts; this server takes at most {max_prompts} per request",
+                              param="prompt")
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string, a batch of strings, token ids, or batches of them."""
@@ -164,6 +210,24 @@ class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # Tool calling is not supported: messages carrying it are refused rather than half-read.
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)} (tools are not supported); got {role!r}")
+        return role
+
+    @field_validator("tool_calls", "tool_call_id", "function_call")
+    @classmethod
+    def _no_tools(cls, value: Any, info: Any) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported by this server (no tool calling)")
+        return value
 
     def text(self) -> str:
         if self.content is None:
@@ -184,17 +248,26 @@ class ResponseFormat(_Request):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     response_format: ResponseFormat | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.tools:
             raise bad_request("tools are not supported by this server", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported by this server (only 'none')", param="tool_choice")
+        if self.functions:
+            raise bad_request("functions are not supported by this server", param="functions")
+        if self.function_call not in (None, "none"):
+            raise bad_request("function_call is not supported by this server (only 'none')", param="function_call")
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_request("only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:

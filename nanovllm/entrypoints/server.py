@@ -4,10 +4,12 @@
 does not own the engine: `nanovllm serve` shuts the engine down after uvicorn has stopped (after
 in-flight requests finished, or were cancelled at the graceful-shutdown timeout).
 
-A request goes: parse (pydantic) -> checks -> `SamplingParams` -> `AsyncEngine.add_request` for
-each prompt. The engine accepts or rejects a prompt before any byte of the response is sent, so
-a bad prompt (too long, empty, ids outside the vocabulary) is a clean 400 even for a stream.
-Then the handler streams SSE chunks or waits for the final outputs.
+A request goes: `RequestGuard` (Host header, API key and body limits, before the body is parsed;
+entrypoints/guard.py, docs/limits.md) -> parse (pydantic) -> checks -> `SamplingParams` ->
+`AsyncEngine.add_request` for each prompt. The engine accepts or rejects a prompt before any
+byte of the response is sent, so a bad prompt (too long, empty, ids outside the vocabulary) is
+a clean 400 even for a stream. Then the handler streams SSE chunks or waits for the final
+outputs.
 
 Clients that go away abort their requests (blocks freed at once): for streams, Starlette cancels
 the response when it sees `http.disconnect` and `_EventStream` aborts whatever is unfinished; for
@@ -25,7 +27,6 @@ inter-token latency and end-to-end histograms, and engine gauges read from `Asyn
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -34,14 +35,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm.chat import chat_prompt_ids
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from nanovllm.entrypoints.guard import RequestGuard
+from nanovllm.entrypoints.limits import ServerLimits
+from nanovllm.entrypoints.openapi import document_responses
 from nanovllm.entrypoints.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -283,23 +288,14 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
 class OpenAIServer:
     """Request handlers; `create_app` wires them to routes."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.api_key = api_key
+        self.limits = limits
         self.metrics = ServerMetrics(engine)
         self.token_text = _TokenText(engine.tokenizer)
 
     # ---- checks ----
-    async def check_api_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise OpenAIError(401, "invalid API key: send 'Authorization: Bearer <key>'", "authentication_error",
-                              code="invalid_api_key")
-
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise bad_request(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
@@ -369,6 +365,7 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         body.check_unsupported()
+        body.check_limits(self.limits.max_n, self.limits.max_prompts)
         prompts = body.prompts()
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         params = body.sampling_params(max_tokens, body.logprobs, self.engine.vocab_size)
@@ -426,6 +423,7 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         body.check_unsupported()
+        body.check_limits(self.limits.max_n, self.limits.max_prompts)
         prompt_ids = self._chat_prompt(body)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
@@ -452,18 +450,15 @@ class OpenAIServer:
                                                    usage=self._usage(finals)).model_dump())
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        from jinja2 import TemplateError
-
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
-        except (TemplateError, ValueError, TypeError, KeyError) as exc:
-            raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
-        # The template already holds any BOS, as in LLM.chat.
-        return tok.encode(text, add_special_tokens=False)
+        try:  # contents tokenized apart, special-token text stays text (nanovllm/chat.py)
+            return chat_prompt_ids(tok, messages, body.add_generation_prompt,
+                                   parse_special_tokens=self.limits.parse_special_tokens_in_chat)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc), param="messages") from None
 
     async def _chat_events(self, request_id: str, body: ChatCompletionRequest, params: SamplingParams,
                            stream: RequestStream, tracker: _Tracker) -> AsyncIterator[str]:
@@ -587,13 +582,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"invalid value for {where}: {first.get('msg', '')}", param
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+               limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving `engine` as model `model_name`. With `api_key`, /v1/* requires
-    `Authorization: Bearer <api_key>` (/health and /metrics stay open)."""
-    server = OpenAIServer(engine, model_name, api_key)
+    `Authorization: Bearer <api_key>` (/health and /metrics stay open). `limits`: the limits and
+    Host policy (docs/limits.md); the connection-level ones go to uvicorn separately
+    (http_protocol.uvicorn_options)."""
+    limits = limits if limits is not None else ServerLimits()
+    server = OpenAIServer(engine, model_name, limits)
     app = FastAPI(title="nano-vllm", docs_url=None, redoc_url=None)
     app.state.server = server
+    app.add_middleware(RequestGuard, limits=limits, api_key=api_key)  # inside the metrics middleware
     app.add_middleware(_HTTPMetricsMiddleware, counter=server.metrics.http_requests)
+    document_responses(app, model_name)  # the OpenAPI schema declares the real responses
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -621,10 +622,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         return JSONResponse(error_body(f"internal server error: {type(exc).__name__}", "server_error"),
                             status_code=500)
 
-    auth = [Depends(server.check_api_key)]
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
+    # The API key is checked by RequestGuard, before the body is read.
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
     return app

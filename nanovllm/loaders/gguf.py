@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,9 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
         return gguf.GGUFReader(path)
-    except ValueError as e:
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+    # A truncated or corrupt header surfaces from the reader's parsing as any of these.
+    except (ValueError, IndexError, KeyError, struct.error, OverflowError, MemoryError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from e
 
 
 def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:

@@ -1,0 +1,162 @@
+"""The server's limits and security policy: one frozen dataclass, its command-line flags, and
+the process's file-descriptor limit.
+
+docs/limits.md lists every limit with its default and flag. The defaults are meant to keep the
+server reachable under abuse (floods of idle connections, huge bodies, huge fan-out requests)
+without getting in the way of ordinary OpenAI clients.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+from dataclasses import dataclass
+
+logger = logging.getLogger("nanovllm.server")
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+# File descriptors kept free of connections: the model files, the engine's sockets and pipes,
+# logs, and the sockets being accepted and turned away.
+FD_RESERVE = 256
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    # Connections (uvicorn's h11 protocol, nanovllm/entrypoints/http_protocol.py)
+    max_connections: int = 2048  # open at once; more are answered 503 and closed at accept
+    timeout_header: float = 10.0  # seconds from connect (or the end of a response) to a request's headers
+    timeout_keep_alive: float = 5.0  # seconds an idle keep-alive connection is kept (uvicorn's)
+    # incomplete request line + headers buffered (uvicorn's h11_max_incomplete_event_size)
+    max_header_bytes: int = 16 * 1024
+    backlog: int = 2048  # listen backlog (uvicorn's)
+    # Requests (nanovllm/entrypoints/guard.py)
+    max_body_bytes: int = 32 * 1024 * 1024  # request body; over it -> 413
+    timeout_body: float = 30.0  # seconds to receive the whole body; over it -> 408
+    allowed_hosts: tuple[str, ...] | None = None  # Host header names; None: loopback only without an API key
+    # Per request (protocol.py `check_limits`)
+    max_n: int = 128  # samples per prompt
+    max_prompts: int = 64  # prompts in one /v1/completions request
+    # Chat (nanovllm/chat.py)
+    parse_special_tokens_in_chat: bool = False  # True: special-token text in messages becomes control tokens
+    # Rejections are logged at most once per this many seconds per kind, with a count.
+    log_interval: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_header_bytes", "backlog", "max_body_bytes", "max_n", "max_prompts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ServerLimits.{name} must be an integer >= 1 (got {value!r})")
+        for name in ("timeout_header", "timeout_keep_alive", "timeout_body", "log_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"ServerLimits.{name} must be a number > 0 (got {value!r})")
+        if self.allowed_hosts is not None:
+            if isinstance(self.allowed_hosts, str) or not all(isinstance(h, str) for h in self.allowed_hosts):
+                raise ValueError(f"ServerLimits.allowed_hosts must be a tuple of names (got {self.allowed_hosts!r})")
+            # compared with the Host header's name: lower case, no brackets around IPv6
+            object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().strip("[]") for h in self.allowed_hosts))
+
+    def host_allowed(self, host: str | None, api_key_set: bool) -> bool:
+        """Whether a request with this Host header is served. With --allowed-hosts, those names
+        ('*' = any); without, any host when an API key is required, else loopback names only
+        (a page on another site, DNS-rebound to 127.0.0.1, still says its own name)."""
+        allowed = self.allowed_hosts
+        if allowed is None:
+            if api_key_set:
+                return True
+            allowed = LOOPBACK_HOSTS
+        if "*" in allowed:
+            return True
+        name = _host_name(host)
+        return name is not None and name in allowed
+
+
+def _host_name(host: str | None) -> str | None:
+    """'Example.COM:8000' -> 'example.com', '[::1]:8000' -> '::1'; None if absent or malformed."""
+    if not host:
+        return None
+    host = host.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        return host[1:end] if end > 0 else None
+    name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return name.rstrip(".") or None
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (at most 2**20); returns the soft limit.
+    The common default soft limit, 1024, is far below what a server with many clients needs."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = min(hard if hard != resource.RLIM_INFINITY else 2**20, 2**20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            logger.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+    return soft
+
+
+def fit_to_fd_limit(limits: ServerLimits, fd_limit: int) -> ServerLimits:
+    """`limits` with max_connections lowered to fit under the fd limit (with FD_RESERVE spare)."""
+    from dataclasses import replace
+
+    room = max(1, fd_limit - FD_RESERVE)
+    if limits.max_connections > room:
+        logger.warning("--max-connections %d lowered to %d: the open-file limit is %d",
+                       limits.max_connections, room, fd_limit)
+        return replace(limits, max_connections=room)
+    return limits
+
+
+def warn_open_host(bind_host: str, api_key: str | None, limits: ServerLimits) -> None:
+    """Say at start-up what applies when the server listens beyond loopback with no API key:
+    anyone who can reach it may use it, and only the Host names allowed are served."""
+    if api_key or _host_name(bind_host) in LOOPBACK_HOSTS:
+        return
+    if limits.allowed_hosts is None:
+        logger.warning("listening on %s with no API key: only Host headers %s are served; pass --allowed-hosts "
+                       "with the names clients use (or '*'), and consider --api-key",
+                       bind_host, ", ".join(LOOPBACK_HOSTS))
+    else:
+        logger.warning("listening on %s with no API key: anyone who can reach it can use it (Host: %s)",
+                       bind_host, ", ".join(limits.allowed_hosts))
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerLimits()
+    g = parser.add_argument_group("limits and security (docs/limits.md)")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections at once; more get 503 at accept (default: %(default)s)")
+    g.add_argument("--timeout-header", type=float, default=d.timeout_header,
+                   help="seconds a connection may take to send a request's headers (default: %(default)s)")
+    g.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
+                   help="seconds an idle keep-alive connection is kept open (default: %(default)s)")
+    g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
+                   help="most bytes of an incomplete request line + headers buffered (default: %(default)s)")
+    g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default: %(default)s)")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body; larger -> 413 (default: %(default)s)")
+    g.add_argument("--timeout-body", type=float, default=d.timeout_body,
+                   help="seconds to receive a request body; slower -> 408 (default: %(default)s)")
+    g.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names served ('*' = any; default: any with an API key, "
+                        "else localhost,127.0.0.1,::1)")
+    g.add_argument("--max-n", type=int, default=d.max_n, help="largest n per request (default: %(default)s)")
+    g.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts,
+                   help="most prompts in one /v1/completions request (default: %(default)s)")
+    g.add_argument("--parse-special-tokens-in-chat", action="store_true",
+                   help="let special-token text in chat messages become control tokens (as vLLM and llama.cpp do)")
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    hosts = None
+    if args.allowed_hosts is not None:
+        hosts = tuple(h for h in args.allowed_hosts.split(",") if h.strip())
+    return ServerLimits(
+        max_connections=args.max_connections, timeout_header=args.timeout_header,
+        timeout_keep_alive=args.timeout_keep_alive, max_header_bytes=args.max_header_bytes, backlog=args.backlog,
+        max_body_bytes=args.max_body_bytes, timeout_body=args.timeout_body, allowed_hosts=hosts,
+        max_n=args.max_n, max_prompts=args.max_prompts_per_request,
+        parse_special_tokens_in_chat=args.parse_special_tokens_in_chat,
+    )
