@@ -21,6 +21,15 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    # Multi-node tensor parallelism (executor/multinode.py): the tensor_parallel_size ranks are
+    # spread over nnodes machines, tensor_parallel_size // nnodes on each. This process is node 0
+    # (the engine); every other node runs `nanovllm worker --node-rank K` against master_addr:
+    # master_port, where node 0 opens the rendezvous. join_timeout_s bounds how long node 0 waits
+    # for every rank to join (and a node for node 0), so a node that never comes is an error.
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    join_timeout_s: float = 300.0
     dtype: str = "auto"
     max_model_len: int = 4096
     max_num_seqs: int = 512
@@ -63,10 +72,20 @@ class EngineConfig:
             raise bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"must be one of {DTYPES}")
-        for name in ("tensor_parallel_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
+        for name in ("tensor_parallel_size", "nnodes", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(name, "must be a positive integer")
+        if self.tensor_parallel_size % self.nnodes:
+            raise bad("nnodes", f"must divide tensor_parallel_size={self.tensor_parallel_size} (ranks per node)")
+        if self.nnodes > 1 and not (isinstance(self.master_port, int) and 1 <= self.master_port < 65536):
+            raise bad("master_port", "multi-node needs the rendezvous port every node connects to, in [1, 65535]")
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port < 65536:
+            raise bad("master_port", "must be in [0, 65535] (0 = a free one, single node only)")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise bad("master_addr", "must be a host name or address of node 0")
+        if not isinstance(self.join_timeout_s, (int, float)) or not self.join_timeout_s > 0:
+            raise bad("join_timeout_s", "must be a positive number of seconds")
         if self.decode_burst is not None:
             if not isinstance(self.decode_burst, int) or isinstance(self.decode_burst, bool) or not 1 <= self.decode_burst <= 64:
                 raise bad("decode_burst", "must be an integer in [1, 64] (a graph holds that many steps) or None")

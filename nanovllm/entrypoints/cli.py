@@ -29,6 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash-attn"])
     g.add_argument("--tensor-parallel-size", type=int, default=1)
+    _add_multinode_args(g)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--max-num-seqs", type=int, default=512)
@@ -55,9 +56,32 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "device", "attention_backend", "tensor_parallel_size", "dtype", "max_model_len", "max_num_seqs",
         "max_num_batched_tokens", "kvcache_block_size", "num_kvcache_blocks", "gpu_memory_utilization",
         "enable_prefix_caching", "enforce_eager", "seed", "async_scheduling", "persistent_decode", "decode_burst",
-        "quantization",
+        "quantization", "nnodes", "master_addr", "master_port", "join_timeout_s",
     )
     return {n: getattr(args, n) for n in names}
+
+
+def _add_multinode_args(g) -> None:
+    """Tensor parallelism across machines (docs/scaling.md): this process is node 0."""
+    g.add_argument("--nnodes", type=int, default=1,
+                   help="machines the --tensor-parallel-size ranks span; the others run `nanovllm worker`")
+    g.add_argument("--master-addr", default="127.0.0.1",
+                   help="multi-node: node 0's address as the other nodes reach it")
+    g.add_argument("--master-port", type=int, default=0,
+                   help="multi-node: the rendezvous port node 0 opens (single node: 0 = a free one)")
+    g.add_argument("--join-timeout", dest="join_timeout_s", type=float, default=300.0,
+                   help="multi-node: seconds to wait for every node's ranks to join before failing")
+
+
+# ---- worker (a node other than node 0 in multi-node tensor parallelism) ------------------------
+def cmd_worker(args: argparse.Namespace) -> int:
+    from nanovllm.executor.multinode import NodeError, run_node
+
+    try:
+        return run_node(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.join_timeout_s)
+    except NodeError as exc:
+        print(f"nanovllm worker: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _model_arg(args: argparse.Namespace) -> str | None:
@@ -285,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=512)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    worker = sub.add_parser("worker", help="run this machine's ranks of a multi-node tensor-parallel engine",
+                            description="Node K > 0 of a model spread over --nnodes machines: joins node 0 (which runs "
+                            "`nanovllm serve --nnodes N --master-addr A --master-port P ...`), takes the model and "
+                            "engine settings from it, and runs its ranks until node 0 stops (docs/scaling.md).")
+    worker.add_argument("--node-rank", type=int, required=True, help="this machine's index, 1..nnodes-1")
+    _add_multinode_args(worker)
+    worker.set_defaults(func=cmd_worker)
 
     bench = sub.add_parser("bench", help="offline throughput (W1) or, with --serving, a serving load (W4)",
                            description="Without --serving: W1 from BENCHMARKS.md (random token prompts, "

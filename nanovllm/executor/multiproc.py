@@ -67,6 +67,7 @@ import threading
 import time
 import traceback
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection, get_context
 from typing import Any, Callable
@@ -92,6 +93,31 @@ EXPLAIN_GRACE_S = 3.0  # after a failed step, how long to wait for a worker to r
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel worker failed (raised, died or hung); the executor is shut down."""
+
+
+# ---- multi-node rendezvous keys (executor/multinode.py runs the other nodes) -------------------
+SPEC_KEY = "nanovllm/spec"
+
+
+@dataclass
+class NodeSpec:
+    """What node 0 publishes in the store for the other nodes: they build their ranks from it,
+    so they need only the rendezvous address on their command line."""
+
+    config: EngineConfig
+    source: ModelSource
+    backend: str
+    world: int
+    nnodes: int
+    timeout_s: float
+
+
+def joined_key(rank: int) -> str:
+    return f"nanovllm/joined/{rank}"
+
+
+def error_key(rank: int) -> str:
+    return f"nanovllm/error/{rank}"
 
 
 # ---- the step message ------------------------------------------------------------------------
@@ -130,36 +156,68 @@ def _collective_device(backend: str) -> torch.device:
 
 
 # ---- the worker process ----------------------------------------------------------------------
+def join_group(backend: str, host: str, port: int, rank: int, world: int, timeout_s: float, startup_s: float) -> Any:
+    """Join the process group of `world` ranks through the TCPStore at host:port; returns the store."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=startup_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return store
+
+
+def make_step_group(backend: str) -> Any:
+    """The group that carries step messages when they go by broadcast: gloo, since a step is a
+    pickled host object (on NCCL this is a collective that every rank must call, in order)."""
+    return dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+
+
+def broadcast_step(msg: Any, group: Any) -> Any:
+    """Rank 0 sends `msg` (a step payload, or None = stop); every other rank gets it back."""
+    box = [msg]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def serve_broadcast(runner: ModelRunner, group: Any) -> None:
+    """A rank's step loop when steps come by broadcast: run each until rank 0 sends None. The
+    next broadcast cannot start before every rank left the previous step's collectives, so no
+    acknowledgement is needed."""
+    while (payload := broadcast_step(None, group)) is not None:
+        runner.execute(decode_step(payload))
+
+
 def _worker_main(
     rank: int,
+    local_rank: int,
     world: int,
     backend: str,
+    host: str,
     port: int,
     timeout_s: float,
+    startup_s: float,
     num_threads: int,
     config: EngineConfig,
     source: ModelSource,
     conn: connection.Connection,
     runner_cls: type[ModelRunner],
+    by_broadcast: bool,
 ) -> None:
-    """Entry point of rank `rank` >= 1: join the group, build the runner, then serve steps."""
+    """Entry point of rank `rank` >= 1 on node 0: join the group, build the runner, then serve
+    steps (from the pipe, or by broadcast when ranks on other nodes take part)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     step: int | None = None
     try:
         if backend == "nccl":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(local_rank)
         else:
             torch.set_num_threads(num_threads)
         conn.send_bytes(_dumps(("hello",)))  # imports done: the driver may now join the group
-        startup = timedelta(seconds=max(timeout_s, DEFAULT_TIMEOUT_S))
-        store = dist.TCPStore(HOST, port, is_master=False, timeout=startup)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-        )
+        join_group(backend, host, port, rank, world, timeout_s, startup_s)
+        group = make_step_group(backend) if by_broadcast else None
         device = _collective_device(backend)
         runner = runner_cls(config, source, rank=rank, agree_num_blocks=lambda n: _min_across_ranks(n, device))
         conn.send_bytes(_dumps(("ready", runner.num_kvcache_blocks)))
-        while True:
+        if by_broadcast:
+            serve_broadcast(runner, group)
+        while not by_broadcast:
             try:
                 data = conn.recv_bytes()
             except EOFError:
@@ -189,9 +247,14 @@ class _Workers:
     the executor alive.
     """
 
-    def __init__(self, backend: str, timeout_s: float) -> None:
+    def __init__(self, backend: str, timeout_s: float, nnodes: int = 1, join_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.backend = backend
         self.timeout_s = timeout_s
+        self.nnodes = nnodes
+        self.join_timeout_s = join_timeout_s
+        self.world = 1
+        self.local_world = 1
+        self.step_group: Any = None  # multi-node: the group steps are broadcast on
         self.procs: list[Any] = []  # multiprocessing SpawnProcess, index i = rank i + 1
         self.conns: list[connection.Connection] = []
         self.store: dist.TCPStore | None = None
@@ -209,17 +272,23 @@ class _Workers:
 
     # -- start-up --
     def start(self, world: int, port: int, config: EngineConfig, source: ModelSource, runner_cls: type) -> None:
+        """Open the rendezvous and spawn this node's ranks 1..local-1 (ranks on other nodes are
+        started there, by `nanovllm worker`, and find us through the store)."""
+        self.world, self.local_world = world, world // self.nnodes
+        host = HOST if self.nnodes == 1 else config.master_addr
         # The store only serves the rendezvous, which waits on start-up, not on a step.
-        startup = timedelta(seconds=max(self.timeout_s, DEFAULT_TIMEOUT_S))
-        self.store = dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False, timeout=startup)
+        startup_s = max(self.timeout_s, DEFAULT_TIMEOUT_S)
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=startup_s))
+        if self.nnodes > 1:  # what the other nodes need to build their ranks: published once
+            self.store.set(SPEC_KEY, _dumps(NodeSpec(config, source, self.backend, world, self.nnodes, self.timeout_s)))
         ctx = get_context("spawn")
-        num_threads = max(1, torch.get_num_threads() // world)
-        for rank in range(1, world):
+        num_threads = max(1, torch.get_num_threads() // self.local_world)
+        for rank in range(1, self.local_world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, world, self.backend, self.store.port, self.timeout_s, num_threads,
-                      config, source, child, runner_cls),
+                args=(rank, rank, world, self.backend, host, self.store.port, self.timeout_s, startup_s, num_threads,
+                      config, source, child, runner_cls, self.nnodes > 1),
                 name=f"nanovllm-tp{rank}",
                 daemon=True,
             )
@@ -238,12 +307,44 @@ class _Workers:
         once here, instead of as a rendezvous timeout). Spawning and importing torch can take
         a while on a loaded machine, so this wait is not cut short by a small step timeout."""
         self.collect("hello", None, max(self.timeout_s, DEFAULT_TIMEOUT_S))
+        if self.nnodes > 1:
+            self._await_other_nodes()
         dist.init_process_group(
             self.backend, store=self.store, rank=0, world_size=world, timeout=timedelta(seconds=self.timeout_s)
         )
         self.group = dist.group.WORLD
+        if self.nnodes > 1:
+            self.step_group = make_step_group(self.backend)
         if self.backend == "nccl" and self.procs:
             self._start_watcher()
+
+    def _await_other_nodes(self) -> None:
+        """Wait up to join_timeout_s for every rank of the other nodes to check in; name the
+        missing ones otherwise (init_process_group alone would only say which key timed out)."""
+        store, remote = self.store, range(self.local_world, self.world)
+        try:
+            store.wait([joined_key(r) for r in remote], timedelta(seconds=self.join_timeout_s))
+        except (RuntimeError, dist.DistError):
+            missing = [r for r in remote if not store.check([joined_key(r)])]
+            nodes = sorted({r // self.local_world for r in missing})
+            raise TensorParallelError(
+                f"rank(s) {missing} of node(s) {nodes} did not join within {self.join_timeout_s:g}s: start "
+                f"`nanovllm worker --nnodes {self.nnodes} --node-rank K --master-addr ADDR --master-port "
+                f"{store.port}` on each other node, with ADDR this node's address as they reach it"
+            ) from None
+
+    def remote_errors(self) -> str | None:
+        """What ranks on other nodes reported before exiting (they write to the store)."""
+        if self.store is None or self.nnodes == 1:
+            return None
+        found = []
+        for r in range(self.local_world, self.world):
+            try:
+                if self.store.check([error_key(r)]):
+                    found.append(f"rank {r} (node {r // self.local_world}) raised:\n{self.store.get(error_key(r)).decode()}")
+            except Exception:  # noqa: BLE001 - the store is best effort once things fail
+                break
+        return "\n".join(found) or None
 
     # -- per step --
     def check_alive(self) -> None:
@@ -307,7 +408,7 @@ class _Workers:
         """After rank 0 failed inside a step: wait briefly for a worker to report an error or
         die (its sockets closing is usually what made rank 0 fail) and describe it."""
         deadline = time.monotonic() + grace_s
-        while True:
+        while self.procs:
             for i, (proc, conn) in enumerate(zip(self.procs, self.conns)):
                 try:
                     if conn.poll():
@@ -321,6 +422,7 @@ class _Workers:
             if remaining <= 0:
                 return None
             connection.wait(self.conns + [p.sentinel for p in self.procs], remaining)
+        return None
 
     # -- NCCL watcher --
     def _start_watcher(self) -> None:
@@ -356,6 +458,11 @@ class _Workers:
             self._wake.close()  # wakes the watcher, which sees `closed` and returns
             if self._watcher is not None:
                 self._watcher.join(5.0)
+        if not self.broken and self.step_group is not None:
+            try:
+                broadcast_step(None, self.step_group)
+            except Exception:  # noqa: BLE001 - a rank is gone: the group is destroyed below anyway
+                logger.warning("tensor parallel: the stop message did not reach every rank")
         if not self.broken:
             stop = _dumps((None, None))
             for conn, proc in zip(self.conns, self.procs):
@@ -386,6 +493,7 @@ class _Workers:
                     logger.exception("tensor parallel: releasing %s before destroying the group failed", release)
             dist.destroy_process_group()
         self.group = None
+        self.step_group = None
         self.store = None
 
 
@@ -421,8 +529,12 @@ class MultiprocExecutor:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         device = resolve_device(config.device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if backend == "nccl" and torch.cuda.device_count() < world:
-            raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs; torch sees {torch.cuda.device_count()}")
+        local_world = world // config.nnodes
+        if backend == "nccl" and torch.cuda.device_count() < local_world:
+            raise ValueError(f"tensor_parallel_size={world} over {config.nnodes} node(s) needs {local_world} GPUs "
+                             f"per node; torch sees {torch.cuda.device_count()}")
+        if config.nnodes > 1:
+            port = config.master_port
         if dist.is_initialized():
             gc.collect()  # an engine that was dropped but not yet collected releases its group
         if dist.is_initialized():
@@ -437,7 +549,7 @@ class MultiprocExecutor:
         self.timeout_s = timeout_s
         self._step = 0
         self._failure: str | None = None
-        self._workers = _Workers(backend, timeout_s)
+        self._workers = _Workers(backend, timeout_s, config.nnodes, config.join_timeout_s)
         self._finalizer = weakref.finalize(self, self._workers.close)
         try:
             self._workers.start(world, port, config, source, worker_runner_cls)
@@ -474,11 +586,14 @@ class MultiprocExecutor:
             raise TensorParallelError(f"the tensor-parallel executor was shut down after a failure: {self._failure}")
         if self._workers.closed:
             raise RuntimeError("the tensor-parallel executor is shut down")
-        if out.is_empty or not self._workers.procs:
+        if out.is_empty or self.world_size == 1:
             return self.runner.execute(out)
         self._step += 1
         try:
             self._workers.check_alive()
+            if self._workers.step_group is not None:
+                broadcast_step(encode_step(out), self._workers.step_group)
+                return self.runner.execute(out)
             self._workers.send(_dumps((self._step, encode_step(out))))
             result = self.runner.execute(out)
             self._workers.collect("ack", self._step, self.timeout_s)
@@ -497,7 +612,13 @@ class MultiprocExecutor:
         """
         wrap = isinstance(exc, Exception) and not isinstance(exc, (TensorParallelError, ValueError))
         if wrap:
-            why = self._workers.explain(EXPLAIN_GRACE_S) or f"rank 0 raised {type(exc).__name__}: {exc}"
+            why = (self._workers.remote_errors() or self._workers.explain(EXPLAIN_GRACE_S)
+                   or f"rank 0 raised {type(exc).__name__}: {exc}")
+            if self._workers.nnodes > 1:
+                lo, hi = self._workers.local_world, self.world_size - 1
+                remote = f"rank {lo} runs on another node" if lo == hi else f"ranks {lo}..{hi} run on other nodes"
+                why += (f"\n({remote}: a node that died or became unreachable shows up as a peer that closed "
+                        "its connection)")
         elif isinstance(exc, Exception):
             why = str(exc)
         else:
