@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# W4 load through vllm-router in front of N `nanovllm serve` replicas on this machine.
+#   benchmarks/replicas_router.sh N [MODEL] [extra serve options...]   (no MODEL: the embedded default)
+# REPLICA_CPUS="0 1" pins replica i to the i-th CPU list (taskset) with one torch thread each;
+# W4_CLIENTS (default 16), W4_REQUESTS (default 2 x clients), W4_INPUT_LEN / W4_OUTPUT_LEN (128).
+set -euo pipefail
+n=$1; shift
+model=${1:-}
+shift || true
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+read -r -a cpus <<< "${REPLICA_CPUS:-}"
+pids=(); urls=()
+trap 'kill ${pids[*]} 2>/dev/null; wait 2>/dev/null || true' EXIT
+for i in $(seq 0 $((n - 1))); do
+  port=$(free_port)
+  pin=()
+  if [ ${#cpus[@]} -gt 0 ]; then pin=(taskset -c "${cpus[$i]}"); export OMP_NUM_THREADS=1; fi
+  "${pin[@]}" python3 -m nanovllm serve ${model:+"$model"} --host 127.0.0.1 --port "$port" --served-model-name m "$@" \
+    >"/tmp/replica$i.log" 2>&1 &
+  pids+=($!); urls+=("http://127.0.0.1:$port")
+done
+for url in "${urls[@]}"; do
+  for _ in $(seq 600); do curl -sf "$url/health" >/dev/null 2>&1 && break; sleep 0.5; done
+done
+rport=$(free_port)
+vllm-router --host 127.0.0.1 --port "$rport" --worker-urls "${urls[@]}" --policy round_robin >/tmp/router.log 2>&1 &
+pids+=($!)
+for _ in $(seq 120); do curl -sf "http://127.0.0.1:$rport/health" >/dev/null 2>&1 && break; sleep 0.5; done
+clients=${W4_CLIENTS:-16}
+python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$rport" --served-model m --num-clients "$clients" \
+  --num-requests "${W4_REQUESTS:-$((2 * clients))}" --input-len "${W4_INPUT_LEN:-128}" --output-len "${W4_OUTPUT_LEN:-128}" --json

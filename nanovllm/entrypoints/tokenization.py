@@ -1,0 +1,95 @@
+"""`/tokenize` and `/detokenize`, with vLLM's request and response shapes.
+
+Routers and gateways (vllm-router, the Gateway API Inference Extension) and clients that budget
+tokens ask a replica to count with its own tokenizer and chat template, so the shapes are
+vLLM's: `{"prompt"}` or `{"messages"}` -> `{"tokens", "count", "max_model_len"}`, and
+`{"tokens"}` -> `{"prompt"}`. A chat request is tokenized exactly as /v1/chat/completions
+tokenizes it (nanovllm/chat.py), so the count is what generation will see. Bad input is a 400
+naming the field.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import StrictBool, StrictInt, ValidationError
+
+from nanovllm.chat import chat_prompt_ids
+from nanovllm.entrypoints.protocol import ChatMessage, _Request, _Response, bad_request
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False  # the template holds any BOS
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+def _validate(cls: type[_Request], body: Any) -> Any:
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or None
+        raise bad_request(f"{where}: {err['msg']}" if where else err["msg"], param=where) from None
+
+
+def parse_tokenize(body: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object with 'prompt' or 'messages'")
+    if ("prompt" in body) == ("messages" in body):
+        raise bad_request("give exactly one of 'prompt' (text) or 'messages' (a chat)", param="prompt")
+    return _validate(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, body)
+
+
+def parse_detokenize(body: Any) -> DetokenizeRequest:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object with 'tokens'")
+    return _validate(DetokenizeRequest, body)
+
+
+def tokenize(tokenizer: Any, req: TokenizeCompletionRequest | TokenizeChatRequest, max_model_len: int) -> TokenizeResponse:
+    """Token ids of a prompt or chat (runs on the server's tokenizer thread)."""
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer")
+    if isinstance(req, TokenizeChatRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc), param="messages") from None
+        if req.add_special_tokens and tokenizer.bos_token_id is not None:
+            ids = [tokenizer.bos_token_id] + ids
+    else:
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
+
+
+def detokenize(tokenizer: Any, req: DetokenizeRequest, vocab_size: int) -> DetokenizeResponse:
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer")
+    for i, t in enumerate(req.tokens):
+        if not 0 <= t < vocab_size:
+            raise bad_request(f"tokens[{i}]={t} is outside the vocabulary [0, {vocab_size})", param="tokens")
+    return DetokenizeResponse(prompt=tokenizer.decode(req.tokens))
