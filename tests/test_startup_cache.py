@@ -23,6 +23,7 @@ from nanovllm.entrypoints.startup_report import format_rows, startup_rows
 from nanovllm.loaders.cache import atomic_dir, atomic_file, cache_dir, file_digest
 from nanovllm.loaders.gguf_cache import GGUFCacheEntry
 from nanovllm.loaders.source import resolve_model
+from nanovllm.models.registry import get_model_class
 from nanovllm.runner.host_memory import lazy_zeros
 
 needs_smollm2 = pytest.mark.skipif(
@@ -64,12 +65,21 @@ def tiny_gguf(tmp_path_factory, checkpoint_factory) -> Path:
     return path
 
 
+VARIANT = "test-float32-tp0of1"
+
+
+def build_model(config) -> torch.nn.Module:
+    return get_model_class(config)(config)
+
+
 def converted(path: Path):
-    """(config, tokenizer, weights) straight from the conversion functions, no cache involved."""
+    """(config, tokenizer, parameters) straight from the conversion functions, no cache involved."""
     reader = gguf_loader.open_gguf(path)
     config = gguf_loader.load_gguf_config(path, reader=reader)
-    weights = list(gguf_loader.iter_gguf_weights(path, config, reader=reader))
-    return config, gguf_loader.load_gguf_tokenizer(path, reader=reader), weights
+    model = build_model(config)
+    model.load_weights(gguf_loader.iter_gguf_weights(path, config, reader=reader))
+    params = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    return config, gguf_loader.load_gguf_tokenizer(path, reader=reader), params
 
 
 def forbid_conversion(monkeypatch) -> None:
@@ -81,8 +91,11 @@ def forbid_conversion(monkeypatch) -> None:
 
 
 def load_all(path: Path):
+    """What the engine loads of a model file: (source, config, tokenizer, model parameters)."""
     source = resolve_model(str(path))
-    return source, source.hf_config, source.tokenizer(), list(source.weights())
+    model = build_model(source.hf_config)
+    source.load_into(model, VARIANT)
+    return source, source.hf_config, source.tokenizer(), list(model.named_parameters())
 
 
 def assert_same_config(ours, reference) -> None:
@@ -91,7 +104,7 @@ def assert_same_config(ours, reference) -> None:
         assert getattr(ours, name, missing) == getattr(reference, name, missing), name
 
 
-def assert_same_weights(ours, reference) -> None:
+def assert_same_params(ours, reference) -> None:
     assert [n for n, _ in ours] == [n for n, _ in reference]
     for (name, a), (_, b) in zip(ours, reference):
         assert a.dtype == b.dtype and torch.equal(a, b), name
@@ -157,39 +170,39 @@ def test_second_load_comes_from_the_cache_and_equals_the_conversion(cache_root, 
     ref_config, ref_tokenizer, ref_weights = converted(tiny_gguf)
     first = load_all(tiny_gguf)
     entry = first[0].cache.root
-    assert (entry / "config.json").is_file() and (entry / "weights.safetensors").is_file()
+    assert (entry / "config.json").is_file() and (entry / f"params-{VARIANT}.safetensors").is_file()
     assert any(p.name.startswith("tokenizer-") for p in entry.iterdir())
     assert not [p for p in entry.rglob("*") if ".tmp-" in p.name]  # no temporary files left
 
     forbid_conversion(monkeypatch)
     _, config, tokenizer, weights = load_all(tiny_gguf)
     assert_same_config(config, ref_config)
-    assert_same_weights(weights, ref_weights)
+    assert_same_params(weights, ref_weights)
     assert_same_tokenizer(tokenizer, ref_tokenizer)
 
 
-@pytest.mark.parametrize("damage", ["config", "weights", "weights_record", "tokenizer"])
+@pytest.mark.parametrize("damage", ["config", "params", "params_record", "tokenizer"])
 def test_a_damaged_entry_is_rebuilt(cache_root, tiny_gguf, monkeypatch, damage):
     ref_config, ref_tokenizer, ref_weights = converted(tiny_gguf)
     entry = load_all(tiny_gguf)[0].cache.root
     if damage == "config":
         (entry / "config.json").write_text("{not json")
-    elif damage == "weights":
-        path = entry / "weights.safetensors"
+    elif damage == "params":
+        path = entry / f"params-{VARIANT}.safetensors"
         path.write_bytes(path.read_bytes()[:-100])  # truncated
-    elif damage == "weights_record":
-        (entry / "weights.json").write_text(json.dumps({"names": ["x"], "digest": "0"}))
+    elif damage == "params_record":
+        (entry / f"params-{VARIANT}.json").write_text(json.dumps({"digest": "0"}))
     else:
         (next(entry.glob("tokenizer-*")) / "tokenizer.json").write_text("garbage")
 
     _, config, tokenizer, weights = load_all(tiny_gguf)  # converts again where the entry was bad
     assert_same_config(config, ref_config)
-    assert_same_weights(weights, ref_weights)
+    assert_same_params(weights, ref_weights)
     assert_same_tokenizer(tokenizer, ref_tokenizer)
 
     forbid_conversion(monkeypatch)  # and the rebuilt entry is whole again
     _, config, tokenizer, weights = load_all(tiny_gguf)
-    assert_same_weights(weights, ref_weights)
+    assert_same_params(weights, ref_weights)
     assert_same_tokenizer(tokenizer, ref_tokenizer)
 
 
@@ -202,8 +215,8 @@ def test_disabled_cache_writes_nothing(cache_root, tiny_gguf, monkeypatch):
 
 def test_weights_over_the_limit_are_not_cached(cache_root, tiny_gguf, monkeypatch):
     monkeypatch.setattr("nanovllm.loaders.gguf_cache.MAX_CACHED_WEIGHT_BYTES", 1000)
-    source, _, _, weights = load_all(tiny_gguf)
-    assert weights and not (source.cache.root / "weights.safetensors").exists()
+    source, _, _, params = load_all(tiny_gguf)
+    assert params and not (source.cache.root / f"params-{VARIANT}.safetensors").exists()
     assert (source.cache.root / "config.json").is_file()
 
 
@@ -274,3 +287,12 @@ def test_startup_rows():
     assert rows == [("import", 1.0), ("config", 0.125), ("tokenizer", 0.25), ("weights", 0.5), ("KV pool", 0.25),
                     ("other engine set-up", 0.375), ("first token", 0.25), ("generation", 0.75)]
     assert format_rows(rows).splitlines()[-1].split() == ["total", "3.50"]
+
+
+def test_cached_params_that_do_not_fit_are_not_used(cache_root, tiny_gguf):
+    source = load_all(tiny_gguf)[0]
+    model = build_model(source.hf_config).to(torch.bfloat16)  # another dtype under the same name
+    for p in model.parameters():
+        p.data.fill_(0.5)
+    assert source.cache.load_params(model, VARIANT) is False
+    assert all(bool((p == 0.5).all()) for p in model.parameters())

@@ -44,11 +44,16 @@ def cache_dir() -> Path:
 def file_digest(path: str | os.PathLike[str]) -> str:
     """xxh3-128 hex digest of a file's size and whole content."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        h = xxhash.xxh3_128(size.to_bytes(8, "little"))
-        if size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                h.update(m)
+        if not os.fstat(f.fileno()).st_size:
+            return buffer_digest(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return buffer_digest(m)
+
+
+def buffer_digest(data) -> str:
+    """file_digest of a file holding exactly `data` (bytes, mmap, memoryview)."""
+    h = xxhash.xxh3_128(len(data).to_bytes(8, "little"))
+    h.update(data)
     return h.hexdigest()
 
 

@@ -9,10 +9,12 @@ release), so they are kept under `<cache dir>/gguf-v<FORMAT_VERSION>/<file diges
   attribute holder, instead of the transformers config class, whose import pulls in most of
   transformers (seconds); the engine only reads attributes of the config.
 - `tokenizer-transformers-<version>/`: the tokenizer as `save_pretrained` writes it.
-- `weights.safetensors` + `weights.json`: the HF-named fp32 tensors exactly as `iter_gguf_weights`
-  yields them, in its order, and the weight file's digest (a truncated or altered file is
-  rebuilt). Files whose fp32 weights exceed MAX_CACHED_WEIGHT_BYTES are not cached: the copy
-  would be 4-8x the GGUF file on disk.
+- `params-<variant>.safetensors` + `.json`: the model's parameters right after `load_weights`
+  (fused, sharded and cast as the model holds them; the variant names the model class, dtype
+  and tensor-parallel rank) and the file's digest (a truncated or altered file is rebuilt). A
+  warm start maps them instead of dequantizing, and on the CPU uses the mapped pages as the
+  parameters: first touches of fresh memory are what loading cost, not the copy. Parameters
+  over MAX_CACHED_WEIGHT_BYTES are not cached (the copy would be many times the GGUF file).
 
 Bump FORMAT_VERSION whenever loaders/gguf.py changes what it produces.
 """
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import mmap
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -29,7 +32,9 @@ from typing import Any
 
 import torch
 
-from nanovllm.loaders.cache import atomic_dir, atomic_file, cache_dir, cache_enabled, discard, file_digest
+from nanovllm.loaders.cache import (
+    atomic_dir, atomic_file, buffer_digest, cache_dir, cache_enabled, discard, file_digest,
+)
 
 logger = logging.getLogger("nanovllm")
 
@@ -113,57 +118,61 @@ class GGUFCacheEntry:
         except OSError as exc:
             logger.warning("could not cache the tokenizer in %s: %s", self.tokenizer_dir, exc)
 
-    # ---- weights -------------------------------------------------------------------------
-    def load_weights(self) -> Iterator[tuple[str, torch.Tensor]] | None:
-        """The cached weights, checked against their recorded digest, or None."""
-        manifest, weights = self.root / "weights.json", self.root / "weights.safetensors"
+    # ---- loaded parameters ---------------------------------------------------------------
+    def load_params(self, model: torch.nn.Module, variant: str) -> bool:
+        """Give `model` the parameters cached for `variant`; False (model untouched) when there
+        are none, or they are damaged or do not fit. On the CPU the parameters become views of a
+        private memory map of the file (nothing is copied; the pages are the page cache's)."""
+        manifest, path = self._params_paths(variant)
         if not manifest.is_file():
-            return None
+            return False
         try:
             record = json.loads(manifest.read_text(encoding="utf-8"))
-            names = record["names"]
-            if file_digest(weights) != record["digest"]:
-                raise ValueError("the weight file does not match its recorded digest")
-            from safetensors import safe_open
-
-            handle = safe_open(str(weights), framework="pt")
-            if sorted(handle.keys()) != sorted(names):
-                raise ValueError("the weight file's tensors differ from its record")
-        except Exception as exc:  # noqa: BLE001 - any failure to open means a bad entry: rebuild it
+            with open(path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            if buffer_digest(mapped) != record["digest"]:
+                raise ValueError("the parameter file does not match its recorded digest")
+            tensors = _safetensors_views(mapped)
+            params = dict(model.named_parameters())
+            if sorted(tensors) != sorted(params):
+                raise ValueError("the cached parameters are not the model's")
+            for name, param in params.items():
+                if tensors[name].shape != param.shape or tensors[name].dtype != param.dtype:
+                    raise ValueError(f"cached parameter {name} is {tensors[name].dtype} {list(tensors[name].shape)}, "
+                                     f"the model's {param.dtype} {list(param.shape)}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             discard(manifest, exc)
-            return None
-        return ((name, handle.get_tensor(name)) for name in names)
+            return False
+        for name, param in params.items():
+            if param.device.type == "cpu":
+                param.data = tensors[name]
+            else:
+                param.data.copy_(tensors[name])
+        return True
 
-    def saving_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Pass the weights through; once all have gone by, write them to the cache (unless they
-        exceed MAX_CACHED_WEIGHT_BYTES). The tensors are kept until then."""
-        kept: dict[str, torch.Tensor] | None = {}
-        total = 0
-        for name, tensor in weights:
-            if kept is not None:
-                total += tensor.numel() * tensor.element_size()
-                if total > MAX_CACHED_WEIGHT_BYTES:
-                    logger.info("weights over %d GiB: not cached", MAX_CACHED_WEIGHT_BYTES >> 30)
-                    kept = None
-                else:
-                    kept[name] = tensor
-            yield name, tensor
-        if kept is not None:
-            self._save_weights(kept)
-
-    def _save_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def save_params(self, model: torch.nn.Module, variant: str) -> None:
+        """Cache `model`'s parameters for `variant` (unless over MAX_CACHED_WEIGHT_BYTES)."""
+        params = dict(model.named_parameters())
+        nbytes = sum(p.numel() * p.element_size() for p in params.values())
+        if nbytes > MAX_CACHED_WEIGHT_BYTES:
+            logger.info("parameters of %.1f GiB: not cached (over %d GiB)", nbytes / 2**30, MAX_CACHED_WEIGHT_BYTES >> 30)
+            return
         from safetensors.torch import save_file
 
-        weights = self.root / "weights.safetensors"
+        manifest, path = self._params_paths(variant)
         digest: list[str] = []
 
         def write(tmp: Path) -> None:
-            save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp))
+            save_file({n: p.detach().cpu().contiguous() for n, p in params.items()}, str(tmp))
             digest.append(file_digest(tmp))
 
-        if self._write(weights, write):
-            record = {"names": list(tensors), "digest": digest[0]}
-            self._write(self.root / "weights.json", lambda tmp: tmp.write_text(json.dumps(record), "utf-8"))
+        if self._write(path, write):
+            self._write(manifest, lambda tmp: tmp.write_text(json.dumps({"digest": digest[0]}), "utf-8"))
+
+    def _params_paths(self, variant: str) -> tuple[Path, Path]:
+        if not variant or not all(c.isalnum() or c in "-_." for c in variant):
+            raise ValueError(f"bad cache variant name {variant!r}")
+        return self.root / f"params-{variant}.json", self.root / f"params-{variant}.safetensors"
 
     def _write(self, dest: Path, write) -> bool:
         try:
@@ -174,3 +183,32 @@ class GGUFCacheEntry:
             return False
         return True
 
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _safetensors_views(mapped: mmap.mmap) -> dict[str, torch.Tensor]:
+    """name -> tensor viewing its bytes in a safetensors file's memory map (the format: an 8-byte
+    little-endian header length, a JSON header of dtype/shape/data_offsets, then the data)."""
+    size = len(mapped)
+    if size < 8:
+        raise ValueError("not a safetensors file")
+    header_len = int.from_bytes(mapped[:8], "little")
+    if not 2 <= header_len <= size - 8:
+        raise ValueError("bad safetensors header length")
+    header = json.loads(bytes(mapped[8 : 8 + header_len]))
+    header.pop("__metadata__", None)
+    base, views = 8 + header_len, {}
+    for name, info in header.items():
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"unexpected dtype {info['dtype']} in the weight file")
+        start, end = info["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        if not 0 <= start <= end <= size - base or count * dtype.itemsize != end - start:
+            raise ValueError(f"tensor {name} lies outside the weight file")
+        if count != math.prod(info["shape"]):
+            raise ValueError(f"tensor {name}'s shape does not match its size")
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0, dtype=dtype)
+        views[name] = flat.view(info["shape"])
+    return views

@@ -40,16 +40,21 @@ class ModelSource:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.kind == "gguf":
-            cached = self.cache.load_weights() if self.cache is not None else None
-            if cached is not None:
-                return cached
             from nanovllm.loaders.gguf import iter_gguf_weights
 
-            weights = iter_gguf_weights(self.path, self.hf_config, reader=self.gguf_reader())
-            return self.cache.saving_weights(weights) if self.cache is not None else weights
+            return iter_gguf_weights(self.path, self.hf_config, reader=self.gguf_reader())
         from nanovllm.loaders.safetensors import iter_safetensors
 
         return iter_safetensors(self.path)
+
+    def load_into(self, model: torch.nn.Module, variant: str) -> None:
+        """`model.load_weights(self.weights())`, or for a cached GGUF file its parameters as
+        loaded before under the same `variant` (model class, dtype, shard: see gguf_cache.py)."""
+        if self.cache is not None and self.cache.load_params(model, variant):
+            return
+        model.load_weights(self.weights())
+        if self.cache is not None:
+            self.cache.save_params(model, variant)
 
     def tokenizer(self):
         if self.kind == "gguf":

@@ -159,7 +159,8 @@ class ModelRunner:
                 self.model = model_cls(source.hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights(source.weights())
+        variant = f"{model_cls.__name__}-{str(self.dtype).removeprefix('torch.')}-tp{rank}of{config.tensor_parallel_size}"
+        source.load_into(self.model, variant)
         self.model.eval()
         if config.quantization == "int4":
             self._quantize_int4()
