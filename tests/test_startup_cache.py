@@ -296,3 +296,21 @@ def test_cached_params_that_do_not_fit_are_not_used(cache_root, tiny_gguf):
         p.data.fill_(0.5)
     assert source.cache.load_params(model, VARIANT) is False
     assert all(bool((p == 0.5).all()) for p in model.parameters())
+
+
+def test_generate_verbose_prints_the_table_and_the_answer(cache_root, tiny_gguf):
+    """The real command, in a process of its own (it exits without interpreter teardown)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "nanovllm", "generate", "--model", str(tiny_gguf), "--max-tokens", "4",
+               "--ignore-eos", "--quiet", "--verbose", "--device", "cpu", "--num-kvcache-blocks", "16", "Hello"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for _ in range(2):  # converts, then starts from the cache
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert len(done.stdout.splitlines()) == 1 and done.stdout.endswith("\n")
+        parts = [line.split()[0] for line in done.stderr.splitlines() if line[:1].isalpha() and "INFO" not in line]
+        assert parts == ["start-up", "import", "config", "tokenizer", "weights", "KV", "other", "first",
+                         "generation", "total"]
+    assert (GGUFCacheEntry.for_file(tiny_gguf).root / "config.json").is_file()
