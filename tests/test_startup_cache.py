@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from test_gguf import write_gguf
 import nanovllm.loaders.gguf as gguf_loader
 from nanovllm.entrypoints.startup_report import format_rows, startup_rows
 from nanovllm.loaders.cache import atomic_dir, atomic_file, cache_dir, file_digest
-from nanovllm.loaders.gguf_cache import GGUFCacheEntry
+from nanovllm.loaders.gguf_cache import GGUFCacheEntry, code_digest
 from nanovllm.loaders.source import resolve_model
 from nanovllm.models.registry import get_model_class
 from nanovllm.runner.host_memory import lazy_zeros
@@ -160,7 +161,29 @@ def test_different_files_get_different_entries(tmp_path, cache_root, tiny_gguf):
     data[-1] ^= 0xFF  # last byte of the last tensor's data
     other.write_bytes(bytes(data))
     assert GGUFCacheEntry.for_file(tiny_gguf).root != GGUFCacheEntry.for_file(other).root
-    assert GGUFCacheEntry.for_file(tiny_gguf).root.parent.parent == cache_root
+    assert GGUFCacheEntry.for_file(tiny_gguf).root.parent.parent.parent == cache_root
+
+
+def test_code_digest_follows_the_code(tmp_path):
+    package = Path(gguf_loader.__file__).resolve().parents[1]
+    copy = tmp_path / "nanovllm"
+    for rel in ("loaders", "models", "layers"):
+        shutil.copytree(package / rel, copy / rel)
+    assert code_digest(copy) == code_digest(package)
+    (copy / "layers" / "linear.py").write_text((package / "layers" / "linear.py").read_text() + "\n# changed\n")
+    assert code_digest(copy) != code_digest(package)
+    (copy / "layers" / "linear.py").write_text((package / "layers" / "linear.py").read_text())
+    (copy / "loaders" / "source.py").write_text("changed outside the cached code")
+    assert code_digest(copy) == code_digest(package)
+
+
+def test_an_entry_for_new_code_replaces_the_old_one(cache_root, tiny_gguf, monkeypatch):
+    monkeypatch.setattr("nanovllm.loaders.gguf_cache.code_digest", lambda: "old")
+    old = load_all(tiny_gguf)[0].cache.root
+    monkeypatch.setattr("nanovllm.loaders.gguf_cache.code_digest", lambda: "new")
+    new = load_all(tiny_gguf)[0].cache.root
+    assert (old.name, new.name) == ("old", "new")
+    assert (new / "config.json").is_file() and not old.exists()
 
 
 # ---------------------------------------------------------------- hits, equality, rebuilds

@@ -1,9 +1,14 @@
-"""A GGUF file's converted config, tokenizer and fp32 weights, cached on disk (loaders/cache.py).
+"""A GGUF file's converted config and tokenizer and the model's loaded parameters, cached on disk
+(loaders/cache.py).
 
 Converting a GGUF file costs seconds on every start: parsing the header walks every token
 string, transformers parses it again to build the tokenizer, and every tensor is dequantized.
-The results depend only on the file's bytes (and, for the tokenizer, on the transformers
-release), so they are kept under `<cache dir>/gguf-v<FORMAT_VERSION>/<file digest>/`:
+The results depend only on the file's bytes, the code that converts and loads them, and (for
+the tokenizer) the transformers release, so they are kept under
+`<cache dir>/gguf/<file digest>/<code digest>/`, where the code digest covers this module,
+loaders/gguf.py, models/ and layers/ (a change there could change the parameters' layout
+without changing their names or shapes). Writing a new entry for a file removes its entries for
+other code.
 
 - `config.json`: the HF config's values. A warm start reads them into `SavedConfig`, a plain
   attribute holder, instead of the transformers config class, whose import pulls in most of
@@ -15,8 +20,6 @@ release), so they are kept under `<cache dir>/gguf-v<FORMAT_VERSION>/<file diges
   warm start maps them instead of dequantizing, and on the CPU uses the mapped pages as the
   parameters: first touches of fresh memory are what loading cost, not the copy. Parameters
   over MAX_CACHED_WEIGHT_BYTES are not cached (the copy would be many times the GGUF file).
-
-Bump FORMAT_VERSION whenever loaders/gguf.py changes what it produces.
 """
 from __future__ import annotations
 
@@ -25,12 +28,14 @@ import logging
 import math
 import mmap
 import os
+import shutil
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from nanovllm.loaders.cache import (
     atomic_dir, atomic_file, buffer_digest, cache_dir, cache_enabled, discard, file_digest,
@@ -38,10 +43,23 @@ from nanovllm.loaders.cache import (
 
 logger = logging.getLogger("nanovllm")
 
-FORMAT_VERSION = 1
+# The code whose output is cached, relative to the nanovllm package (directories: their *.py).
+_CODE = ("loaders/gguf.py", "loaders/gguf_cache.py", "models", "layers")
 MAX_CACHED_WEIGHT_BYTES = 4 << 30
 # Properties of transformers configs that to_dict() leaves out but the engine may read.
 _CONFIG_ALIASES = ("rope_scaling", "rope_theta")
+
+
+def code_digest(package: Path | None = None) -> str:
+    """xxh3-64 hex digest of the code listed in _CODE (paths and contents) under `package`."""
+    package = package if package is not None else Path(__file__).resolve().parents[1]
+    h = xxhash.xxh3_64()
+    for rel in _CODE:
+        path = package / rel
+        for file in sorted(path.glob("*.py")) if path.is_dir() else [path]:
+            h.update(file.relative_to(package).as_posix().encode() + b"\0")
+            h.update(file.read_bytes())
+    return h.hexdigest()
 
 
 class SavedConfig:
@@ -68,7 +86,7 @@ class GGUFCacheEntry:
         if not cache_enabled():
             return None
         digest = file_digest(path)
-        return cls(cache_dir() / f"gguf-v{FORMAT_VERSION}" / digest, digest)
+        return cls(cache_dir() / "gguf" / digest / code_digest(), digest)
 
     # ---- config --------------------------------------------------------------------------
     def load_config(self) -> SavedConfig | None:
@@ -85,6 +103,11 @@ class GGUFCacheEntry:
         return SavedConfig(values)
 
     def save_config(self, config: Any) -> None:
+        """Write the config (the first file of a new entry) and drop the file's entries for other code."""
+        if self.root.parent.is_dir():
+            for other in self.root.parent.iterdir():
+                if other.name != self.root.name and not other.name.startswith("."):
+                    shutil.rmtree(other, ignore_errors=True)  # mapped files stay readable until unmapped
         values = config.to_dict()
         for name in _CONFIG_ALIASES:
             if name not in values and hasattr(config, name):
