@@ -320,8 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run() -> None:
     """The program's entry point: main(), then, once the output is flushed, exit without tearing
-    the interpreter down (freeing torch's and the model's objects one by one takes ~0.3-1 s and
-    does nothing a finished command needs). An exception still ends the process the usual way."""
+    the interpreter down (freeing torch's and the model's objects one by one is slow and does
+    nothing a finished command needs). An exception still ends the process the usual way."""
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -2,7 +2,7 @@
 
 Where: `$NANOVLLM_CACHE_DIR`, else `$XDG_CACHE_HOME/nanovllm`, else `~/.cache/nanovllm`;
 `NANOVLLM_DISABLE_CACHE=1` turns it off. Entries are keyed by a digest of the source file's
-whole content (xxh3-128 over a memory map: ~0.2 s/GB with a warm page cache), so a copied or
+whole content (xxh3-128 over a memory map, a fraction of a second per GB from the page cache), so a copied or
 touched file still hits and an edited one never does.
 
 Every file is written to a temporary name beside its destination and renamed into place, so a

@@ -12,7 +12,7 @@ other code.
 
 - `config.json`: the HF config's values. A warm start reads them into `SavedConfig`, a plain
   attribute holder, instead of the transformers config class, whose import pulls in most of
-  transformers (seconds); the engine only reads attributes of the config.
+  transformers; the engine only reads attributes of the config.
 - `tokenizer-transformers-<version>/`: the tokenizer as `save_pretrained` writes it.
 - `params-<variant>.safetensors` + `.json`: the model's parameters right after `load_weights`
   (fused, sharded and cast as the model holds them; the variant names the model class, dtype

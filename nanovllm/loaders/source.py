@@ -3,8 +3,8 @@
 `ModelSource` hides the difference from the engine: it gives the HF config, a tokenizer (or None
 when the directory has none: token-id prompts still work), the EOS ids, and an iterator of
 weights under Hugging Face tensor names, which every model's `load_weights` understands.
-A GGUF file's converted config, tokenizer and weights come from the cache when it has them
-(loaders/gguf_cache.py); the file is then not parsed at all.
+A GGUF file's converted config and tokenizer and the model's loaded parameters come from the
+cache when it has them (loaders/gguf_cache.py); the file is then not parsed at all.
 """
 from __future__ import annotations
 

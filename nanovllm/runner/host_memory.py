@@ -1,7 +1,7 @@
 """Zero-filled host tensors whose pages are not touched until used.
 
-`torch.zeros` on the CPU writes every byte: for a 1 GiB KV pool that is ~0.3-1.4 s of start-up
-and the whole pool resident, although a short request uses a few blocks. numpy's zeros come from
+`torch.zeros` on the CPU writes every byte: for the KV pool (1 GiB by default) that is start-up
+time and the whole pool resident, although a short request uses a few blocks. numpy's zeros come from
 calloc, which maps fresh pages that the kernel zero-fills on first touch, so only the blocks a
 request writes ever cost anything. The tensors are views of one buffer, each 64-byte aligned.
 """
