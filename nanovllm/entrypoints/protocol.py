@@ -378,6 +378,8 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "nanovllm"
+    root: str | None = None  # the path the model was loaded from, as vLLM reports it
+    parent: str | None = None
     max_model_len: int | None = None
 
 

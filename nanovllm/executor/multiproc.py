@@ -34,6 +34,12 @@ Why it is correct under any timing:
   `execute` time, before the scheduler can mutate the lists it points at.
 - Empty steps (nothing scheduled) run no collective and are not sent.
 
+Across machines (executor/multinode.py, config `nnodes` > 1) the ranks of other nodes have no
+pipe to the driver: the rendezvous store binds `master_port` on `master_addr`, and every rank,
+local ones included, gets each step from rank 0 by `broadcast_object_list` on a gloo group
+instead. No ack is needed there: a broadcast is a collective, so step k+1's cannot start before
+every rank has left step k's collectives. Local ranks keep their pipe for start-up and errors.
+
 Failure handling. A worker that raises sends its traceback and exits; a worker that dies just
 exits. Either way its sockets close, so a gloo collective waiting on it on rank 0 fails at once
 (connection reset) rather than at the timeout, and the driver then names the cause: the worker's
