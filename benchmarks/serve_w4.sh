@@ -19,4 +19,4 @@ for n in ${W4_CLIENTS:-1 16 64 256}; do
   python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$n" \
     --num-requests "$(( n < 16 ? 8 : 2 * n ))" --input-len "${W4_INPUT_LEN:-128}" --output-len "${W4_OUTPUT_LEN:-128}" --json
 done
-curl -s "http://127.0.0.1:$port/metrics" | grep -E '^nanovllm_(kv_cache|request_finished|num_requests)' || true
+curl -s "http://127.0.0.1:$port/metrics" | grep -E '^(nanovllm_kv_cache|vllm:request_success|vllm:num_requests)' || true

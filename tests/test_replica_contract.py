@@ -81,8 +81,9 @@ def test_tokenize_a_prompt_and_a_chat_as_vllm_does(replica, hf_tokenizer):
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris is the capital of"}]
     chat = httpx.post(replica + "/tokenize", json={"messages": messages}).json()
-    expected = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    assert chat["tokens"] == list(expected) and chat["count"] == len(expected)
+    rendered = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = hf_tokenizer.encode(rendered, add_special_tokens=False)
+    assert chat["tokens"] == expected and chat["count"] == len(expected)
     # The count is what generation sees.
     usage = httpx.post(replica + "/v1/chat/completions",
                        json={"model": NAME, "messages": messages, "max_tokens": 1}).json()["usage"]

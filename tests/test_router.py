@@ -28,7 +28,7 @@ ROUTER = shutil.which("vllm-router") or (
 pytestmark = pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (pip install vllm-router, "
                                 "part of the test extra)")
 START_TIMEOUT_S = 120.0
-SUCCESS_METRIC = "nanovllm_request_finished_total{finish_reason=\"length\"}"
+SUCCESS_METRIC = 'vllm:request_success_total{finished_reason="length",model_name="tiny"}'
 
 
 def free_port() -> int:

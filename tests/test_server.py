@@ -387,16 +387,16 @@ def test_metrics_parse_as_prometheus_text(live):
         for s in family.samples:
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
     names = {name for name, _ in samples}
-    for name in ("nanovllm_http_requests_total", "nanovllm_request_finished_total", "nanovllm_prompt_tokens_total",
-                 "nanovllm_generation_tokens_total", "nanovllm_time_to_first_token_seconds_bucket",
-                 "nanovllm_inter_token_latency_seconds_bucket", "nanovllm_num_requests_running",
-                 "nanovllm_num_requests_waiting", "nanovllm_kv_cache_usage_ratio", "nanovllm_prefix_cache_hit_rate",
-                 "nanovllm_num_preemptions_total"):
+    for name in ("nanovllm_http_requests_total", "vllm:request_success_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "nanovllm_prefix_cache_hit_rate", "vllm:num_preemptions_total"):
         assert name in names, name
     ok = samples[("nanovllm_http_requests_total", (("code", "200"), ("endpoint", "/v1/completions")))]
     assert ok >= 1
-    assert samples[("nanovllm_generation_tokens_total", ())] >= 3
-    assert samples[("nanovllm_kv_cache_usage_ratio", ())] == 0.0
+    assert samples[("vllm:generation_tokens_total", (("model_name", MODEL),))] >= 3
+    assert samples[("vllm:kv_cache_usage_perc", (("model_name", MODEL),))] == 0.0
     assert 0.0 <= samples[("nanovllm_prefix_cache_hit_rate", ())] <= 1.0
 
 

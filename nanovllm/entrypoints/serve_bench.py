@@ -192,12 +192,12 @@ async def _pool_free(client: httpx.AsyncClient, wait_s: float = 5.0) -> bool | N
             values = {s.name: s.value for f in text_string_to_metric_families(resp.text) for s in f.samples}
         except (httpx.HTTPError, ValueError):
             return None
-        needed = ("nanovllm_kv_cache_blocks_free", "nanovllm_kv_cache_blocks_total", "nanovllm_num_requests_running",
-                  "nanovllm_num_requests_waiting")
+        needed = ("nanovllm_kv_cache_blocks_free", "nanovllm_kv_cache_blocks_total", "vllm:num_requests_running",
+                  "vllm:num_requests_waiting")
         if not all(k in values for k in needed):
             return None
         free = (values["nanovllm_kv_cache_blocks_free"] == values["nanovllm_kv_cache_blocks_total"]
-                and values["nanovllm_num_requests_running"] == 0 and values["nanovllm_num_requests_waiting"] == 0)
+                and values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0)
         if free or time.monotonic() > deadline:
             return free
         await asyncio.sleep(0.1)

@@ -69,13 +69,17 @@ from nanovllm.entrypoints.protocol import (
     bad_request,
     error_body,
 )
+from nanovllm.entrypoints.tokenization import (
+    detokenize, parse_detokenize, parse_tokenize, tokenize,
+)
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+             "/detokenize")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
@@ -83,17 +87,31 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 
 # ---- metrics ---------------------------------------------------------------------------------
 class _EngineCollector:
-    """Engine gauges and counters, read from the engine's latest stats snapshot at scrape time."""
+    """Engine gauges and counters, read from the engine's latest stats snapshot at scrape time.
+    What vLLM also measures carries vLLM's name and `model_name` label, which routers, gateways
+    and autoscalers read (docs/scaling.md); the nanovllm_ rest has no vLLM counterpart."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
+        self.model_name = model_name
 
     def collect(self):
         s = self.engine.stats
+        vllm_gauges = [
+            ("vllm:num_requests_running", "Requests with a sequence in the running batch.", s.num_requests_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled (new or preempted).", s.num_requests_waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = all).", s.kv_cache_usage),
+            ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under its older name.", s.kv_cache_usage),
+        ]
+        for name, doc, value in vllm_gauges:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Sequences preempted (recomputed later) for "
+                                          "lack of KV blocks.", labels=["model_name"])
+        preemptions.add_metric([self.model_name], s.num_preemptions)
+        yield preemptions
         gauges = [
-            ("nanovllm_num_requests_running", "Requests with a sequence in the running batch.", s.num_requests_running),
-            ("nanovllm_num_requests_waiting", "Requests waiting to be scheduled (new or preempted).", s.num_requests_waiting),
-            ("nanovllm_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1).", s.kv_cache_usage),
             ("nanovllm_kv_cache_blocks_total", "KV cache blocks in the pool.", s.num_blocks),
             ("nanovllm_kv_cache_blocks_free", "Free KV cache blocks (prefix-cached but unreferenced count as free).", s.num_free_blocks),
             ("nanovllm_prefix_cache_hit_rate", "Prompt blocks served by the prefix cache / blocks looked up, since start.", s.prefix_cache_hit_rate),
@@ -104,7 +122,6 @@ class _EngineCollector:
         counters = [
             ("nanovllm_prefix_cache_queries", "Prompt blocks looked up in the prefix cache.", s.prefix_queries),
             ("nanovllm_prefix_cache_hits", "Prompt blocks found in the prefix cache.", s.prefix_hits),
-            ("nanovllm_num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.", s.num_preemptions),
             ("nanovllm_num_aborted_requests", "Requests aborted while running (client gone, shutdown).", s.num_aborted),
         ]
         for name, doc, value in counters:
@@ -112,22 +129,31 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter("nanovllm_http_requests", "HTTP responses by endpoint and status code.",
                                      ["endpoint", "code"], registry=r)
-        self.finished = Counter("nanovllm_request_finished", "Completions (choices) finished, by finish reason "
-                                "(stop, length, abort, error).", ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("nanovllm_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter("nanovllm_generation_tokens", "Generated tokens.", registry=r)
-        self.ttft = Histogram("nanovllm_time_to_first_token_seconds", "Request arrival to first generated token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("nanovllm_inter_token_latency_seconds", "Time between generated tokens of a streamed "
-                             "request, as seen by the server.", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("nanovllm_e2e_request_latency_seconds", "Request arrival to last token.",
-                             buckets=E2E_BUCKETS, registry=r)
-        r.register(_EngineCollector(engine))
+        # vLLM's names and label (docs/scaling.md); each is bound to this server's model_name.
+        name = ["model_name"]
+        self._finished = Counter("vllm:request_success", "Completions (choices) finished, by finish reason "
+                                 "(stop, length, abort, error).", name + ["finished_reason"], registry=r)
+        self.model_name = model_name
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", name,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", name,
+                                         registry=r).labels(model_name)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Request arrival to first generated token.", name,
+                              buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between generated tokens of a streamed "
+                             "request, as seen by the server.", name, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request arrival to last token.", name,
+                             buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        r.register(_EngineCollector(engine, model_name))
+
+    def finished(self, reason: str) -> Any:
+        """The finished-completions counter for `reason`."""
+        return self._finished.labels(self.model_name, reason)
 
 
 class _HTTPMetricsMiddleware:
@@ -188,13 +214,13 @@ class _Tracker:
         m = self.metrics
         for out in self.outputs:
             if out is None:
-                m.finished.labels("error" if error else "abort").inc(self.n)
+                m.finished("error" if error else "abort").inc(self.n)
                 continue
             m.prompt_tokens.inc(len(out.prompt_token_ids))
             for c in out.outputs:
                 m.generation_tokens.inc(len(c.token_ids))
                 reason = c.finish_reason if out.finished and c.finish_reason else ("error" if error else "abort")
-                m.finished.labels(reason).inc()
+                m.finished(reason).inc()
         m.e2e.observe(time.monotonic() - self.start)
 
 
@@ -257,6 +283,13 @@ async def _sse_body(events: AsyncIterator[str], tracker: "_Tracker") -> AsyncIte
         tracker.finish(error=error)
 
 
+async def _json_body(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise bad_request("the request body must be JSON sent with 'Content-Type: application/json'") from None
+
+
 def _sse(payload: Any) -> str:
     if hasattr(payload, "model_dump_json"):
         return f"data: {payload.model_dump_json()}\n\n"
@@ -292,7 +325,7 @@ class OpenAIServer:
         self.engine = engine
         self.model_name = model_name
         self.limits = limits
-        self.metrics = ServerMetrics(engine)
+        self.metrics = ServerMetrics(engine, model_name)
         self.token_text = _TokenText(engine.tokenizer)
 
     # ---- checks ----
@@ -524,7 +557,21 @@ class OpenAIServer:
 
     # ---- other endpoints ----
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=self.model_name, root=getattr(self.engine, "model_path", None),
+                                         max_model_len=self.engine.max_model_len)])
+
+    async def tokenize_endpoint(self, request: Request) -> JSONResponse:
+        """POST /tokenize (nanovllm/entrypoints/tokenization.py)."""
+        body = parse_tokenize(await _json_body(request))
+        self.check_model(body.model)
+        out = tokenize(self.engine.tokenizer, body, self.engine.max_model_len)
+        return JSONResponse(out.model_dump())
+
+    async def detokenize_endpoint(self, request: Request) -> JSONResponse:
+        body = parse_detokenize(await _json_body(request))
+        self.check_model(body.model)
+        out = detokenize(self.engine.tokenizer, body, self.engine.vocab_size)
+        return JSONResponse(out.model_dump())
 
     async def health(self) -> Response:
         if self.engine.error is not None:
@@ -628,4 +675,6 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
+    app.add_api_route("/tokenize", server.tokenize_endpoint, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize_endpoint, methods=["POST"])
     return app
