@@ -104,6 +104,16 @@ def deployment(qwen3_tiny, tmp_path_factory):
             f.close()
 
 
+def test_the_router_passes_the_replica_contract_through(deployment, qwen3_tiny):
+    router = deployment["router"]
+    card = httpx.get(router + "/v1/models", timeout=10).json()["data"][0]
+    assert card["id"] == "tiny" and card["root"] == str(qwen3_tiny)
+    tokens = httpx.post(router + "/tokenize", json={"model": "tiny", "prompt": "Paris is the capital"}, timeout=10).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = httpx.post(router + "/detokenize", json={"model": "tiny", "tokens": tokens["tokens"]}, timeout=10).json()
+    assert text == {"prompt": "Paris is the capital"}
+
+
 def test_killing_one_replica_mid_load_leaves_every_later_request_served(deployment):
     client = openai.OpenAI(base_url=deployment["router"] + "/v1", api_key="none", max_retries=0, timeout=60)
     victim, survivor = deployment["replicas"][0], deployment["urls"][1]
