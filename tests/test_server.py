@@ -29,6 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError
+from nanovllm.engine.core import CoreProcess
+from nanovllm.engine.core_client import CoreClient
 from nanovllm.entrypoints.serve_bench import ServeBenchConfig, run_serve_bench
 from nanovllm.entrypoints.server import create_app
 
@@ -84,12 +86,18 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(qwen3_tiny):
-    engine = AsyncEngine.from_kwargs(str(qwen3_tiny), **ENGINE_KW)
+    """The server as `nanovllm serve` runs it: the engine core in its own process, the HTTP
+    front-end (a CoreClient) here."""
+    core = CoreProcess(str(qwen3_tiny), ENGINE_KW, max_pending=1024)
     try:
-        with serve_in_thread(create_app(engine, MODEL, api_key=KEY)) as url:
-            yield Live(url, engine)
+        engine = CoreClient(core.addresses, core.info, core_alive=core.is_alive)
+        try:
+            with serve_in_thread(create_app(engine, MODEL, api_key=KEY)) as url:
+                yield Live(url, engine)
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        core.shutdown()
 
 
 @pytest.fixture(scope="module")
