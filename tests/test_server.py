@@ -41,9 +41,12 @@ ENGINE_KW = dict(device="cpu", max_model_len=512, kvcache_block_size=4, num_kvca
 
 
 @contextlib.contextmanager
-def serve_in_thread(app):
-    """Run `app` with uvicorn on a socket the OS bound for us; yields the base URL."""
+def serve_in_thread(app, sndbuf: int | None = None):
+    """Run `app` with uvicorn on a socket the OS bound for us; yields the base URL. `sndbuf`
+    fixes the send buffer of accepted connections (Linux: inherited from the listener)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if sndbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))

@@ -73,7 +73,8 @@ class CoreProcess:
     """Starts the core (spawn context) and waits until it serves; `shutdown()` stops it and
     removes its socket directory."""
 
-    def __init__(self, model: str | None, engine_kwargs: dict, max_pending: int, start_timeout: float = 600.0) -> None:
+    def __init__(self, model: str | None, engine_kwargs: dict, max_pending: int, start_timeout: float = 600.0,
+                 frontend_timeout: float = FRONTEND_TIMEOUT_S) -> None:
         import multiprocessing as mp
 
         self._dir = tempfile.mkdtemp(prefix="nanovllm-core-")
@@ -81,8 +82,10 @@ class CoreProcess:
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=run_core, name="nanovllm-core",
-                                   args=(model, engine_kwargs, self.addresses, max_pending, child_conn, os.getpid()))
+                                   args=(model, engine_kwargs, self.addresses, max_pending, child_conn, os.getpid(),
+                                         frontend_timeout))
         self.process.start()
+        logger.info("engine core: pid %d, sockets in %s", self.process.pid, self._dir)
         child_conn.close()
         try:
             if not parent_conn.poll(start_timeout):
@@ -137,7 +140,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, max_pending: int, conn,
-             parent_pid: int) -> None:
+             parent_pid: int, frontend_timeout: float = FRONTEND_TIMEOUT_S) -> None:
     """The core process's entry point."""
     die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -153,18 +156,23 @@ def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, m
         conn.send(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
         conn.close()
         return
-    core = EngineCore(engine, addresses, max_pending)
+    core = EngineCore(engine, addresses, max_pending, frontend_timeout)
     conn.send(CoreInfo(engine.source.path, engine.max_model_len, engine.vocab_size, engine.tokenizer,
                        engine.block_manager.num_blocks))
     conn.close()
     status = core.run()
-    sys.exit(status)
+    # os._exit: the input thread still blocks in recv, and a ZeroMQ context with a socket in use
+    # would hang the interpreter's exit.
+    logging.shutdown()
+    os._exit(status)
 
 
 class EngineCore:
-    def __init__(self, engine, addresses: CoreAddresses, max_pending: int) -> None:
+    def __init__(self, engine, addresses: CoreAddresses, max_pending: int,
+                 frontend_timeout: float = FRONTEND_TIMEOUT_S) -> None:
         self.engine = engine
         self.max_pending = max_pending
+        self.frontend_timeout = frontend_timeout
         self.ctx = zmq.Context()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -196,18 +204,27 @@ class EngineCore:
 
     def _output_loop(self) -> None:
         encoder = msgspec.msgpack.Encoder()
+        last_sent: dict[bytes, float] = {}
+        next_beat = time.monotonic() + HEARTBEAT_S
         while True:
             try:
-                item = self.outbox.get(timeout=HEARTBEAT_S)
+                item = self.outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
             except queue.Empty:
-                beat = encoder.encode(CoreOutput(stats=self.stats))
-                for ident in list(self.clients):
-                    self._out.send_multipart([ident, beat])
-                continue
+                item = ()
             if item is None:
                 return
-            ident, out = item
-            self._out.send_multipart([ident, encoder.encode(out)])
+            now = time.monotonic()
+            if item:
+                ident, out = item
+                self._out.send_multipart([ident, encoder.encode(out)])
+                last_sent[ident] = now
+            if now >= next_beat:  # stats to every front-end not written to lately: liveness + gauges
+                beat = encoder.encode(CoreOutput(stats=self.stats))
+                for ident in list(self.clients):
+                    if now - last_sent.get(ident, 0.0) >= HEARTBEAT_S:
+                        self._out.send_multipart([ident, beat])
+                        last_sent[ident] = now
+                next_beat = now + HEARTBEAT_S
 
     # ---- the loop ----
     def run(self) -> int:
@@ -264,7 +281,7 @@ class EngineCore:
             return
         self._next_liveness_check = now + HEARTBEAT_S
         for ident, seen in list(self.clients.items()):
-            if now - seen < FRONTEND_TIMEOUT_S:
+            if now - seen < self.frontend_timeout:
                 continue
             del self.clients[ident]
             mine = [rid for rid, owner in self.owner.items() if owner == ident]

@@ -280,9 +280,13 @@ class CoreClient:
         if getattr(self, "_thread", None) is not None and self._thread is not threading.current_thread():
             self._thread.join(2)
         with self._send_lock:
-            for sock in (self._in, self._out, self._monitor):
-                sock.close(linger=500)
-        self._ctx.term()
+            if self._in.closed:
+                return
+            try:
+                self._in.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._ctx.destroy(linger=500)  # closes the sockets (our aborts still go out), then terminates
 
     # ---- event loop ----
     async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams | None = None,

@@ -78,6 +78,8 @@ def run_frontend(cfg: FrontendConfig, sock: socket.socket | None = None,
         # uvicorn re-raises the signal it handled after shutting down; these handlers swallow it.
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda s, f: caught.append(s))
+        if sock is not None:
+            logger.info("front-end pid %d serving http://%s:%d", os.getpid(), cfg.host, cfg.port)
         server.run(sockets=[sock] if sock is not None else None)
     finally:
         for sig, handler in previous.items():
@@ -96,4 +98,8 @@ def frontend_process_main(cfg: FrontendConfig, parent_pid: int) -> None:
     die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     sock = reuseport_socket(cfg.host, cfg.port)
-    sys.exit(run_frontend(cfg, sock=sock))
+    status = run_frontend(cfg, sock=sock)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # nothing left to clean up; skips waiting on library threads at exit
