@@ -9,9 +9,12 @@ model=${1:-}
 shift || true
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 log=$(mktemp)
-PYTHONPATH=${W4_SERVER_PYTHONPATH:-${PYTHONPATH:-}} python3 -m nanovllm serve ${model:+"$model"} --host 127.0.0.1 --port "$port" "$@" >"$log" 2>&1 &
+# (run from that tree: `python -m` puts the working directory first on sys.path)
+tree=${W4_SERVER_PYTHONPATH:-}
+(cd "${tree:-.}" && PYTHONPATH=${tree:-${PYTHONPATH:-}} exec python3 -m nanovllm serve ${model:+"$model"} --host 127.0.0.1 \
+   --port "$port" "$@") >"$log" 2>&1 &
 server=$!
-trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
   kill -0 $server 2>/dev/null || { cat "$log"; exit 1; }

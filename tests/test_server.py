@@ -1,8 +1,8 @@
 """The OpenAI-compatible server, live on 127.0.0.1, driven by the official `openai` client.
 
-One server (uvicorn in a background thread, on a port the OS picks) serves the tiny Qwen3
-checkpoint with a deliberately small KV pool (96 blocks of 4 tokens), so concurrent load forces
-preemption. Greedy outputs are compared with the offline `LLM` on the same checkpoint. A second
+One server (uvicorn in a background thread, on a port the OS picks, its engine core in a child
+process as `nanovllm serve` runs it) serves the tiny Qwen3 checkpoint with a deliberately small
+KV pool (96 blocks of 4 tokens), so concurrent load forces preemption. Greedy outputs are compared with the offline `LLM` on the same checkpoint. A second
 engine is broken on purpose (its step raises) to check error propagation, and one test runs
 `nanovllm serve` as a process to check SIGTERM handling and the exit code.
 """

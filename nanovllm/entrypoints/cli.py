@@ -4,11 +4,12 @@ With no model the embedded default model (SmolLM2-135M-Instruct, GGUF) is used. 
 goes to stdout; progress and logs go to stderr, so the output can be piped. Heavy imports (torch,
 FastAPI) happen inside the subcommands, so `--help` is instant.
 
-`serve` exits 0 on SIGINT/SIGTERM: uvicorn stops accepting, in-flight requests get
---shutdown-timeout seconds to finish, then the engine aborts the rest (streams end with
-finish_reason "abort", unstreamed requests get a 503), then the engine thread is stopped.
-uvicorn re-raises the signal it caught once it is done (to give the default behaviour, death by
-signal); we install our own handlers around it so the process exits 0.
+`serve` runs the engine core in a child process and the HTTP front-end(s) against it. It exits
+0 on SIGINT/SIGTERM: uvicorn stops accepting, in-flight requests get --shutdown-timeout seconds
+to finish, then the engine aborts the rest (streams end with finish_reason "abort", unstreamed
+requests get a 503), then the core is stopped. uvicorn re-raises the signal it caught once it
+is done (to give the default behaviour, death by signal); we install our own handlers around it
+so the process exits 0. It exits 1 if the engine core dies.
 """
 from __future__ import annotations
 

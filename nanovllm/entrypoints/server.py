@@ -1,26 +1,31 @@
 """OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health, metrics.
 
-`create_app(engine, model_name, api_key)` builds an app around a running `AsyncEngine`. The app
-does not own the engine: `nanovllm serve` shuts the engine down after uvicorn has stopped (after
-in-flight requests finished, or were cancelled at the graceful-shutdown timeout).
+`create_app(engine, model_name, api_key)` builds an app around a running engine: a `CoreClient`
+(the engine core in its own process, as `nanovllm serve` runs it) or an in-process
+`AsyncEngine`; both take token ids and give cumulative outputs per request. The app does not
+own the engine: `nanovllm serve` shuts it down after uvicorn has stopped (after in-flight
+requests finished, or were cancelled at the graceful-shutdown timeout).
 
-A request goes: parse (pydantic) -> checks -> `SamplingParams` -> `AsyncEngine.add_request` for
+A request goes: parse (pydantic) -> checks (a prompt's characters are counted before it is
+tokenized) -> tokenize on the tokenizer thread -> `SamplingParams` -> `engine.add_request` for
 each prompt. The engine accepts or rejects a prompt before any byte of the response is sent, so
-a bad prompt (too long, empty, ids outside the vocabulary) is a clean 400 even for a stream.
-Then the handler streams SSE chunks or waits for the final outputs.
+a bad prompt (too long, empty, ids outside the vocabulary) is a clean 400 even for a stream,
+and a full engine a 503 with Retry-After. Then the handler streams SSE chunks or waits for the
+final outputs.
 
 Clients that go away abort their requests (blocks freed at once): for streams, Starlette cancels
 the response when it sees `http.disconnect` and `_EventStream` aborts whatever is unfinished; for
-non-streaming requests a watcher on `receive()` does the same.
+non-streaming requests a watcher on `receive()` does the same. A stream whose client stops
+reading is cut off after `stream_write_timeout` seconds.
 
 Every error leaves in OpenAI's shape. Client mistakes are 400 (FastAPI's 422 is overridden),
-401 for a wrong API key, 404/405 for unknown routes, 503 once the engine has failed or is
-shutting down; 500 is only for bugs.
+401 for a wrong API key, 404/405 for unknown routes, 503 once the engine has failed, is
+shutting down or is full; 500 is only for bugs.
 
 Metrics live in a per-app `CollectorRegistry` (two apps in one process do not collide): HTTP
 responses by endpoint and code, finished completions by reason, prompt/generation tokens, TTFT,
-inter-token latency and end-to-end histograms, and engine gauges read from `AsyncEngine.stats`
-(a snapshot, so scraping never touches the engine thread).
+inter-token latency and end-to-end histograms, and engine gauges read from `engine.stats` (a
+snapshot, so scraping never touches the engine).
 """
 from __future__ import annotations
 
