@@ -24,8 +24,8 @@ Design decisions:
   top_p, and always the most likely token. Min-p then drops tokens with prob < min_p * max prob
   (a ratio that top-k/top-p renormalisation does not change).
 - Greedy rows (temperature 0) take argmax of the (biased, penalized) logits (first index on
-  ties, as torch.argmax and HF do). Temperatures below `GREEDY_EPS` are treated as greedy (`SamplingParams.greedy`):
-  dividing by them overflows.
+  ties, as torch.argmax and HF do). Temperatures below `GREEDY_EPS` are treated as greedy
+  (`SamplingParams.greedy`): dividing by them overflows.
 - Everything that decides control flow (the flags, which rows are seeded, how many logprobs) is
   known on the host when `SamplingTensors` is built, so `Sampler.forward` never reads the device.
 """
