@@ -238,3 +238,51 @@ def test_good_penalties_are_kept():
     assert p.logit_bias == {3: -100.0, 4: 100.0} and p.penalized and p.edits_logits
     assert not SamplingParams(logit_bias={}).edits_logits
     assert SamplingParams(logit_bias={1: 0.5}).edits_logits and not SamplingParams(logit_bias={1: 0.5}).penalized
+
+
+# ---- scheduling --------------------------------------------------------------------------------
+def test_the_prompt_goes_down_with_the_first_sampling_step_only():
+    """Chunked prefill: the chunks before the last sample nothing; the last carries the prompt;
+    decodes and the recompute after a preemption carry nothing (the runner kept the counts)."""
+    from nanovllm.engine.block_manager import BlockManager
+    from nanovllm.engine.scheduler import Scheduler
+    from nanovllm.engine.sequence import Sequence
+
+    bm = BlockManager(64, 4, False)
+    sched = Scheduler(bm, 4, 5)
+    prompt = list(range(1, 12))
+    seq = Sequence(0, "0", prompt, SamplingParams(repetition_penalty=1.3))
+    plain = Sequence(1, "1", [1, 2], SamplingParams())
+    sched.add(seq)
+    sched.add(plain)
+    carried = []
+    for step in range(12):
+        if step == 5:
+            sched.running.remove(seq)
+            sched._preempt(seq)
+        out = sched.schedule()
+        carried += [(step, s.seq_id, s.sample, s.penalty_prompt_ids) for s in out.seqs]
+        seqs = {0: seq, 1: plain}
+        sched.advance(out, seqs)
+        sched.resolve(out, seqs, [50 + step] * sum(s.sample for s in out.seqs))
+    with_prompt = [c for c in carried if c[3] is not None]
+    assert len(with_prompt) == 1 and with_prompt[0][1:] == (0, True, prompt)
+    assert any(c[1] == 0 and c[0] > 5 and c[2] for c in carried)  # it sampled again after the preemption
+    assert seq.num_preemptions == 1
+
+
+@pytest.mark.parametrize("kw", [dict(presence_penalty=1.0), dict(frequency_penalty=-1.0), dict(repetition_penalty=1.1),
+                                dict(logit_bias={3: -100})])
+def test_the_fast_path_declines_logit_edits(kw):
+    """The lone-sequence fast path (CUDA) leaves such a step to the runner's sampler; checked here
+    with its graphs faked as captured: taking the step would need them for real."""
+    from types import SimpleNamespace
+
+    from nanovllm.fastpath.seam import FastPath
+    from nanovllm.step import SchedulerOutput
+
+    fast = object.__new__(FastPath)
+    fast._pending = fast._dry_pass = None
+    fast.graphs = SimpleNamespace(has_single=True)
+    step = ScheduledSeq(0, [1], 3, [0], True, SamplingParams(temperature=0, **kw), None, None)
+    assert fast.take(SchedulerOutput([step], 1, 1)) is None

@@ -253,6 +253,12 @@ class ModelRunner:
         ]
         mixed = [every_control[i % 2] for i in range(rows)]
         self.sampler(logits, SamplingTensors.from_params(mixed, None, vocab, self.device))
+        # Penalties and a logit bias on every row: their [rows, vocab] temporaries.
+        edits = [SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+                                repetition_penalty=1.1, logit_bias={0: 1.0})] * rows
+        stats = (torch.zeros((rows, vocab), dtype=torch.int32, device=self.device),
+                 torch.zeros((rows, vocab), dtype=torch.bool, device=self.device))
+        self.sampler(logits, SamplingTensors.from_params(edits, None, vocab, self.device, token_stats=stats))
         plain = [SamplingParams(temperature=1.0)] * rows  # the fused path, when the batch is large enough
         self.sampler(logits, SamplingTensors.from_params(plain, None, vocab, self.device))
 
