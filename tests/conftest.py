@@ -16,6 +16,14 @@ if not torch.cuda.is_available():
 from checkpoints import make_checkpoint, make_tokenizer_dir  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory):
+    """Tests never read or write the user's cache of converted models (loaders/cache.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOVLLM_CACHE_DIR", str(tmp_path_factory.mktemp("nanovllm-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     return make_tokenizer_dir(tmp_path_factory.mktemp("tokenizer"))

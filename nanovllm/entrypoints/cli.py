@@ -114,8 +114,12 @@ def _sampling_params(args: argparse.Namespace, model_defaults: dict):
 # ---- generate --------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanovllm import LLM
+    from nanovllm.entrypoints.startup_report import format_rows, process_age, startup_rows
 
+    import_s = process_age()
+    t0 = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
+    t1 = time.perf_counter()
     params = _sampling_params(args, llm.engine.generation_defaults)
     prompts = args.prompt or [sys.stdin.read()]
     try:
@@ -123,9 +127,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not args.quiet)
         else:
             outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+        t2 = time.perf_counter()
         for out in outputs:
             sys.stdout.write(out.outputs[0].text + "\n")
         sys.stdout.flush()
+        if args.verbose:
+            ttft = llm.last_ttft_stats["max"] if llm.last_ttft_stats else None
+            rows = startup_rows(llm, import_s=import_s, engine_s=t1 - t0, first_token_s=ttft, generate_s=t2 - t1)
+            print(format_rows(rows), file=sys.stderr)
     finally:
         llm.shutdown()
     return 0
@@ -279,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen, max_tokens=64)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.add_argument("--verbose", action="store_true", help="print where the time went (start-up table) to stderr")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -341,5 +351,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The program's entry point: main(), then, once the output is flushed, exit without tearing
+    the interpreter down (freeing torch's and the model's objects one by one is slow and does
+    nothing a finished command needs). An exception still ends the process the usual way."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -68,6 +68,16 @@ _ACCEPTED: dict[str, dict[str, Any]] = {  # by schema component
 }
 
 
+# One server-sent event (before OpenAPI 3.2, a text/event-stream schema describes each event):
+# `data` is a JSON chunk (the endpoint's response shape) or `[DONE]`.
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] at the end"},
+                   "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}},
+    "required": ["data"],
+}
+
+
 def _json(ref: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": _REF.format(model=ref)}}}
 
@@ -101,7 +111,7 @@ def document_responses(app: Any, model_name: str) -> None:
                 if model is not None:
                     content = _json(model.__name__)
                     if streams:
-                        content["text/event-stream"] = {"schema": {"type": "string"}}
+                        content["text/event-stream"] = {"schema": _SSE_EVENT}
                     responses["200"] = {"description": "Success" + (" (SSE when stream is true)" if streams else ""),
                                         "content": content}
                 elif path == "/health":

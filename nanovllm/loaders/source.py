@@ -3,6 +3,8 @@
 `ModelSource` hides the difference from the engine: it gives the HF config, a tokenizer (or None
 when the directory has none: token-id prompts still work), the EOS ids, and an iterator of
 weights under Hugging Face tensor names, which every model's `load_weights` understands.
+A GGUF file's converted config and tokenizer and the model's loaded parameters come from the
+cache when it has them (loaders/gguf_cache.py); the file is then not parsed at all.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class ModelSource:
     kind: str  # "hf" | "gguf"
     hf_config: Any
     _reader: Any = field(default=None, repr=False, compare=False)
+    cache: Any = field(default=None, repr=False, compare=False)  # GGUFCacheEntry | None
 
     def __getstate__(self) -> dict:
         # A GGUF reader holds a memory map: worker processes open their own.
@@ -44,11 +47,26 @@ class ModelSource:
 
         return iter_safetensors(self.path)
 
+    def load_into(self, model: torch.nn.Module, variant: str) -> None:
+        """`model.load_weights(self.weights())`, or for a cached GGUF file its parameters as
+        loaded before under the same `variant` (model class, dtype, shard: see gguf_cache.py)."""
+        if self.cache is not None and self.cache.load_params(model, variant):
+            return
+        model.load_weights(self.weights())
+        if self.cache is not None:
+            self.cache.save_params(model, variant)
+
     def tokenizer(self):
         if self.kind == "gguf":
+            cached = self.cache.load_tokenizer() if self.cache is not None else None
+            if cached is not None:
+                return cached
             from nanovllm.loaders.gguf import load_gguf_tokenizer
 
-            return load_gguf_tokenizer(self.path, reader=self.gguf_reader())
+            tokenizer = load_gguf_tokenizer(self.path, reader=self.gguf_reader())
+            if self.cache is not None:
+                self.cache.save_tokenizer(tokenizer)
+            return tokenizer
         from transformers import AutoTokenizer
 
         try:
@@ -83,10 +101,18 @@ def resolve_model(model: str | os.PathLike | None, hf_config: Any = None) -> Mod
         model = default_model_path()
     path = os.fspath(model)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        from nanovllm.loaders.gguf import load_gguf_config, open_gguf
+        from nanovllm.loaders.gguf_cache import GGUFCacheEntry
 
-        reader = open_gguf(path)
-        return ModelSource(path, "gguf", hf_config or load_gguf_config(path, reader=reader), reader)
+        source = ModelSource(path, "gguf", hf_config, cache=GGUFCacheEntry.for_file(path))
+        if source.hf_config is None and source.cache is not None:
+            source.hf_config = source.cache.load_config()
+        if source.hf_config is None:
+            from nanovllm.loaders.gguf import load_gguf_config
+
+            source.hf_config = load_gguf_config(path, reader=source.gguf_reader())
+            if source.cache is not None:
+                source.cache.save_config(source.hf_config)
+        return source
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"model directory {path!r} has no config.json")

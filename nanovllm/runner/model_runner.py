@@ -82,7 +82,8 @@ class ModelRunner:
                 self.model = model_cls(source.hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights(source.weights())
+        variant = f"{model_cls.__name__}-{str(self.dtype).removeprefix('torch.')}-tp{rank}of{config.tensor_parallel_size}"
+        source.load_into(self.model, variant)
         self.model.eval()
         if config.quantization == "int4":
             self._quantize_int4()
@@ -293,8 +294,14 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         layers, kv_heads, head_dim = self._kv_shape()
         shape = (num_blocks, self.block_size, kv_heads, head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        if self.device.type == "cpu":  # pages untouched until a block is written (runner/host_memory.py)
+            from nanovllm.runner.host_memory import lazy_zeros
+
+            caches = lazy_zeros(2 * layers, shape, self.dtype)
+            self.k_caches, self.v_caches = caches[:layers], caches[layers:]
+        else:
+            self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+            self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
         bind_kv_cache(self.model, self.k_caches, self.v_caches, self.backend)
         if self.fastpath is not None:
             self.fastpath.bind(self.k_caches, self.v_caches)

@@ -1,0 +1,107 @@
+"""The on-disk cache of what is converted once per model file (docs/startup.md).
+
+Where: `$NANOVLLM_CACHE_DIR`, else `$XDG_CACHE_HOME/nanovllm`, else `~/.cache/nanovllm`;
+`NANOVLLM_DISABLE_CACHE=1` turns it off. Entries are keyed by a digest of the source file's
+whole content (xxh3-128 over a memory map, a fraction of a second per GB from the page cache), so a copied or
+touched file still hits and an edited one never does.
+
+Every file is written to a temporary name beside its destination and renamed into place, so a
+reader sees a whole file or none, and concurrent writers of one entry cannot corrupt it (the last
+rename wins; both wrote the same bytes). Readers treat an entry that fails to load as absent.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import xxhash
+
+logger = logging.getLogger("nanovllm")
+
+_DISABLE_VALUES = ("1", "true", "yes", "on")
+
+
+def cache_enabled() -> bool:
+    return os.environ.get("NANOVLLM_DISABLE_CACHE", "").strip().lower() not in _DISABLE_VALUES
+
+
+def cache_dir() -> Path:
+    """The cache's root directory (not created here)."""
+    explicit = os.environ.get("NANOVLLM_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "nanovllm"
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """xxh3-128 hex digest of a file's size and whole content."""
+    with open(path, "rb") as f:
+        if not os.fstat(f.fileno()).st_size:
+            return buffer_digest(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return buffer_digest(m)
+
+
+def buffer_digest(data) -> str:
+    """file_digest of a file holding exactly `data` (bytes, mmap, memoryview)."""
+    h = xxhash.xxh3_128(len(data).to_bytes(8, "little"))
+    h.update(data)
+    return h.hexdigest()
+
+
+def _tmp_name(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+@contextmanager
+def atomic_file(dest: Path) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces `dest` in one rename."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(dest)
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@contextmanager
+def atomic_dir(dest: Path) -> Iterator[Path]:
+    """Yield a temporary directory to fill; on success it is renamed to `dest`, unless another
+    writer got there first (then theirs is kept and ours dropped)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(dest)
+    tmp.mkdir()
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not dest.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def discard(path: Path, why: BaseException) -> None:
+    """Drop a cache file or directory that failed to load, so that it is rebuilt."""
+    logger.warning("cache entry %s is unreadable (%s: %s); rebuilding it", path, type(why).__name__, why)
+    aside = _tmp_name(path)
+    try:
+        os.rename(path, aside)  # readers stop seeing it at once, whatever the removal takes
+    except OSError:
+        return
+    if aside.is_dir():
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        aside.unlink(missing_ok=True)

