@@ -76,7 +76,8 @@ import torch.distributed as dist
 
 from nanovllm.config import EngineConfig
 from nanovllm.loaders.source import ModelSource
-from nanovllm.runner.model_runner import ModelRunner, RunnerOutput, resolve_device
+from nanovllm.runner.device import resolve_device
+from nanovllm.runner.model_runner import ModelRunner, RunnerOutput
 from nanovllm.runner.output import Done, StepResult
 from nanovllm.step import ScheduledSeq, SchedulerOutput
 

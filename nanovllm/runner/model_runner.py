@@ -24,6 +24,7 @@ from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, mak
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
 from nanovllm.precompile import precompiling
+from nanovllm.runner.device import resolve_device, resolve_dtype
 from nanovllm.runner.host_staging import HostStaging
 from nanovllm.runner.penalty_state import PenaltyState
 from nanovllm.runner.output import Done, PendingOutput, RunnerOutput, StepResult
@@ -31,28 +32,6 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger("nanovllm")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # fast and exact on CPUs; bf16 matmuls are slow on most of them
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(config_dtype, str):
-        config_dtype = _DTYPES.get(config_dtype)
-    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-
 
 class ModelRunner:
     def __init__(
