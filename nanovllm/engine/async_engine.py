@@ -141,6 +141,7 @@ class AsyncEngine:
         self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.generation_defaults = engine.generation_defaults
         self.error: BaseException | None = None  # set once the engine has failed
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
