@@ -2,14 +2,19 @@
 # W4: start `nanovllm serve` on a free local port, run the streaming load generator for
 # N = 1, 16, 64, 256 concurrent clients, check the KV pool is free afterwards, stop the server.
 #   benchmarks/serve_w4.sh [MODEL] [extra serve options...]   (no MODEL: the embedded default)
+# W4_CLIENTS, W4_INPUT_LEN, W4_OUTPUT_LEN change the load; W4_SERVER_PYTHONPATH runs the server
+# from another source tree (the load generator stays this one's), to compare two trees.
 set -euo pipefail
 model=${1:-}
 shift || true
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 log=$(mktemp)
-python3 -m nanovllm serve ${model:+"$model"} --host 127.0.0.1 --port "$port" "$@" >"$log" 2>&1 &
+# (run from that tree: `python -m` puts the working directory first on sys.path)
+tree=${W4_SERVER_PYTHONPATH:-}
+(cd "${tree:-.}" && PYTHONPATH=${tree:-${PYTHONPATH:-}} exec python3 -m nanovllm serve ${model:+"$model"} --host 127.0.0.1 \
+   --port "$port" "$@") >"$log" 2>&1 &
 server=$!
-trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
   kill -0 $server 2>/dev/null || { cat "$log"; exit 1; }

@@ -1,8 +1,8 @@
 """The OpenAI-compatible server, live on 127.0.0.1, driven by the official `openai` client.
 
-One server (uvicorn in a background thread, on a port the OS picks) serves the tiny Qwen3
-checkpoint with a deliberately small KV pool (96 blocks of 4 tokens), so concurrent load forces
-preemption. Greedy outputs are compared with the offline `LLM` on the same checkpoint. A second
+One server (uvicorn in a background thread, on a port the OS picks, its engine core in a child
+process as `nanovllm serve` runs it) serves the tiny Qwen3 checkpoint with a deliberately small
+KV pool (96 blocks of 4 tokens), so concurrent load forces preemption. Greedy outputs are compared with the offline `LLM` on the same checkpoint. A second
 engine is broken on purpose (its step raises) to check error propagation, and one test runs
 `nanovllm serve` as a process to check SIGTERM handling and the exit code.
 """
@@ -29,6 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError
+from nanovllm.engine.core import CoreProcess
+from nanovllm.engine.core_client import CoreClient
 from nanovllm.entrypoints.serve_bench import ServeBenchConfig, run_serve_bench
 from nanovllm.entrypoints.server import create_app
 
@@ -39,9 +41,12 @@ ENGINE_KW = dict(device="cpu", max_model_len=512, kvcache_block_size=4, num_kvca
 
 
 @contextlib.contextmanager
-def serve_in_thread(app):
-    """Run `app` with uvicorn on a socket the OS bound for us; yields the base URL."""
+def serve_in_thread(app, sndbuf: int | None = None):
+    """Run `app` with uvicorn on a socket the OS bound for us; yields the base URL. `sndbuf`
+    fixes the send buffer of accepted connections (Linux: inherited from the listener)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if sndbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
@@ -84,12 +89,18 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(qwen3_tiny):
-    engine = AsyncEngine.from_kwargs(str(qwen3_tiny), **ENGINE_KW)
+    """The server as `nanovllm serve` runs it: the engine core in its own process, the HTTP
+    front-end (a CoreClient) here."""
+    core = CoreProcess(str(qwen3_tiny), ENGINE_KW, max_pending=1024)
     try:
-        with serve_in_thread(create_app(engine, MODEL, api_key=KEY)) as url:
-            yield Live(url, engine)
+        engine = CoreClient(core.addresses, core.info, core_alive=core.is_alive)
+        try:
+            with serve_in_thread(create_app(engine, MODEL, api_key=KEY)) as url:
+                yield Live(url, engine)
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        core.shutdown()
 
 
 @pytest.fixture(scope="module")

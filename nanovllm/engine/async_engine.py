@@ -40,6 +40,10 @@ class EngineDeadError(RuntimeError):
     """The engine failed or is shutting down: it accepts no more requests."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine has as many requests queued or running as it admits: retry later."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's state, published by the engine thread after each iteration so

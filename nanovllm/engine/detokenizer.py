@@ -50,3 +50,20 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.tokens)
         self.text += delta
         return delta
+
+
+def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str]) -> bool:
+    """Cut `detok.text` before the first stop string in its tail; True if one was found. Only
+    the tail can hold a new match (earlier text was checked when it arrived)."""
+    text = detok.text
+    window = max(len(s) for s in stops) + 16
+    tail_start = max(0, len(text) - window)
+    best = -1
+    for s in stops:
+        i = text.find(s, tail_start)
+        if i != -1 and (best == -1 or i < best):
+            best = i
+    if best == -1:
+        return False
+    detok.text = text[:best]
+    return True

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.executor.executor import make_executor
@@ -72,8 +72,11 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        """detokenize=False: outputs carry token ids only (empty text) and stop strings are not
+        applied; the engine core runs so, its front-ends detokenize and match stop strings."""
         self.config = config
+        self.detokenize = detokenize
         # Start-up breakdown in seconds (benchmarks/startup.py prints it with the runner's).
         self.startup_seconds: dict[str, float] = {}
         t = time.perf_counter()
@@ -174,7 +177,7 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        need_detok = (stream or params.stop_list) and self.tokenizer is not None
+        need_detok = (stream or params.stop_list) and self.tokenizer is not None and self.detokenize
         request = Request(
             request_id=request_id,
             prompt=prompt if isinstance(prompt, str) else None,
@@ -192,11 +195,17 @@ class LLMEngine:
             self.seqs[seq.seq_id] = seq
             self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its KV blocks; returns its final output (or None)."""
+    def abort_request(self, request_id: str, index: int | None = None) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output (or None). With
+        `index`, stop only that sample (finish reason "stop": a front-end matched a stop string
+        in it); the output is returned only if that ended the request."""
         request = self.requests.get(request_id)
         if request is None:
             return None
+        if index is not None:
+            if 0 <= index < len(request.seqs) and not request.seqs[index].is_finished:
+                self.scheduler.finish(request.seqs[index], "stop")
+            return self._finish_request(request) if request.finished else None
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")
         return self._finish_request(request)
@@ -294,18 +303,7 @@ class LLMEngine:
 
     @staticmethod
     def _truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str]) -> bool:
-        text = detok.text
-        window = max(len(s) for s in stops) + 16
-        tail_start = max(0, len(text) - window)
-        best = -1
-        for s in stops:
-            i = text.find(s, tail_start)
-            if i != -1 and (best == -1 or i < best):
-                best = i
-        if best == -1:
-            return False
-        detok.text = text[:best]
-        return True
+        return truncate_at_stop(detok, stops)
 
     def _text(self, request: Request, index: int, final: bool) -> str:
         seq, detok = request.seqs[index], request.detokenizers[index]
@@ -315,7 +313,7 @@ class LLMEngine:
                 hold = max(len(s) for s in request.params.stop_list) - 1
                 text = text[: max(0, len(text) - hold)]
             return text
-        if self.tokenizer is None:
+        if self.tokenizer is None or not self.detokenize:
             return ""
         return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=request.params.skip_special_tokens)
 

@@ -4,11 +4,12 @@ With no model the embedded default model (SmolLM2-135M-Instruct, GGUF) is used. 
 goes to stdout; progress and logs go to stderr, so the output can be piped. Heavy imports (torch,
 FastAPI) happen inside the subcommands, so `--help` is instant.
 
-`serve` exits 0 on SIGINT/SIGTERM: uvicorn stops accepting, in-flight requests get
---shutdown-timeout seconds to finish, then the engine aborts the rest (streams end with
-finish_reason "abort", unstreamed requests get a 503), then the engine thread is stopped.
-uvicorn re-raises the signal it caught once it is done (to give the default behaviour, death by
-signal); we install our own handlers around it so the process exits 0.
+`serve` runs the engine core in a child process and the HTTP front-end(s) against it. It exits
+0 on SIGINT/SIGTERM: uvicorn stops accepting, in-flight requests get --shutdown-timeout seconds
+to finish, then the engine aborts the rest (streams end with finish_reason "abort", unstreamed
+requests get a 503), then the core is stopped. uvicorn re-raises the signal it caught once it
+is done (to give the default behaviour, death by signal); we install our own handlers around it
+so the process exits 0. It exits 1 if the engine core dies.
 """
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import argparse
 import logging
 import os
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from typing import Sequence
 
@@ -147,36 +150,88 @@ def _served_name(source_path: str) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from nanovllm.engine.async_engine import AsyncEngine
-    from nanovllm.entrypoints.http_protocol import uvicorn_options
+    """The engine core in a child process, the HTTP front-end in this one or, with
+    --api-server-count N > 1, in N child processes sharing the port (docs/server.md)."""
+    from nanovllm.engine.core import CoreProcess
     from nanovllm.entrypoints.limits import fit_to_fd_limit, limits_from_args, raise_fd_limit, warn_open_host
-    from nanovllm.entrypoints.server import GracefulServer, create_app
 
+    if args.api_server_count < 1:
+        raise ValueError("--api-server-count must be >= 1")
     model = _model_arg(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("NANOVLLM_API_KEY")
-    limits = fit_to_fd_limit(limits_from_args(args), raise_fd_limit())  # docs/limits.md
+    limits = fit_to_fd_limit(limits_from_args(args), raise_fd_limit())  # docs/server.md, limits
     warn_open_host(args.host, api_key, limits)
-    engine = AsyncEngine.from_kwargs(model, **engine_kwargs(args))
-    caught: list[int] = []
-    previous = {}
+    kwargs = engine_kwargs(args)
+    max_pending = args.max_pending_requests or 4 * max(args.max_num_seqs, 256)
+    metrics_dir = None
+    if args.api_server_count > 1:  # before prometheus_client is imported anywhere
+        metrics_dir = tempfile.mkdtemp(prefix="nanovllm-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    core = CoreProcess(model, kwargs, max_pending)
     try:
-        name = args.served_model_name or _served_name(engine.engine.source.path)
-        app = create_app(engine, name, api_key=api_key or None, limits=limits)
-        server = GracefulServer(engine, app, args.shutdown_timeout, host=args.host, port=args.port,
-                                log_level=args.log_level, access_log=args.access_log,
-                                **uvicorn_options(limits))
+        from nanovllm.entrypoints.frontend import FrontendConfig, run_frontend
+
+        name = args.served_model_name or _served_name(core.info.model_path)
         logging.getLogger("nanovllm").info("serving the model as %r", name)
-        # uvicorn re-raises the signal it handled after shutting down; these handlers swallow it.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda s, f: caught.append(s))
-        server.run()
+        cfg = FrontendConfig(core.addresses, core.info, name, api_key or None, args.host, args.port,
+                             args.shutdown_timeout, args.log_level, args.access_log, args.max_prompt_chars,
+                             args.stream_write_timeout, limits)
+        if args.api_server_count == 1:
+            return run_frontend(cfg, core_alive=core.is_alive)
+        return _run_frontends(cfg, args.api_server_count, core)
+    finally:
+        core.shutdown()
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
+def _run_frontends(cfg, count: int, core) -> int:
+    """Start `count` front-end processes on one port and supervise them: SIGINT/SIGTERM is
+    forwarded (graceful stop, status 0); a front-end that dies alone is restarted; when the core
+    dies they fail their requests and exit, and so do we (status 1)."""
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    from nanovllm.entrypoints.frontend import frontend_process_main, reuseport_socket
+
+    # Hold the port (bound, not listening) so --port 0 gives every front-end the same one.
+    holder = reuseport_socket(cfg.host, cfg.port)
+    cfg.port = holder.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    stopping: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, f: stopping.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def start() -> mp.Process:
+        proc = ctx.Process(target=frontend_process_main, args=(cfg, os.getpid()), name="nanovllm-frontend")
+        proc.start()
+        return proc
+
+    procs = [start() for _ in range(count)]
+    logging.getLogger("nanovllm").info("%d front-ends on http://%s:%d", count, cfg.host, cfg.port)
+    forwarded = False
+    try:
+        while any(p.is_alive() for p in procs):
+            if stopping and not forwarded:
+                forwarded = True
+                for p in procs:
+                    if p.is_alive():
+                        p.terminate()  # SIGTERM: graceful
+            wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
+            for i, p in enumerate(procs):
+                if not p.is_alive() and not stopping and core.is_alive() and p.exitcode != 0:
+                    logging.getLogger("nanovllm").error("front-end %d exited with %s: restarting it", i, p.exitcode)
+                    procs[i] = start()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        engine.shutdown(abort=True)
-    if caught:
-        logging.getLogger("nanovllm").info("stopped by %s", signal.Signals(caught[-1]).name)
-    return 0 if server.started or caught else 1
+        for p in procs:
+            p.join(cfg.shutdown_timeout + 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        holder.close()
+    return 0 if stopping and not any(p.exitcode for p in procs) else 1
 
 
 # ---- chat ------------------------------------------------------------------------------------
@@ -303,6 +358,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: the file/directory name)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them")
+    serve.add_argument("--api-server-count", type=int, default=1,
+                       help="HTTP front-end processes sharing the port (SO_REUSEPORT), one engine core")
+    serve.add_argument("--max-pending-requests", type=int, default=None,
+                       help="requests queued or running in the engine before new ones get 503 with Retry-After "
+                            "(default: 4 x max(--max-num-seqs, 256))")
+    serve.add_argument("--max-prompt-chars", type=int, default=None,
+                       help="longer prompts are refused before tokenizing (default: --max-model-len x 16)")
+    serve.add_argument("--stream-write-timeout", type=float, default=60.0,
+                       help="seconds a stream waits for a client that reads nothing before dropping it and "
+                            "aborting its request")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     from nanovllm.entrypoints.limits import add_limit_args

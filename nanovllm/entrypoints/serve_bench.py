@@ -5,13 +5,14 @@ count or the time limit is reached. Prompts are random token-id lists (so the lo
 depend on the tokenizer), generation uses `ignore_eos` so every request produces exactly
 `output_len` tokens, and `stream_options.include_usage` gives the server's token counts.
 
-Reported: requests/s, output tok/s, time to first token, inter-token latency and time per
-output token (per request: (last chunk - first chunk) / (tokens - 1)), p50 and p99. For ITL the
-requests ask for `logprobs: 0`, so every chunk lists its tokens (a chunk can carry several: a
-token that ends mid-character waits for the next, and a client that falls behind gets the
-newest output); a chunk of k tokens after a gap g counts as k gaps of g / k. With
---no-token-counts chunks count as one token each (then ITL is the gap between chunks); failures (HTTP errors, broken streams, wrong token counts) with a sample message; and,
-from /metrics after the run, whether the KV block pool is entirely free again.
+Measured as `vllm bench serve` does: no logprobs, output tok/s = completion tokens (from
+`usage`) / wall time, TTFT = first chunk's arrival, ITL = the gap before each later chunk (a
+chunk can carry several tokens: one ending mid-character waits for the next, and a client that
+falls behind gets the merged newest text), TPOT = (last chunk - first chunk) / (tokens - 1);
+p50 and p99. With --token-counts the requests ask for `logprobs: 0`, so every chunk lists its
+tokens and a chunk of k tokens after a gap g counts as k gaps of g / k. Also reported: failures
+(HTTP errors, broken streams, wrong token counts) with a sample message, and, from /metrics
+after the run, whether the KV block pool is entirely free again.
 
 Bounded on purpose: a request count, a wall-clock limit, a per-request timeout, and the target
 must be this machine (127.0.0.1 / localhost), so the tool cannot be pointed at someone else.
@@ -48,7 +49,7 @@ class ServeBenchConfig:
     token_id_low: int = 16  # prompt ids are drawn from [low, high): every tokenizer has these
     token_id_high: int = 256
     seed: int = 0
-    count_tokens: bool = True  # ask for logprobs=0 so chunks carry their token count (exact ITL)
+    count_tokens: bool = False  # ask for logprobs=0 so chunks carry their token count (per-token ITL)
 
     def validate(self) -> None:
         host = urlparse(self.url).hostname
@@ -158,10 +159,13 @@ async def _one_request(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: 
                 now = time.perf_counter()
                 if payload.get("usage"):
                     usage = payload["usage"]
-                for choice in payload.get("choices", []):
+                choices = payload.get("choices")
+                if choices and not cfg.count_tokens:
+                    chunks.append((now, 1))  # as vllm bench serve: every chunk with a choice
+                for choice in choices if cfg.count_tokens else ():
                     tokens = len((choice.get("logprobs") or {}).get("tokens") or [])
-                    if tokens or (not cfg.count_tokens and choice.get("text")):
-                        chunks.append((now, max(tokens, 1)))
+                    if tokens:
+                        chunks.append((now, tokens))
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         return _RequestResult(False, f"{type(exc).__name__}: {exc}")
     if not done or usage is None:
@@ -262,8 +266,8 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=128, help="generated tokens per request (EOS ignored)")
     g.add_argument("--time-limit", type=float, default=300.0, help="stop sending new requests after this many seconds")
     g.add_argument("--api-key", default=None)
-    g.add_argument("--no-token-counts", dest="count_tokens", action="store_false",
-                   help="do not ask for logprobs=0 (ITL then assumes one token per chunk)")
+    g.add_argument("--token-counts", dest="count_tokens", action="store_true",
+                   help="ask for logprobs=0 so ITL is per token (default: per chunk, as vllm bench serve)")
     g.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 

@@ -1,36 +1,43 @@
 """OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health, metrics.
 
-`create_app(engine, model_name, api_key)` builds an app around a running `AsyncEngine`. The app
-does not own the engine: `nanovllm serve` shuts the engine down after uvicorn has stopped (after
-in-flight requests finished, or were cancelled at the graceful-shutdown timeout).
+`create_app(engine, model_name, api_key)` builds an app around a running engine: a `CoreClient`
+(the engine core in its own process, as `nanovllm serve` runs it) or an in-process
+`AsyncEngine`; both take token ids and give cumulative outputs per request. The app does not
+own the engine: `nanovllm serve` shuts it down after uvicorn has stopped (after in-flight
+requests finished, or were cancelled at the graceful-shutdown timeout).
 
 A request goes: `RequestGuard` (Host header, API key and body limits, before the body is parsed;
-entrypoints/guard.py, docs/limits.md) -> parse (pydantic) -> checks -> `SamplingParams` ->
-`AsyncEngine.add_request` for each prompt. The engine accepts or rejects a prompt before any
-byte of the response is sent, so a bad prompt (too long, empty, ids outside the vocabulary) is
-a clean 400 even for a stream. Then the handler streams SSE chunks or waits for the final
-outputs.
+entrypoints/guard.py, docs/server.md "Limits and security") -> parse (pydantic) -> checks (a
+prompt's characters are counted before it is tokenized) -> tokenize on the tokenizer thread ->
+`SamplingParams` -> `engine.add_request` for each prompt. The engine accepts or rejects a prompt
+before any byte of the response is sent, so a bad prompt (too long, empty, ids outside the
+vocabulary) is a clean 400 even for a stream, and a full engine a 503 with Retry-After. Then the
+handler streams SSE chunks or waits for the final outputs.
 
 Clients that go away abort their requests (blocks freed at once): for streams, Starlette cancels
 the response when it sees `http.disconnect` and `_EventStream` aborts whatever is unfinished; for
-non-streaming requests a watcher on `receive()` does the same.
+non-streaming requests a watcher on `receive()` does the same. A stream whose client stops
+reading is cut off after `stream_write_timeout` seconds.
 
 Every error leaves in OpenAI's shape. Client mistakes are 400 (FastAPI's 422 is overridden),
-401 for a wrong API key, 404/405 for unknown routes, 503 once the engine has failed or is
-shutting down; 500 is only for bugs.
+401 for a wrong API key, 404/405 for unknown routes, 503 once the engine has failed, is
+shutting down or is full; 500 is only for bugs.
 
 Metrics live in a per-app `CollectorRegistry` (two apps in one process do not collide): HTTP
 responses by endpoint and code, finished completions by reason, prompt/generation tokens, TTFT,
-inter-token latency and end-to-end histograms, and engine gauges read from `AsyncEngine.stats`
-(a snapshot, so scraping never touches the engine thread).
+inter-token latency and end-to-end histograms, and engine gauges read from `engine.stats` (a
+snapshot, so scraping never touches the engine).
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -43,7 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.chat import chat_prompt_ids
-from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from nanovllm.entrypoints.guard import RequestGuard
 from nanovllm.entrypoints.limits import ServerLimits
 from nanovllm.entrypoints.openapi import document_responses
@@ -75,6 +82,9 @@ from nanovllm.sampling_params import SamplingParams
 logger = logging.getLogger("nanovllm.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHARS_PER_TOKEN_LIMIT = 16  # default prompt character limit: max_model_len x this
+DEFAULT_STREAM_WRITE_TIMEOUT = 60.0  # seconds a stream may wait for a client that does not read
+RETRY_AFTER_S = 1
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -85,7 +95,7 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 class _EngineCollector:
     """Engine gauges and counters, read from the engine's latest stats snapshot at scrape time."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
 
     def collect(self):
@@ -112,9 +122,14 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    """With PROMETHEUS_MULTIPROC_DIR set (`--api-server-count` > 1), counters and histograms
+    live in that directory's files and a scrape of any front-end sums every front-end's; the
+    engine gauges come from the core's stats, the same in each."""
+
+    def __init__(self, engine: Any) -> None:
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
-        r = self.registry
+        r = None if self.multiprocess else self.registry
         self.http_requests = Counter("nanovllm_http_requests", "HTTP responses by endpoint and status code.",
                                      ["endpoint", "code"], registry=r)
         self.finished = Counter("nanovllm_request_finished", "Completions (choices) finished, by finish reason "
@@ -127,7 +142,11 @@ class ServerMetrics:
                              "request, as seen by the server.", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("nanovllm_e2e_request_latency_seconds", "Request arrival to last token.",
                              buckets=E2E_BUCKETS, registry=r)
-        r.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine))
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            multiprocess.MultiProcessCollector(self.registry)
 
 
 class _HTTPMetricsMiddleware:
@@ -226,18 +245,36 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 class _EventStream(StreamingResponse):
-    """An SSE response that runs `on_close` however it ends (done, client gone, cancelled)."""
+    """An SSE response that runs `on_close` however it ends (done, client gone, cancelled).
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    A client that stops reading makes `send` wait (uvicorn's flow control) while the request's
+    tokens keep merging into its stream's state; after `write_timeout` seconds of one blocked
+    send the connection is dropped and the request aborted."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], write_timeout: float) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
+        self._write_timeout = write_timeout
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        async def send_or_drop(message: dict) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._write_timeout)
+            except asyncio.TimeoutError:
+                logger.warning("dropping a client that read nothing for %.0f s", self._write_timeout)
+                raise _ClientStalled() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_drop)
+        except _ClientStalled:
+            pass  # uvicorn closes a connection whose response did not complete
         finally:
             self._on_close()
+
+
+class _ClientStalled(Exception):
+    pass
 
 
 async def _sse_body(events: AsyncIterator[str], tracker: "_Tracker") -> AsyncIterator[str]:
@@ -288,12 +325,50 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
 class OpenAIServer:
     """Request handlers; `create_app` wires them to routes."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits) -> None:
+    def __init__(self, engine: Any, model_name: str, limits: ServerLimits, max_prompt_chars: int | None = None,
+                 stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT) -> None:
         self.engine = engine
         self.model_name = model_name
         self.limits = limits
         self.metrics = ServerMetrics(engine)
         self.token_text = _TokenText(engine.tokenizer)
+        self.max_prompt_chars = max_prompt_chars or engine.max_model_len * CHARS_PER_TOKEN_LIMIT
+        self.stream_write_timeout = stream_write_timeout
+        # Prompts are tokenized (chat templates rendered) on this thread, with its own copy of
+        # the tokenizer (HF tokenizers are not thread-safe), so a long prompt stalls neither
+        # the event loop nor the engine.
+        self._tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenize")
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """Before tokenizing: a prompt far longer than any context is refused unread."""
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(f"the prompt has {num_chars} characters; this server accepts at most "
+                              f"{self.max_prompt_chars} (max_model_len {self.engine.max_model_len} x "
+                              f"{CHARS_PER_TOKEN_LIMIT}, or --max-prompt-chars)", param=param)
+
+    def _encode(self, prompt: str) -> list[int]:
+        if self._tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+        return self._tokenizer.encode(prompt) if prompt else []
+
+    async def tokenize(self, prompts: list[str | list[int]], param: str) -> list[list[int]]:
+        """Token ids of every prompt (strings tokenized on the tokenizer thread)."""
+        for p in prompts:
+            if isinstance(p, str):
+                self._check_chars(len(p), param)
+        loop = asyncio.get_running_loop()
+        out = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                out.append(p)
+                continue
+            try:
+                out.append(await loop.run_in_executor(self._tokenize_pool, self._encode, p))
+            except ValueError as exc:
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                raise bad_request(f"{where}{exc}", param=param) from None
+        return out
 
     # ---- checks ----
     def check_model(self, model: str | None) -> None:
@@ -305,12 +380,13 @@ class OpenAIServer:
                      param: str) -> list[RequestStream]:
         """Add one engine request per prompt, all at once; all or nothing. ValueError -> 400
         naming `param`."""
+        prompts = await self.tokenize(prompts, param)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
             *(self.engine.add_request(rid, prompt, params, stream=stream) for rid, prompt in zip(ids, prompts)),
             return_exceptions=True,
         )
-        streams = [r for r in results if isinstance(r, RequestStream)]
+        streams = [r for r in results if not isinstance(r, BaseException)]
         failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if failed:
             self.abort(streams)
@@ -374,7 +450,7 @@ class OpenAIServer:
         streams = await self.submit(request_id, prompts, params, body.stream, "prompt")
         if body.stream:
             return _EventStream(_sse_body(self._completion_events(request_id, body, params, streams, tracker), tracker),
-                                lambda: self.abort(streams))
+                                lambda: self.abort(streams), self.stream_write_timeout)
         finals = await self.collect_finals(streams, request, tracker)
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
@@ -424,7 +500,10 @@ class OpenAIServer:
         self.check_model(body.model)
         body.check_unsupported()
         body.check_limits(self.limits.max_n, self.limits.max_prompts)
-        prompt_ids = self._chat_prompt(body)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self._check_chars(sum(len(m["content"] or "") for m in messages), "messages")
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, self._chat_prompt, messages, body.add_generation_prompt)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
@@ -435,7 +514,7 @@ class OpenAIServer:
         streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages")
         if body.stream:
             return _EventStream(_sse_body(self._chat_events(request_id, body, params, streams[0], tracker), tracker),
-                                lambda: self.abort(streams))
+                                lambda: self.abort(streams), self.stream_write_timeout)
         finals = await self.collect_finals(streams, request, tracker)
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
@@ -449,13 +528,14 @@ class OpenAIServer:
         return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                    usage=self._usage(finals)).model_dump())
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        tok = self.engine.tokenizer
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Runs on the tokenizer thread. Contents are tokenized apart, so special-token text in
+        them stays text (nanovllm/chat.py)."""
+        tok = self._tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:  # contents tokenized apart, special-token text stays text (nanovllm/chat.py)
-            return chat_prompt_ids(tok, messages, body.add_generation_prompt,
+        try:
+            return chat_prompt_ids(tok, messages, add_generation_prompt,
                                    parse_special_tokens=self.limits.parse_special_tokens_in_chat)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param="messages") from None
@@ -528,13 +608,16 @@ class OpenAIServer:
 
     async def health(self) -> Response:
         if self.engine.error is not None:
-            raise EngineDeadError(f"the engine has failed: {self.engine.error!r}")
+            raise EngineDeadError(f"the engine has failed: {self.engine.error}")
         if not self.engine.is_running:
             raise EngineDeadError("the engine is shutting down")
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False)
 
 
 class GracefulServer(uvicorn.Server):
@@ -582,14 +665,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"invalid value for {where}: {first.get('msg', '')}", param
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-               limits: ServerLimits | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` as model `model_name`. With `api_key`, /v1/* requires
-    `Authorization: Bearer <api_key>` (/health and /metrics stay open). `limits`: the limits and
-    Host policy (docs/limits.md); the connection-level ones go to uvicorn separately
-    (http_protocol.uvicorn_options)."""
+def create_app(engine: Any, model_name: str, api_key: str | None = None, *, limits: ServerLimits | None = None,
+               max_prompt_chars: int | None = None,
+               stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT) -> FastAPI:
+    """The FastAPI app serving `engine` (a `CoreClient`, or an in-process `AsyncEngine`) as model
+    `model_name`. With `api_key`, /v1/* requires `Authorization: Bearer <api_key>` (/health and
+    /metrics stay open). `limits`: the limits and Host policy (docs/server.md); the
+    connection-level ones go to uvicorn separately (http_protocol.uvicorn_options).
+    `max_prompt_chars` (default max_model_len x 16) refuses longer prompts before tokenizing them."""
     limits = limits if limits is not None else ServerLimits()
-    server = OpenAIServer(engine, model_name, limits)
+    server = OpenAIServer(engine, model_name, limits, max_prompt_chars, stream_write_timeout)
     app = FastAPI(title="nano-vllm", docs_url=None, redoc_url=None)
     app.state.server = server
     app.add_middleware(RequestGuard, limits=limits, api_key=api_key)  # inside the metrics middleware
@@ -611,6 +696,11 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(request: Request, exc: EngineOverloadedError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "service_unavailable", code="server_overloaded"), status_code=503,
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:

@@ -1,0 +1,380 @@
+"""The engine core process: `LLMEngine` in a busy loop of its own, front-ends over ZeroMQ.
+
+The HTTP front-ends (tokenization, detokenization, stop strings, SSE) live in other processes,
+so the GIL of this one is spent on scheduling and the model. Three threads:
+
+- input: a ROUTER socket; decodes front-end messages (`messages.py`) into a queue. Front-ends
+  send `Hello` every HEARTBEAT_S; one silent for FRONTEND_TIMEOUT_S (its process died) has its
+  requests aborted by the loop, which frees their KV blocks.
+- loop (main thread): drains the queue (blocking only when idle), runs `LLMEngine.step()`, and
+  turns its outputs into per-front-end `CoreOutput`s carrying only the new token ids.
+- output: a second ROUTER socket; encodes and sends those, and every HEARTBEAT_S sends each
+  front-end the current stats (its liveness signal and its metrics' engine gauges).
+
+Admission control: with `max_pending` requests queued or running, new ones are rejected as
+"overloaded" (the front-end answers 503 with Retry-After). If a step raises, every front-end
+gets the error and the process exits with status 1. It exits with its parent too (Linux
+PR_SET_PDEATHSIG, plus a parent-pid watch), so a killed server leaves no orphan.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from nanovllm.engine.messages import (
+    Abort,
+    AddRequest,
+    CoreOutput,
+    Delta,
+    FrontendMessage,
+    Hello,
+    Stats,
+    params_from_wire,
+)
+
+logger = logging.getLogger("nanovllm.core")
+
+HEARTBEAT_S = 0.5
+FRONTEND_TIMEOUT_S = 3.0  # a front-end silent this long is dead: its requests are aborted
+
+
+@dataclass
+class CoreAddresses:
+    input: str  # front-ends' DEALERs connect here to send requests
+    output: str  # and here to receive outputs
+
+
+@dataclass
+class CoreInfo:
+    """What a front-end needs to know about the engine, sent once the core is ready."""
+
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # the engine's tokenizer (pickled across processes), or None
+    num_blocks: int
+
+
+# ---- the process, parent side -----------------------------------------------------------------
+class CoreProcess:
+    """Starts the core (spawn context) and waits until it serves; `shutdown()` stops it and
+    removes its socket directory."""
+
+    def __init__(self, model: str | None, engine_kwargs: dict, max_pending: int, start_timeout: float = 600.0,
+                 frontend_timeout: float = FRONTEND_TIMEOUT_S) -> None:
+        import multiprocessing as mp
+
+        self._dir = tempfile.mkdtemp(prefix="nanovllm-core-")
+        self.addresses = CoreAddresses(f"ipc://{self._dir}/in", f"ipc://{self._dir}/out")
+        ctx = mp.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=run_core, name="nanovllm-core",
+                                   args=(model, engine_kwargs, self.addresses, max_pending, child_conn, os.getpid(),
+                                         frontend_timeout))
+        self.process.start()
+        logger.info("engine core: pid %d, sockets in %s", self.process.pid, self._dir)
+        child_conn.close()
+        try:
+            if not parent_conn.poll(start_timeout):
+                raise RuntimeError(f"the engine core did not start within {start_timeout:.0f} s")
+            try:
+                result = parent_conn.recv()
+            except EOFError:
+                raise RuntimeError(f"the engine core exited while starting (status {self._exitcode()})") from None
+            if isinstance(result, BaseException):
+                raise result
+            self.info: CoreInfo = result
+        except BaseException:
+            self.shutdown(timeout=5)
+            raise
+        finally:
+            parent_conn.close()
+
+    def _exitcode(self) -> int | None:
+        self.process.join(5)
+        return self.process.exitcode
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """SIGTERM (the core stops its executor and exits), SIGKILL after `timeout`. Idempotent."""
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# ---- the process, core side -------------------------------------------------------------------
+def die_with_parent(parent_pid: int) -> None:
+    """Exit (SIGTERM to ourselves) when the parent process dies, so nothing is left orphaned."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the parent dies
+        except OSError:
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="nanovllm-core-parent-watch", daemon=True).start()
+
+
+def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, max_pending: int, conn,
+             parent_pid: int, frontend_timeout: float = FRONTEND_TIMEOUT_S) -> None:
+    """The core process's entry point."""
+    die_with_parent(parent_pid)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    # SIGTERM ends the loop through SystemExit, so the executor's workers are stopped too.
+    signal.signal(signal.SIGTERM, lambda s, f: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    try:
+        from nanovllm.config import EngineConfig
+        from nanovllm.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_kwargs), detokenize=False)
+    except BaseException as exc:  # the parent re-raises it
+        conn.send(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+        conn.close()
+        return
+    core = EngineCore(engine, addresses, max_pending, frontend_timeout)
+    conn.send(CoreInfo(engine.source.path, engine.max_model_len, engine.vocab_size, engine.tokenizer,
+                       engine.block_manager.num_blocks))
+    conn.close()
+    status = core.run()
+    # os._exit: the input thread still blocks in recv, and a ZeroMQ context with a socket in use
+    # would hang the interpreter's exit.
+    logging.shutdown()
+    os._exit(status)
+
+
+class EngineCore:
+    def __init__(self, engine, addresses: CoreAddresses, max_pending: int,
+                 frontend_timeout: float = FRONTEND_TIMEOUT_S) -> None:
+        self.engine = engine
+        self.max_pending = max_pending
+        self.frontend_timeout = frontend_timeout
+        self.ctx = zmq.Context()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.owner: dict[str, bytes] = {}  # request id -> front-end identity
+        self.sent: dict[str, list[int]] = {}  # request id -> tokens already sent, per sample
+        self.clients: dict[bytes, float] = {}  # front-end identity -> when last heard
+        self._next_liveness_check = 0.0
+        self.num_aborted = 0
+        self.stats = Stats()
+        # Bind here, before the parent is told we are ready, so front-ends can connect at once.
+        self._in = self.ctx.socket(zmq.ROUTER)
+        self._in.bind(addresses.input)
+        self._out = self.ctx.socket(zmq.ROUTER)
+        self._out.setsockopt(zmq.LINGER, 1000)
+        self._out.bind(addresses.output)
+        threading.Thread(target=self._input_loop, name="nanovllm-core-in", daemon=True).start()
+        self._output_thread = threading.Thread(target=self._output_loop, name="nanovllm-core-out", daemon=True)
+        self._output_thread.start()
+
+    # ---- I/O threads ----
+    def _input_loop(self) -> None:
+        decoder = msgspec.msgpack.Decoder(FrontendMessage)
+        while True:
+            ident, payload = self._in.recv_multipart()
+            try:
+                self.inbox.put((ident, decoder.decode(payload)))
+            except msgspec.DecodeError:
+                logger.error("dropped an undecodable message from a front-end")
+
+    def _output_loop(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        last_sent: dict[bytes, float] = {}
+        next_beat = time.monotonic() + HEARTBEAT_S
+        while True:
+            try:
+                item = self.outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            now = time.monotonic()
+            if item:
+                ident, out = item
+                self._out.send_multipart([ident, encoder.encode(out)])
+                last_sent[ident] = now
+            if now >= next_beat:  # stats to every front-end not written to lately: liveness + gauges
+                beat = encoder.encode(CoreOutput(stats=self.stats))
+                for ident in list(self.clients):
+                    if now - last_sent.get(ident, 0.0) >= HEARTBEAT_S:
+                        self._out.send_multipart([ident, beat])
+                        last_sent[ident] = now
+                next_beat = now + HEARTBEAT_S
+
+    # ---- the loop ----
+    def run(self) -> int:
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                commands = []
+                if not busy:  # idle: wait for work without spinning
+                    try:
+                        commands.append(self.inbox.get(timeout=1.0))
+                    except queue.Empty:
+                        continue
+                while True:
+                    try:
+                        commands.append(self.inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                replies: dict[bytes, CoreOutput] = {}
+                for ident, msg in commands:
+                    self._handle(ident, msg, replies)
+                self._drop_silent_frontends()
+                if self.engine.has_unfinished_requests():
+                    self._collect(self.engine.step(), replies)
+                self._publish(replies)
+        except SystemExit:  # SIGTERM: the front-ends have drained (or are gone)
+            try:
+                self._abort_all()
+            except Exception:  # interrupted mid-step: the state may be torn, and we exit anyway
+                pass
+            return 0
+        except Exception as exc:  # the engine's state is unknown: tell every front-end, then exit
+            logger.exception("the engine failed; the core exits")
+            error = f"the engine failed: {exc!r}"
+            for ident in self.clients:
+                self.outbox.put((ident, CoreOutput(error=error)))
+            return 1
+        finally:
+            self.outbox.put(None)
+            self._output_thread.join(5)
+            try:
+                self.engine.shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
+
+    def _reply(self, replies: dict[bytes, CoreOutput], ident: bytes) -> CoreOutput:
+        out = replies.get(ident)
+        if out is None:
+            out = replies[ident] = CoreOutput(deltas=[], accepted=[], rejected=[])
+        return out
+
+    def _drop_silent_frontends(self) -> None:
+        now = time.monotonic()
+        if now < self._next_liveness_check:
+            return
+        self._next_liveness_check = now + HEARTBEAT_S
+        for ident, seen in list(self.clients.items()):
+            if now - seen < self.frontend_timeout:
+                continue
+            del self.clients[ident]
+            mine = [rid for rid, owner in self.owner.items() if owner == ident]
+            if mine:
+                logger.warning("a front-end went silent: aborting its %d requests", len(mine))
+            for rid in mine:
+                if self.engine.abort_request(rid) is not None:
+                    self.num_aborted += 1
+                self._forget(rid)
+
+    def _handle(self, ident: bytes, msg: Any, replies: dict[bytes, CoreOutput]) -> None:
+        known = ident in self.clients
+        self.clients[ident] = time.monotonic()
+        if isinstance(msg, Hello):
+            if not known:
+                self._reply(replies, ident)  # answered with the stats: the front-end knows it is heard
+            return
+        if isinstance(msg, AddRequest):
+            out = self._reply(replies, ident)
+            if self.engine.num_unfinished_requests >= self.max_pending:
+                out.rejected.append((msg.request_id, "overloaded",
+                                     f"the server has {self.max_pending} requests queued or running; retry later"))
+                return
+            try:
+                params = params_from_wire(msg.params)
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, stream=True)
+            except ValueError as exc:
+                out.rejected.append((msg.request_id, "invalid", str(exc)))
+                return
+            except Exception as exc:  # rejected before the engine changed: only this request fails
+                logger.exception("add_request(%r) failed", msg.request_id)
+                out.rejected.append((msg.request_id, "invalid", f"{type(exc).__name__}: {exc}"))
+                return
+            self.owner[msg.request_id] = ident
+            self.sent[msg.request_id] = [0] * params.n
+            out.accepted.append(msg.request_id)
+            return
+        if isinstance(msg, Abort):
+            if self.owner.get(msg.request_id) != ident:
+                return  # finished already, or not this front-end's
+            output = self.engine.abort_request(msg.request_id, msg.index)
+            if output is not None:
+                if msg.index is None:
+                    self.num_aborted += 1
+                self._collect([output], replies)
+
+    def _collect(self, outputs: list, replies: dict[bytes, CoreOutput]) -> None:
+        """Turn the engine's (cumulative) outputs into deltas: the tokens each sample gained."""
+        for output in outputs:
+            rid = output.request_id
+            ident = self.owner.get(rid)
+            sent = self.sent.get(rid)
+            if ident is None or sent is None:
+                continue
+            new_ids, reasons, logprobs = [], [], []
+            for c in output.outputs:
+                start = sent[c.index]
+                new_ids.append(c.token_ids[start:])
+                reasons.append(c.finish_reason)
+                if c.logprobs is not None:
+                    logprobs.append([list(entry.items()) for entry in c.logprobs[start:]])
+                sent[c.index] = len(c.token_ids)
+            self._reply(replies, ident).deltas.append(
+                Delta(rid, new_ids, reasons, output.finished, logprobs if logprobs else None, output.num_cached_tokens))
+            if output.finished:
+                self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self.owner.pop(rid, None)
+        self.sent.pop(rid, None)
+
+    def _abort_all(self) -> None:
+        replies: dict[bytes, CoreOutput] = {}
+        for rid in list(self.owner):
+            output = self.engine.abort_request(rid)
+            if output is not None:
+                self.num_aborted += 1
+                self._collect([output], replies)
+        self._publish(replies)
+
+    def _publish(self, replies: dict[bytes, CoreOutput]) -> None:
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        running = len({seq.request_id for seq in sched.running})
+        self.stats = stats = Stats(
+            num_requests_running=running,
+            num_requests_waiting=max(0, self.engine.num_unfinished_requests - running),
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            prefix_queries=bm.prefix_queries,
+            prefix_hits=bm.prefix_hits,
+            num_preemptions=sched.num_preemptions,
+            num_aborted=self.num_aborted,
+        )
+        for ident, out in replies.items():
+            out.stats = stats
+            self.outbox.put((ident, out))

@@ -1,0 +1,74 @@
+"""What the engine core and its front-ends say to each other over ZeroMQ (msgspec msgpack).
+
+Front-end -> core: `AddRequest` (token ids + sampling params), `Abort`, `Hello` (sent on
+connect and as a heartbeat). Core -> front-end: one `CoreOutput` per engine step that touched
+that front-end's requests (or per heartbeat): which adds were accepted or rejected, each
+request's *new* token ids since the last message (never cumulative, never text), finish
+reasons, logprobs where asked, the engine's stats, and a fatal error if the core failed.
+
+Structs are `array_like` (encoded as msgpack arrays, no field names on the wire).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from nanovllm.sampling_params import SamplingParams
+
+# SamplingParams' constructor fields (its derived stop_list is rebuilt by the constructor).
+_PARAM_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids",
+                 "ignore_eos", "logprobs", "n", "skip_special_tokens")
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict  # SamplingParams fields without stop strings (the front-end applies those)
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    index: int | None = None  # one sample (a stop string matched in it); None: the whole request
+
+
+class Hello(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Delta(msgspec.Struct, array_like=True):
+    request_id: str
+    new_token_ids: list[list[int]]  # per sample: tokens generated since the last Delta
+    finish_reasons: list[str | None]  # per sample, None while it runs
+    finished: bool  # the whole request is done (the core forgot it)
+    # per sample, per new token: [token id, logprob] pairs (the top k and the sampled token)
+    logprobs: list[list[list[tuple[int, float]]]] | None = None
+    num_cached_tokens: int = 0
+
+
+class Stats(msgspec.Struct, array_like=True):
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    num_aborted: int = 0
+
+
+class CoreOutput(msgspec.Struct, array_like=True):
+    deltas: list[Delta] = []
+    accepted: list[str] = []
+    rejected: list[tuple[str, str, str]] = []  # (request id, kind: "invalid" | "overloaded" | "dead", message)
+    stats: Stats | None = None
+    error: str | None = None  # the core failed: every request of this front-end is lost
+
+
+FrontendMessage = AddRequest | Abort | Hello
+
+
+def params_to_wire(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in _PARAM_FIELDS}
+
+
+def params_from_wire(fields: dict) -> SamplingParams:
+    return SamplingParams(**{k: v for k, v in fields.items() if k in _PARAM_FIELDS})

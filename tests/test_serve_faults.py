@@ -1,0 +1,350 @@
+"""The engine core / front-end split under faults and bad input (CPU, tiny checkpoints).
+
+`nanovllm serve` runs as a process where a test kills parts of it: the core killed -9 under load,
+SIGTERM with two front-ends (metrics summed across them, admission control, no orphans). The
+core alone (a CoreProcess) checks that a dead front-end's requests are aborted. The in-process
+`live` server of test_server.py covers stop strings freeing blocks, the prompt character limit,
+a client that never reads, and 256 concurrent streams with random disconnects.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nanovllm import SamplingParams
+from nanovllm.engine.core import CoreProcess
+from nanovllm.engine.core_client import CoreClient
+from nanovllm.entrypoints.server import create_app
+from test_server import KEY, MODEL, assert_error_body, live, offline, offline_streamed, serve_in_thread, wait_until  # noqa: F401
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def gone(pids: set[int]) -> bool:
+    return not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
+class Serve:
+    """`nanovllm serve` as a process; reads its log for the URL, the core's pid and socket dir."""
+
+    def __init__(self, checkpoint, *args: str, frontends: int = 1) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nanovllm", "serve", str(checkpoint), "--port", "0", "--device", "cpu",
+             "--served-model-name", MODEL, *args],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        self.log: list[str] = []
+        self.pids: set[int] = set()
+        ports = set()
+        self.core_pid = self.sock_dir = None
+        started = 0
+        try:
+            for line in self.proc.stderr:
+                self.log.append(line)
+                m = re.search(r"engine core: pid (\d+), sockets in (\S+)", line)
+                if m:
+                    self.core_pid, self.sock_dir = int(m.group(1)), m.group(2)
+                m = re.search(r"(?:Uvicorn running on|serving) (http://127\.0\.0\.1:\d+)", line)
+                if m:
+                    ports.add(m.group(1))
+                started += "Application startup complete" in line
+                if ports and started >= frontends:
+                    break
+            assert len(ports) == 1 and self.core_pid, "the server did not start:\n" + "".join(self.log[-30:])
+        except BaseException:
+            self.pids = descendants(self.proc.pid)
+            self.close()
+            raise
+        self.url = ports.pop()
+        threading.Thread(target=lambda: [self.log.append(x) for x in self.proc.stderr], daemon=True).start()
+        time.sleep(0.2)
+        self.pids = descendants(self.proc.pid)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in descendants(self.proc.pid) | self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def metric_values(url: str) -> dict:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples}
+
+
+def stream_request(url: str, body: dict, first_chunk: threading.Event, result: dict) -> None:
+    """Stream a completion; record how it ended (status, error event, [DONE]) and when."""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as resp:
+            result["status"] = resp.status_code
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    first_chunk.set()
+                    if '"error"' in line:
+                        result["error_event"] = True
+                    if line == "data: [DONE]":
+                        result["done"] = True
+    except httpx.HTTPError as exc:
+        result["exception"] = repr(exc)
+    finally:
+        first_chunk.set()
+        result["end"] = time.monotonic()
+
+
+# ---- the core dies -------------------------------------------------------------------------
+def test_core_killed_under_load_fails_every_request_within_2s(qwen3_tiny):
+    serve = Serve(qwen3_tiny, "--max-model-len", "1024", "--num-kvcache-blocks", "512")
+    try:
+        body = {"model": MODEL, "prompt": "load", "max_tokens": 1000, "ignore_eos": True}
+        streams = []
+        for _ in range(6):
+            first, result = threading.Event(), {}
+            t = threading.Thread(target=stream_request, args=(serve.url, body, first, result), daemon=True)
+            t.start()
+            streams.append((t, first, result))
+        for _, first, _ in streams:
+            assert first.wait(30)
+        unstreamed: dict = {}
+
+        def post() -> None:
+            try:
+                unstreamed["status"] = httpx.post(serve.url + "/v1/completions", json=body, timeout=30).status_code
+            finally:
+                unstreamed["end"] = time.monotonic()
+
+        waiter = threading.Thread(target=post, daemon=True)
+        waiter.start()
+        time.sleep(0.3)
+        killed = time.monotonic()
+        os.kill(serve.core_pid, signal.SIGKILL)
+        assert wait_until(lambda: httpx.get(serve.url + "/health").status_code == 503, timeout=2.0)
+        for t, _, result in streams:
+            t.join(5)
+            assert result.get("status") == 200 and result.get("error_event") and result.get("done"), result
+            assert result["end"] - killed < 2.0
+        waiter.join(5)
+        assert unstreamed["status"] == 503 and unstreamed["end"] - killed < 2.0
+        assert serve.proc.wait(timeout=20) == 1  # the front-end exits non-zero once the core is gone
+        assert wait_until(lambda: gone(serve.pids), timeout=5), "orphan processes"
+        assert not os.path.exists(serve.sock_dir)
+    finally:
+        serve.close()
+
+
+# ---- a front-end dies ------------------------------------------------------------------------
+FRONTEND = """
+import sys, time, zmq, msgspec
+from nanovllm.engine.messages import AddRequest, Hello
+sock = zmq.Context().socket(zmq.DEALER)
+sock.connect(sys.argv[1])
+enc = msgspec.msgpack.Encoder()
+sock.send(enc.encode(Hello()))
+for i in range(4):
+    sock.send(enc.encode(AddRequest(f"doomed-{i}", [5, 6, 7, i + 8], {"max_tokens": 1000, "ignore_eos": True})))
+print("sent", flush=True)
+while True:
+    sock.send(enc.encode(Hello()))
+    time.sleep(0.2)
+"""
+
+
+def test_dead_frontend_requests_are_aborted_and_blocks_freed(qwen3_tiny):
+    core = CoreProcess(str(qwen3_tiny), dict(device="cpu", max_model_len=1024, kvcache_block_size=16,
+                                             num_kvcache_blocks=300), max_pending=64, frontend_timeout=1.0)
+    observer = CoreClient(core.addresses, core.info, core_alive=core.is_alive)
+    front = subprocess.Popen([sys.executable, "-c", FRONTEND, core.addresses.input], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert front.stdout.readline().strip() == "sent"
+        assert wait_until(lambda: observer.stats.num_requests_running == 4, timeout=20)
+        front.kill()
+        front.wait()
+        s = lambda: observer.stats  # noqa: E731
+        assert wait_until(lambda: s().num_free_blocks == s().num_blocks and s().num_requests_running == 0, timeout=10)
+        assert observer.stats.num_aborted == 4  # aborted, not run to their 1000 tokens
+    finally:
+        front.kill()
+        observer.shutdown()
+        core.shutdown()
+
+
+# ---- several front-ends, admission control, SIGTERM --------------------------------------------
+def test_two_frontends_share_the_port_metrics_admission_and_sigterm(qwen3_tiny):
+    serve = Serve(qwen3_tiny, "--api-server-count", "2", "--max-pending-requests", "3", "--max-model-len", "1024",
+                  "--num-kvcache-blocks", "512", "--shutdown-timeout", "2", frontends=2)
+    metrics_dirs = [line for line in serve.log if "front-ends on" in line]
+    try:
+        assert metrics_dirs, "".join(serve.log)
+        for i in range(10):  # a new connection each: the kernel spreads them over both front-ends
+            r = httpx.post(serve.url + "/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200, r.text
+        for _ in range(3):  # whichever front-end answers, it reports both front-ends' counts
+            values = metric_values(serve.url)
+            key = ("nanovllm_http_requests_total", (("code", "200"), ("endpoint", "/v1/completions")))
+            assert values[key] == 10
+
+        # Admission: three long streams fill --max-pending-requests 3; the fourth gets a 503.
+        body = {"model": MODEL, "prompt": "busy", "max_tokens": 1000, "ignore_eos": True}
+        streams = []
+        for _ in range(3):
+            first, result = threading.Event(), {}
+            t = threading.Thread(target=stream_request, args=(serve.url, body, first, result), daemon=True)
+            t.start()
+            streams.append((t, first, result))
+        for _, first, _ in streams:
+            assert first.wait(30)
+        r = httpx.post(serve.url + "/v1/completions", json=body, timeout=30)
+        err = assert_error_body(r, 503)
+        assert err["code"] == "server_overloaded" and r.headers["retry-after"] == "1"
+
+        # SIGTERM: the streams are aborted after --shutdown-timeout and end cleanly; exit 0.
+        serve.proc.send_signal(signal.SIGTERM)
+        for t, _, result in streams:
+            t.join(30)
+            assert result.get("status") == 200 and result.get("done") and not result.get("error_event"), result
+        assert serve.proc.wait(timeout=30) == 0
+        assert wait_until(lambda: gone(serve.pids), timeout=5), "orphan processes"
+        assert not os.path.exists(serve.sock_dir)
+    finally:
+        serve.close()
+
+
+# ---- in-process server (test_server.py's `live`) -------------------------------------------------
+def test_stop_string_frees_the_blocks_at_once(live, offline):
+    prompt = "Paris is the capital of"
+    full_params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    ref = offline_streamed(offline, [prompt], full_params)[0][0]
+    stop = ref[4:8]  # met a few tokens in
+    expected = ref[: ref.index(stop)]
+    s = lambda: live.engine.stats  # noqa: E731
+    pool_free = lambda: s().num_free_blocks == s().num_blocks and s().num_requests_running == 0  # noqa: E731
+    kw = dict(model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    t0 = time.monotonic()
+    r = live.client.completions.create(max_tokens=300, **kw)  # calibration: the whole 300 tokens
+    full_time = time.monotonic() - t0
+    assert r.choices[0].finish_reason == "length" and wait_until(pool_free)
+
+    r = live.client.completions.create(max_tokens=300, stop=[stop], **kw)
+    answered = time.monotonic()
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    assert wait_until(pool_free)
+    assert time.monotonic() - answered < full_time / 2, "the core kept generating after the stop string"
+
+
+def test_prompt_longer_than_the_character_limit_is_refused_before_tokenizing(live):
+    limit = live.engine.max_model_len * 16
+    huge = "word " * (limit // 5 + 1)
+    err = assert_error_body(live.http.post("/v1/completions", json={"prompt": huge, "max_tokens": 1}), 400)
+    assert err["param"] == "prompt" and "characters" in err["message"]
+    err = assert_error_body(live.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": huge}]}), 400)
+    assert err["param"] == "messages" and "characters" in err["message"]
+    # within the character limit but too many tokens: refused after tokenizing
+    err = assert_error_body(live.http.post("/v1/completions", json={"prompt": "word " * 600, "max_tokens": 1}), 400)
+    assert "max_model_len" in err["message"]
+
+
+def test_client_that_never_reads_is_dropped_after_the_write_timeout(live):
+    """A stream whose client reads nothing: send() blocks (flow control); after the write
+    timeout the connection is cut (no [DONE]; the request, if still running, is aborted)."""
+    app = create_app(live.engine, MODEL, api_key=KEY, stream_write_timeout=1.0)
+    with serve_in_thread(app, sndbuf=4096) as url:  # small kernel buffers: the stream must block
+        port = int(url.rsplit(":", 1)[1])
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        sock.connect(("127.0.0.1", port))
+        body = ('{"prompt": "never read", "max_tokens": 360, "ignore_eos": true, "stream": true, "logprobs": 20}')
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        s = lambda: live.engine.stats  # noqa: E731
+        assert wait_until(lambda: s().num_requests_running == 1, timeout=30)
+        assert wait_until(lambda: s().num_free_blocks == s().num_blocks and s().num_requests_running == 0, timeout=30)
+        time.sleep(2.0)  # longer than the write timeout
+        sock.settimeout(10)
+        data = b""
+        while True:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        sock.close()
+        assert data.startswith(b"HTTP/1.1 200") and b"data: {" in data
+        assert b"[DONE]" not in data  # cut off, not finished
+
+
+def test_256_streams_with_random_disconnects(live, offline):
+    prompts = ["The sky is", "One two three", "Hello", "A long time ago"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    refs = [texts[0] for texts in offline_streamed(offline, prompts, params)]
+    rng = random.Random(0)
+    plan = [(i % len(prompts), rng.random() < 0.2) for i in range(256)]
+
+    async def one(client: httpx.AsyncClient, p: int, disconnect: bool):
+        body = {"model": MODEL, "prompt": prompts[p], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        text, usage = "", None
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return resp.status_code, None, None
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if disconnect:
+                    return 200, None, None  # leave after the first chunk: the response is closed
+                payload = __import__("json").loads(line[6:])
+                assert "error" not in payload, payload
+                if payload.get("usage"):
+                    usage = payload["usage"]
+                text += "".join(c["text"] for c in payload["choices"])
+        return 200, text, usage
+
+    async def run():
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(base_url=live.url, limits=limits, timeout=120,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as client:
+            return await asyncio.gather(*(one(client, p, d) for p, d in plan))
+
+    results = asyncio.run(run())
+    assert all(status == 200 for status, _, _ in results)
+    for (p, disconnect), (_, text, usage) in zip(plan, results):
+        if not disconnect:
+            assert text == refs[p] and usage["completion_tokens"] == 8
+    s = lambda: live.engine.stats  # noqa: E731
+    assert wait_until(lambda: s().num_free_blocks == s().num_blocks and s().num_requests_running == 0
+                      and s().num_requests_waiting == 0, timeout=20)
