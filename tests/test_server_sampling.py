@@ -2,9 +2,11 @@
 request leaves unset takes the model's generation_config.json (vLLM's --generation-config auto)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
+import msgspec
 import pytest
 
 from nanovllm import LLM, SamplingParams
@@ -50,22 +52,47 @@ def test_bad_logit_bias_is_a_400_naming_it(fields, param):
     assert err.value.status == 400 and err.value.param == param
 
 
+def test_params_cross_to_the_core_intact():
+    from nanovllm.engine.messages import AddRequest, FrontendMessage, params_from_wire, params_to_wire
+
+    p = SamplingParams(temperature=0.7, presence_penalty=1.0, frequency_penalty=-0.5, repetition_penalty=1.2,
+                       logit_bias={7: -100.0, 9: 2.5})
+    wire = msgspec.msgpack.encode(AddRequest("r", [1, 2], params_to_wire(p)))
+    assert params_from_wire(msgspec.msgpack.Decoder(FrontendMessage).decode(wire).params) == p
+
+
+@contextlib.contextmanager
+def core_engine(path, kw):
+    """The engine as `nanovllm serve` runs it: a core process and a CoreClient front-end."""
+    from nanovllm.engine.core import CoreProcess
+    from nanovllm.engine.core_client import CoreClient
+
+    core = CoreProcess(str(path), kw, max_pending=64)
+    try:
+        engine = CoreClient(core.addresses, core.info, core_alive=core.is_alive)
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
+    finally:
+        core.shutdown()
+
+
 def test_live_server_applies_model_defaults_and_penalties(qwen3_tiny, tmp_path):
     from test_server import KEY, serve_in_thread
 
     import httpx
 
-    from nanovllm.engine.async_engine import AsyncEngine
     from nanovllm.entrypoints.server import create_app
 
     path = tmp_path / "model"
     shutil.copytree(qwen3_tiny, path)
     (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 6}))
     kw = dict(device="cpu", max_model_len=256)
-    engine = AsyncEngine.from_kwargs(str(path), **kw)
     offline = LLM(str(path), **kw)
     prompt = [11, 12, 13, 14]
-    try:
+    with core_engine(path, kw) as engine:
+        assert engine.generation_defaults == dict(temperature=0.0, max_tokens=6)
         with serve_in_thread(create_app(engine, "tiny", api_key=KEY)) as url:
             http = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
 
@@ -85,5 +112,3 @@ def test_live_server_applies_model_defaults_and_penalties(qwen3_tiny, tmp_path):
             assert tokens(**pen) == expected(temperature=0.0, max_tokens=6, **pen) != expected(temperature=0.0, max_tokens=6)
             forced = tokens(temperature=1.0, logit_bias={"42": 100})
             assert forced == [offline.tokenizer.decode([42])] * 6
-    finally:
-        engine.shutdown()
