@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny checkpoints built once per test session.
+"""Shared fixtures: tiny checkpoints built once per test run (pytest session scope).
 
 Triton kernels run on CPU under TRITON_INTERPRET=1; it must be set before triton compiles
 anything, so it is set here when there is no CUDA device.

@@ -18,20 +18,21 @@ PACKAGE = ROOT / "nanovllm"
 
 # Module-name prefix -> rank in the flow; an import may only go to an equal or lower rank.
 RANKS = {
-    "nanovllm.__main__": 7,
-    "nanovllm.entrypoints": 6,
-    "nanovllm": 5,  # the package's lazy `LLM` export
-    "nanovllm.llm": 5,
-    "nanovllm.engine": 5,
-    "nanovllm.executor": 4,
-    "nanovllm.runner": 3,
-    "nanovllm.fastpath": 3,
+    "nanovllm.__main__": 8,
+    "nanovllm.entrypoints": 7,
+    "nanovllm": 6,  # the package's lazy `LLM` export
+    "nanovllm.llm": 6,
+    "nanovllm.engine": 6,
+    "nanovllm.executor": 5,
+    "nanovllm.runner": 4,
+    "nanovllm.fastpath": 3,  # below the runner, which asks it; it imports only what is below
     "nanovllm.models": 2,
     "nanovllm.layers": 1,
     "nanovllm.attention": 1,
     "nanovllm.attention.kernels": 0,
     # leaves: rank 0, importable from anywhere
     "nanovllm.step": 0,
+    "nanovllm.step_result": 0,
     "nanovllm.attention.metadata": 0,
     "nanovllm.sampling_params": 0,
     "nanovllm.config": 0,

@@ -1,4 +1,4 @@
-"""The server's limits and security checks (docs/limits.md), live on 127.0.0.1.
+"""The server's limits and security checks (docs/server.md ("Limits and security")), live on 127.0.0.1.
 
 Connection-level limits (cap at accept, header timeout) need uvicorn running with our protocol
 (`uvicorn_options`), so every app here is served that way with small limits and short timeouts.

@@ -37,8 +37,8 @@ def _freeze_startup_objects() -> None:
     """Move every object alive now out of the garbage collector's sight (gc.freeze).
 
     Start-up leaves millions of long-lived objects (torch, transformers, the model's modules), and
-    a full collection walks all of them: one took 264 ms in the middle of a W1 run on the H200
-    (`benchmarks/profile_step.py --first-run`), with the GPU waiting. Frozen objects are skipped;
+    a full collection walks all of them, hundreds of milliseconds in the middle of a run with
+    the GPU waiting. Frozen objects are skipped;
     collections then only walk what requests create. Unfrozen again at exit, so that interpreter
     shutdown still frees them (extension modules check for leaks then)."""
     gc.collect()

@@ -1,7 +1,7 @@
 """The server's limits and security policy: one frozen dataclass, its command-line flags, and
 the process's file-descriptor limit.
 
-docs/limits.md lists every limit with its default and flag. The defaults are meant to keep the
+docs/server.md ("Limits and security") lists every limit with its default and flag. The defaults are meant to keep the
 server reachable under abuse (floods of idle connections, huge bodies, huge fan-out requests)
 without getting in the way of ordinary OpenAI clients.
 """
@@ -125,7 +125,7 @@ def warn_open_host(bind_host: str, api_key: str | None, limits: ServerLimits) ->
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
     d = ServerLimits()
-    g = parser.add_argument_group("limits and security (docs/limits.md)")
+    g = parser.add_argument_group("limits and security (docs/server.md)")
     g.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="open connections at once; more get 503 at accept (default: %(default)s)")
     g.add_argument("--timeout-header", type=float, default=d.timeout_header,

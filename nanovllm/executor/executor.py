@@ -13,7 +13,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
 from nanovllm.loaders.source import ModelSource
 from nanovllm.runner.model_runner import ModelRunner, RunnerOutput
-from nanovllm.runner.output import StepResult
+from nanovllm.step_result import StepResult
 from nanovllm.step import SchedulerOutput
 
 

@@ -78,7 +78,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.loaders.source import ModelSource
 from nanovllm.runner.device import resolve_device
 from nanovllm.runner.model_runner import ModelRunner, RunnerOutput
-from nanovllm.runner.output import Done, StepResult
+from nanovllm.step_result import Done, StepResult
 from nanovllm.step import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger("nanovllm")

@@ -32,7 +32,7 @@ from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.fastpath.graphs import BurstTokens, LoneGraphs, SingleDecodeInputs
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.precompile import compile_in_background
-from nanovllm.runner.output import Done, PendingOutput, RunnerOutput, StepResult
+from nanovllm.step_result import Done, PendingOutput, RunnerOutput, StepResult
 from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger("nanovllm")

@@ -3,16 +3,17 @@
 Pipeline per row (all in fp32, whatever the logits' dtype):
   raw logits --> logprobs (optional)
              --> + logit_bias --> penalties (layers/penalties.py; only rows that ask)
-             --> greedy argmax, or / temperature --> top-k --> top-p --> softmax --> min-p --> exponential race
+             --> greedy argmax, or
+                 / temperature --> top-k --> top-p --> softmax --> min-p --> exponential race
 
 Design decisions:
 - Exponential race instead of `torch.multinomial`. If q_i ~ Exp(1) independently, then
   argmax_i(p_i / q_i) is distributed exactly as Categorical(p) (p need not even be normalised),
   and it is one elementwise op plus an argmax: no host sync, no cumulative-sum search, and the
   noise for a seeded row can be drawn independently of the other rows.
-- Logprobs are log_softmax of the *raw* logits, before biases, penalties, temperature and filters. That is what
-  vLLM returns by default, and it makes them a property of the model rather than of the sampling
-  knobs. Requested logprobs cost one extra full-vocabulary pass; none is done when no row asks.
+- Logprobs are log_softmax of the *raw* logits, before biases, penalties, temperature and
+  filters. That is what vLLM returns by default, and it makes them a property of the model
+  rather than of the sampling knobs. Requested logprobs cost one extra full-vocabulary pass; none is done when no row asks.
 - Per-row generators. A request with a seed owns a `torch.Generator` (`make_generator`) and its
   noise row is drawn from it alone, so its tokens do not depend on what else is in the batch or
   where its row sits. Unseeded rows share one batched draw from the global RNG. Seeded rows cost
@@ -177,7 +178,8 @@ class Sampler(nn.Module):
     def fast_path_ok(self, st: SamplingTensors) -> bool:
         """Temperature sampling only: no filters, penalties or biases, no seeded rows, no
         logprobs, enough rows."""
-        return not (st.all_greedy or st.logit_bias is not None or st.penalties is not None or st.num_rows < self.fast_path_min_rows
+        return not (st.all_greedy or st.num_rows < self.fast_path_min_rows
+                    or st.logit_bias is not None or st.penalties is not None
                     or st.any_top_k or st.any_top_p or st.any_min_p or st.max_num_logprobs is not None
                     or any(g is not None for g in st.generators))
 

@@ -27,7 +27,7 @@ from nanovllm.precompile import precompiling
 from nanovllm.runner.device import resolve_device, resolve_dtype
 from nanovllm.runner.host_staging import HostStaging
 from nanovllm.runner.penalty_state import PenaltyState
-from nanovllm.runner.output import Done, PendingOutput, RunnerOutput, StepResult
+from nanovllm.step_result import Done, PendingOutput, RunnerOutput, StepResult
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
 

@@ -1,4 +1,5 @@
-"""What a launched step gives back: `StepResult.result()` waits for its sampled ids.
+"""What a launched step gives back: `StepResult.result()` waits for its sampled ids. A leaf that
+the runner, the fast path and the executors share.
 
 Every way of running a step (the runner's own, and the fast path's: nanovllm/fastpath/) returns
 an object with that one method, so the engine can launch the next step before it waits for
