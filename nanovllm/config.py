@@ -13,6 +13,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = (None, "int4")
+GENERATION_CONFIGS = ("auto", "none")
 
 
 @dataclass
@@ -58,6 +59,10 @@ class EngineConfig:
     # offset per 32 weights, multiplied by torch's CPU int4 kernel, the model in bf16 and the LM
     # head dense (layers/int4_linear.py): the projections read ~8x fewer bytes than in fp32.
     quantization: str | None = None
+    # vLLM's --generation-config: "auto" takes the model's sampling defaults (its
+    # generation_config.json or GGUF sampling metadata: loaders/generation_config.py) for every
+    # field a request leaves unset; "none" ignores them.
+    generation_config: str = "auto"
     # Accepted for nano-vllm compatibility: a preloaded HF config and an EOS override.
     hf_config: Any = field(default=None, repr=False)
     eos: int | None = None
@@ -99,6 +104,8 @@ class EngineConfig:
             raise bad("num_kvcache_blocks", "must be a positive integer or None")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise bad("generation_config", f"must be one of {GENERATION_CONFIGS}")
         if self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be one of {QUANTIZATIONS}")
         if self.quantization == "int4":

@@ -40,9 +40,14 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's sampling defaults (its generation_config.json or GGUF
+        sampling metadata, unless LLM(generation_config="none")), the rest SamplingParams'
+        own; what `generate` and `chat` use when given no sampling_params, as in vLLM."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     # ---- helpers -------------------------------------------------------------------------
-    @staticmethod
-    def _normalize(prompts: Prompt | Sequence[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
+    def _normalize(self, prompts: Prompt | Sequence[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
         """(prompts, one SamplingParams per prompt); TypeError/ValueError naming the argument."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -57,7 +62,7 @@ class LLM:
             elif not isinstance(p, (list, tuple)):
                 raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
         if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
+            params = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
@@ -137,7 +142,7 @@ class LLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield cumulative outputs of one request as tokens arrive (the last has finished=True)."""
-        (request_id,) = self._add_all([prompt], [sampling_params or SamplingParams()], stream=True)
+        (request_id,) = self._add_all([prompt], [sampling_params or self.get_default_sampling_params()], stream=True)
         done = False
         try:
             while not done and self.engine.has_unfinished_requests():

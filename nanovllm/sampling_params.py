@@ -17,6 +17,10 @@ GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
 # Seeds (plus the sample index) must fit torch.Generator.manual_seed's unsigned 64 bits.
 MAX_SEED = 2**63 - 1
+# vLLM's (and OpenAI's) ranges: presence and frequency penalties in [-2, 2], logit biases in
+# [-100, 100] (a bias of +-100 is a ban or an exclusive choice; larger values only overflow).
+MAX_ADDITIVE_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_int(x: object) -> bool:
@@ -43,6 +47,13 @@ class SamplingParams:
     n: int = 1
     # Not user-facing in vLLM's constructor order but handy: skip special tokens when detokenizing.
     skip_special_tokens: bool = True
+    # vLLM's definitions, applied on the raw logits (layers/penalties.py): presence and
+    # frequency count the output only, repetition the prompt and the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # OpenAI semantics: token id -> bias in [-100, 100], added to that token's logit first.
+    logit_bias: dict[int, float] | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +78,22 @@ class SamplingParams:
             raise bad("seed", "must be None or an integer in [0, 2**63 - 1 - n]")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be None or an integer in [0, 20]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY:
+                raise bad(name, f"must be a finite number in [-{MAX_ADDITIVE_PENALTY:g}, {MAX_ADDITIVE_PENALTY:g}]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a finite number > 0 (1 means off)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise bad("logit_bias", f"key {token!r} is not a token id (a non-negative integer)")
+                if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", f"bias {bias!r} of token {token} is not a number in "
+                                            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            object.__setattr__(self, "logit_bias", {t: float(b) for t, b in self.logit_bias.items()} or None)
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
@@ -97,9 +124,22 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     @property
+    def penalized(self) -> bool:
+        """Whether a presence, frequency or repetition penalty is on: the runner then keeps this
+        sequence's token counts on the device (runner/penalty_state.py)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether a penalty or a logit bias changes the logits before sampling: such a request
+        takes the per-op sampler (layers/penalties.py), never a fused kernel or decode burst."""
+        return self.penalized or self.logit_bias is not None
+
+    @property
     def plain_temperature(self) -> bool:
         """Whether this request samples at its temperature with nothing else: no top-k, top-p or
-        min-p filter and no seed of its own (a seeded request draws from its own generator). Such
+        min-p filter, no penalty or logit bias and no seed of its own (a seeded request draws from its own generator). Such
         a row is one Gumbel-max draw over logits / temperature (layers/fused_sampler.py), which
         the persistent decode kernel can take too (a lone stream's decode bursts)."""
-        return not self.greedy and self.top_k == -1 and self.top_p == 1.0 and self.min_p == 0.0 and self.seed is None
+        return (not self.greedy and self.top_k == -1 and self.top_p == 1.0 and self.min_p == 0.0
+                and self.seed is None and not self.edits_logits)

@@ -41,6 +41,10 @@ class ScheduledSeq:
     # of token_ids[0] and of the first K-1 tokens sampled, and K tokens sampled. 1: an ordinary
     # step.
     num_steps: int = 1
+    # A penalized request's first sampling step (SamplingParams.penalized): its prompt, from
+    # which the runner starts the sequence's token counts; it adds each sampled token on the
+    # device after that (runner/penalty_state.py), so later steps carry nothing.
+    penalty_prompt_ids: list[int] | None = None
 
 
 @dataclass

@@ -291,8 +291,8 @@ def test_burst_sizes_halve_down_to_two():
 
 
 def test_burst_only_where_eligible():
-    """Bursts need one decode alone, greedy or at a plain temperature (no filter, no seed), with
-    nothing waiting, no logprobs and no min_tokens ban; otherwise the step is an ordinary one.
+    """Bursts need one decode alone, greedy or at a plain temperature (no filter, no seed, no
+    penalty or logit bias), with nothing waiting, no logprobs and no min_tokens ban; otherwise the step is an ordinary one.
     Near max_tokens the burst is shorter."""
     bm = BlockManager(64, 4, True)
     sched = Scheduler(bm, 4, 64)
@@ -317,6 +317,9 @@ def test_burst_only_where_eligible():
         assert decode_after_prefill(SamplingParams(temperature=0.7, **kw))[0] == 1, kw
     assert decode_after_prefill(SamplingParams(temperature=0, logprobs=1))[0] == 1
     assert decode_after_prefill(SamplingParams(temperature=0, min_tokens=5))[0] == 1
+    for kw in (dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(repetition_penalty=1.2),
+               dict(logit_bias={3: 1.0})):  # logit edits take the per-op sampler
+        assert decode_after_prefill(SamplingParams(temperature=0, **kw))[0] == 1, kw
     # Near max_tokens, a shorter burst (burst_sizes: halves of 4 down to 2)
     assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=4)[:2] == (2, 2)  # 1 sampled: room for 3
     assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=2)[0] == 1

@@ -146,6 +146,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.model_path = engine.source.path  # /v1/models reports it as `root`
+        self.generation_defaults = engine.generation_defaults
         self.error: BaseException | None = None  # set once the engine has failed
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()

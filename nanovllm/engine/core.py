@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -66,6 +66,8 @@ class CoreInfo:
     vocab_size: int
     tokenizer: Any  # the engine's tokenizer (pickled across processes), or None
     num_blocks: int
+    # The model's sampling defaults (LLMEngine.generation_defaults): front-ends build SamplingParams.
+    generation_defaults: dict = field(default_factory=dict)
 
 
 # ---- the process, parent side -----------------------------------------------------------------
@@ -158,7 +160,7 @@ def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, m
         return
     core = EngineCore(engine, addresses, max_pending, frontend_timeout)
     conn.send(CoreInfo(engine.source.path, engine.max_model_len, engine.vocab_size, engine.tokenizer,
-                       engine.block_manager.num_blocks))
+                       engine.block_manager.num_blocks, engine.generation_defaults))
     conn.close()
     status = core.run()
     # os._exit: the input thread still blocks in recv, and a ZeroMQ context with a socket in use

@@ -198,6 +198,7 @@ class CoreClient:
         self.tokenizer = info.tokenizer
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.generation_defaults = info.generation_defaults
         self.model_path = info.model_path
         self.error: BaseException | None = None
         self.stats = EngineStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)

@@ -21,6 +21,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.executor.executor import make_executor
 from nanovllm.layers.rotary import context_length
+from nanovllm.loaders.generation_config import read_generation_defaults
 from nanovllm.loaders.source import resolve_model
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -86,6 +87,8 @@ class LLMEngine:
         self.eos_token_ids = [config.eos] if config.eos is not None else self.source.eos_token_ids(self.tokenizer)
         t = self._mark("tokenizer", t)
         self.vocab_size = hf.vocab_size
+        # SamplingParams keyword arguments for every field a request leaves unset (EngineConfig.generation_config).
+        self.generation_defaults = read_generation_defaults(self.source) if config.generation_config == "auto" else {}
         # The positions the model reaches (its rope scaling may extend max_position_embeddings).
         model_len = context_length(hf) if hasattr(hf, "max_position_embeddings") else config.max_model_len
         self.max_model_len = min(config.max_model_len, model_len)
@@ -135,7 +138,7 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, stream: bool = False
     ) -> None:
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else SamplingParams(**self.generation_defaults)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
@@ -146,6 +149,9 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {self.vocab_size})")
+        bad_bias = sorted(t for t in params.logit_bias or () if t >= self.vocab_size)
+        if bad_bias:
+            raise ValueError(f"logit_bias keys {bad_bias} are outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "

@@ -99,7 +99,7 @@ class Scheduler:
     def _burst_steps(self, decode_burst: int) -> int:
         """How many steps the lone running sequence may decode at once where it decodes alone
         (nothing waiting), greedily or at a plain temperature (SamplingParams.plain_temperature:
-        no filter, no seed), and needs no banned ids or logprobs: the longest of burst_sizes
+        no filter, no seed), and needs no penalty, logit bias, banned ids or logprobs: the longest of burst_sizes
         that it has room for under max_tokens; 1 otherwise."""
         if decode_burst <= 1 or self.waiting or len(self.running) != 1:
             return 1
@@ -107,7 +107,8 @@ class Scheduler:
         p = seq.params
         eligible = (
             seq.num_tokens - seq.num_computed_tokens == 1
-            and (p.greedy or p.plain_temperature) and p.logprobs is None and decode_burst <= self.max_num_batched_tokens
+            and (p.greedy or p.plain_temperature) and not p.edits_logits and p.logprobs is None
+            and decode_burst <= self.max_num_batched_tokens
             and self._banned_ids(seq) is None
         )
         room = seq.max_tokens - seq.num_completion_tokens
@@ -185,6 +186,9 @@ class Scheduler:
                 seed=seq.seed,
                 banned_token_ids=self._banned_ids(seq) if sample else None,
                 num_steps=num_steps,
+                # The runner starts its token counts at the first sample and keeps them after.
+                penalty_prompt_ids=seq.prompt_token_ids
+                if sample and seq.params.penalized and seq.num_completion_tokens == 0 else None,
             )
             (decodes if num_new == 1 else prefills).append(item)
         decodes.sort(key=attrgetter("start_pos"), reverse=True)  # stable: ties keep their order

@@ -50,6 +50,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="decode steps a lone greedy or plain-temperature sequence runs per engine step "
                         "(default: 8 with the persistent kernel)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="vLLM's flag: 'auto' (default) takes the model's sampling defaults (generation_config.json "
+                        "or GGUF general.sampling.* metadata) for every sampling option not given; 'none' ignores them")
     g.add_argument("--quantization", default=None, choices=["int4"],
                    help="CPU only: int4 weights with bf16 activations (faster single-stream decode, approximate)")
 
@@ -59,7 +62,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "device", "attention_backend", "tensor_parallel_size", "dtype", "max_model_len", "max_num_seqs",
         "max_num_batched_tokens", "kvcache_block_size", "num_kvcache_blocks", "gpu_memory_utilization",
         "enable_prefix_caching", "enforce_eager", "seed", "async_scheduling", "persistent_decode", "decode_burst",
-        "quantization", "nnodes", "master_addr", "master_port", "join_timeout_s",
+        "quantization", "nnodes", "master_addr", "master_port", "join_timeout_s", "generation_config",
     )
     return {n: getattr(args, n) for n in names}
 
@@ -95,23 +98,44 @@ def _model_arg(args: argparse.Namespace) -> str | None:
     return positional if positional is not None else args.model
 
 
+# Sampling options: flag -> (SamplingParams field, type, the CLI's own default). An option not
+# given takes the model's default (--generation-config auto), else this one.
+SAMPLING_FLAGS = {
+    "--temperature": ("temperature", float, 0.0),
+    "--top-p": ("top_p", float, 1.0),
+    "--top-k": ("top_k", int, -1),
+    "--min-p": ("min_p", float, 0.0),
+    "--presence-penalty": ("presence_penalty", float, 0.0),
+    "--frequency-penalty": ("frequency_penalty", float, 0.0),
+    "--repetition-penalty": ("repetition_penalty", float, 1.0),
+}
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g = parser.add_argument_group(
+        "sampling", "An option not given takes the model's default where it has one (--generation-config auto: "
+                    "its generation_config.json or GGUF sampling metadata), else the default shown.")
+    g.add_argument("--max-tokens", type=int, default=None, help=f"default {max_tokens}")
+    parser.set_defaults(cli_max_tokens=max_tokens)
+    for flag, (name, kind, default) in SAMPLING_FLAGS.items():
+        extra = " (0 = greedy)" if name == "temperature" else ""
+        g.add_argument(flag, dest=name, type=kind, default=None, help=f"default {default:g}{extra}")
     g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def _sampling_params(args: argparse.Namespace):
+def _sampling_params(args: argparse.Namespace, model_defaults: dict):
+    """The flags given, else the model's defaults (`model_defaults`: LLMEngine.generation_defaults),
+    else the CLI's own; ValueError naming the field for a bad value."""
     from nanovllm import SamplingParams
 
-    return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-        seed=args.sample_seed, ignore_eos=args.ignore_eos,
-    )
+    kwargs = {name: default for name, _, default in SAMPLING_FLAGS.values()}
+    kwargs["max_tokens"] = args.cli_max_tokens
+    kwargs.update(model_defaults)
+    given = {name: getattr(args, name) for name, _, _ in SAMPLING_FLAGS.values()}
+    given["max_tokens"] = args.max_tokens
+    kwargs.update({k: v for k, v in given.items() if v is not None})
+    return SamplingParams(**kwargs, seed=args.sample_seed, ignore_eos=args.ignore_eos)
 
 
 # ---- generate --------------------------------------------------------------------------------
@@ -123,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
     t1 = time.perf_counter()
-    params = _sampling_params(args)
+    params = _sampling_params(args, llm.engine.generation_defaults)
     prompts = args.prompt or [sys.stdin.read()]
     try:
         if args.chat:
@@ -240,7 +264,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from nanovllm.chat import chat_prompt_ids
 
     llm = LLM(_model_arg(args), **engine_kwargs(args))
-    params = _sampling_params(args)
+    params = _sampling_params(args, llm.engine.generation_defaults)
     tok = llm.tokenizer
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)

@@ -50,10 +50,11 @@ _NULL = {"type": "null"}
 _EMPTY_LIST = {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]}
 # Values the server accepts, where the models' own schema says more: fields known to OpenAI but
 # not supported here are accepted only at their neutral values (protocol.py refuses the rest
-# with a 400 naming them), stop strings must not be empty, roles and content parts are limited.
+# with a 400 naming them), logit_bias keys are token ids, stop strings must not be empty, roles
+# and content parts are limited.
 _SAMPLING: dict[str, Any] = {  # both endpoints
-    "presence_penalty": _only(0), "frequency_penalty": _only(0),
-    "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]},
+    "logit_bias": {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                              "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, _NULL]},
     "stop": {"anyOf": [{"type": "string", "minLength": 1},
                        {"type": "array", "items": {"type": "string", "minLength": 1}}, _NULL]},
 }

@@ -3,12 +3,14 @@
 Requests are parsed by pydantic; anything it rejects becomes a 400 with OpenAI's error body
 (the server overrides FastAPI's 422). Unknown request fields are ignored, as OpenAI clients send
 fields this engine has no use for (`user`, `metadata`, ...); fields we know but cannot honour
-(penalties, logit_bias, tools, echo, ...) are rejected with a 400 naming them rather than
-silently ignored. Sampling values are checked once, by `SamplingParams`, whose ValueError names
-the field; `sampling_params()` turns that into an `OpenAIError` with `param` set.
+(tools, echo, ...) are rejected with a 400 naming them rather than silently ignored. Sampling
+values are checked once, by `SamplingParams`, whose ValueError names the field;
+`sampling_params()` turns that into an `OpenAIError` with `param` set.
 
-Besides OpenAI's parameters, requests take vLLM's extras: top_k, min_p, ignore_eos, min_tokens,
-stop_token_ids, skip_special_tokens (send them with the openai client's `extra_body`).
+Besides OpenAI's parameters, requests take vLLM's extras: top_k, min_p, repetition_penalty,
+ignore_eos, min_tokens, stop_token_ids, skip_special_tokens (send them with the openai client's
+`extra_body`). A sampling field a request leaves unset takes the model's default where it has
+one (`apply_generation_defaults`: vLLM's `--generation-config auto`).
 
 Numbers and flags are strict: `true` is not the integer 1 and `1` is not a bool (SamplingParams
 refuses bools as numbers too). Strings with lone surrogates (JSON's "\ud800") are refused here,
@@ -34,7 +36,7 @@ from pydantic import (
 )
 
 from nanovllm.chat import ROLES
-from nanovllm.sampling_params import MAX_SEED, MAX_TEMPERATURE, SamplingParams
+from nanovllm.sampling_params import MAX_ADDITIVE_PENALTY, MAX_SEED, MAX_TEMPERATURE, SamplingParams
 from nanovllm.text import check_text
 
 
@@ -105,24 +107,20 @@ class _SamplingRequest(_Request):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Known to OpenAI, not supported here: accepted only at their neutral values.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: StrictFloat | None = Field(None, ge=-MAX_ADDITIVE_PENALTY, le=MAX_ADDITIVE_PENALTY)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-MAX_ADDITIVE_PENALTY, le=MAX_ADDITIVE_PENALTY)
+    # Token id (a decimal string, as JSON keys are strings) -> bias in [-100, 100].
+    logit_bias: dict[str, StrictFloat] | None = None
     # vLLM-style extras.
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: StrictFloat | None = Field(None, ge=0, le=1)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0)
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by this server", param=name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -135,18 +133,38 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
-        """SamplingParams for this request; invalid values raise a 400 naming the parameter."""
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _logit_bias(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with int keys; a key that is not a token id of this model is a 400."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit() or int(key) >= vocab_size:
+                raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}) (got {key!r})",
+                                  param="logit_bias")
+            out[int(key)] = bias
+        return out
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int,
+                        model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams for this request; invalid values raise a 400 naming the parameter.
+        max_tokens: the server's default where the request gives none; model_defaults: the
+        model's sampling defaults (LLMEngine.generation_defaults), which come before it."""
         if self.stop_token_ids and any(isinstance(t, int) and not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size})", param="stop_token_ids")
+        given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                     repetition_penalty=self.repetition_penalty, max_tokens=self.requested_max_tokens)
+        fields = apply_generation_defaults(given, model_defaults or {}, dict(max_tokens=max_tokens))
         try:
             return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
+                **fields,
+                logit_bias=self._logit_bias(vocab_size),
                 seed=self.seed,
-                max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
@@ -164,6 +182,15 @@ class _SamplingRequest(_Request):
             if param == "logprobs" and isinstance(self, ChatCompletionRequest):
                 param = "top_logprobs"
             raise bad_request(message, param=param) from None
+
+
+def apply_generation_defaults(request: dict[str, Any], model: dict[str, Any], server: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams keyword arguments: each field the request gives (not None), else the
+    model's default (its generation_config.json: vLLM's `--generation-config auto`), else the
+    server's own; a field none of them gives keeps SamplingParams' default (OpenAI's)."""
+    fields = {**server, **model}
+    fields.update((k, v) for k, v in request.items() if v is not None)
+    return fields
 
 
 class CompletionRequest(_SamplingRequest):

@@ -477,7 +477,7 @@ class OpenAIServer:
         body.check_limits(self.limits.max_n, self.limits.max_prompts)
         prompts = body.prompts()
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-        params = body.sampling_params(max_tokens, body.logprobs, self.engine.vocab_size)
+        params = body.sampling_params(max_tokens, body.logprobs, self.engine.vocab_size, self.engine.generation_defaults)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, len(prompts), params.n, body.stream)
         streams = await self.submit(request_id, prompts, params, body.stream, "prompt")
@@ -541,7 +541,7 @@ class OpenAIServer:
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens, top, self.engine.vocab_size)
+        params = body.sampling_params(max_tokens, top, self.engine.vocab_size, self.engine.generation_defaults)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, 1, params.n, body.stream)
         streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages")

@@ -167,6 +167,8 @@ class FastPath:
         if not self.graphs.has_single or len(out.seqs) != 1 or out.num_decodes != 1:
             return None
         item = out.seqs[0]
+        if item.params.edits_logits:
+            return None  # penalties and logit biases are applied by the runner's sampler only
         if item.num_steps > 1:
             return self._execute_burst(item)
         launched = self._execute_single(item)

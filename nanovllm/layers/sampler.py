@@ -1,17 +1,19 @@
 """Token sampling for one step, entirely on the logits' device and without a host sync.
 
 Pipeline per row (all in fp32, whatever the logits' dtype):
-  raw logits --> logprobs (optional) and the greedy argmax
-             --> / temperature --> top-k --> top-p --> softmax --> min-p --> exponential race
+  raw logits --> logprobs (optional)
+             --> + logit_bias --> penalties (layers/penalties.py; only rows that ask)
+             --> greedy argmax, or
+                 / temperature --> top-k --> top-p --> softmax --> min-p --> exponential race
 
 Design decisions:
 - Exponential race instead of `torch.multinomial`. If q_i ~ Exp(1) independently, then
   argmax_i(p_i / q_i) is distributed exactly as Categorical(p) (p need not even be normalised),
   and it is one elementwise op plus an argmax: no host sync, no cumulative-sum search, and the
   noise for a seeded row can be drawn independently of the other rows.
-- Logprobs are log_softmax of the *raw* logits, before temperature and filters. That is what
-  vLLM returns by default, and it makes them a property of the model rather than of the sampling
-  knobs. Requested logprobs cost one extra full-vocabulary pass; none is done when no row asks.
+- Logprobs are log_softmax of the *raw* logits, before biases, penalties, temperature and
+  filters. That is what vLLM returns by default, and it makes them a property of the model
+  rather than of the sampling knobs. Requested logprobs cost one extra full-vocabulary pass; none is done when no row asks.
 - Per-row generators. A request with a seed owns a `torch.Generator` (`make_generator`) and its
   noise row is drawn from it alone, so its tokens do not depend on what else is in the batch or
   where its row sits. Unseeded rows share one batched draw from the global RNG. Seeded rows cost
@@ -22,9 +24,9 @@ Design decisions:
   the probability mass strictly above it is < top_p: the smallest prefix whose mass reaches
   top_p, and always the most likely token. Min-p then drops tokens with prob < min_p * max prob
   (a ratio that top-k/top-p renormalisation does not change).
-- Greedy rows (temperature 0) take argmax of the raw logits (first index on ties, as torch.argmax
-  and HF do). Temperatures below `GREEDY_EPS` are treated as greedy (`SamplingParams.greedy`):
-  dividing by them overflows.
+- Greedy rows (temperature 0) take argmax of the (biased, penalized) logits (first index on
+  ties, as torch.argmax and HF do). Temperatures below `GREEDY_EPS` are treated as greedy
+  (`SamplingParams.greedy`): dividing by them overflows.
 - Everything that decides control flow (the flags, which rows are seeded, how many logprobs) is
   known on the host when `SamplingTensors` is built, so `Sampler.forward` never reads the device.
 """
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.layers.penalties import LogitBias, Penalties
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -73,6 +76,8 @@ class SamplingTensors:
     # None: no row asked for logprobs. 0: some row wants only the sampled token's logprob.
     # k > 0: also the top k (the largest request in the batch; the runner slices per row).
     max_num_logprobs: int | None
+    logit_bias: LogitBias | None = None  # None unless some row has a logit_bias
+    penalties: Penalties | None = None  # None unless some row is penalized
 
     @property
     def num_rows(self) -> int:
@@ -85,8 +90,11 @@ class SamplingTensors:
         generators: Sequence[torch.Generator | None] | None,
         vocab_size: int,
         device: torch.device | str,
+        token_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingTensors:
         """One row per entry of `params`; `generators[i]` is row i's seeded generator or None.
+        token_stats: (output counts [P, V] int32, prompt-or-output seen [P, V] bool) of the P
+        penalized rows (SamplingParams.penalized), in order; needed when some row is penalized.
 
         Each tensor that is needed is one host-to-device copy (pinned and non-blocking on CUDA).
         """
@@ -118,6 +126,11 @@ class SamplingTensors:
         any_top_k = any(top_k[i] < vocab_size for i in sampled)
         any_top_p = any(top_p[i] < 1.0 for i in sampled)
         any_min_p = any(min_p[i] > 0.0 for i in sampled)
+        penalties = None
+        if any(p.penalized for p in params):
+            if token_stats is None:
+                raise ValueError("SamplingTensors: penalized rows need token_stats (output counts, seen)")
+            penalties = Penalties.from_params(params, *token_stats)
         return cls(
             temperature=to_device(temperature, torch.float32) if sampled else None,
             top_k=to_device(top_k, torch.int64) if any_top_k else None,
@@ -130,6 +143,8 @@ class SamplingTensors:
             any_top_p=any_top_p,
             any_min_p=any_min_p,
             max_num_logprobs=max(asked) if asked else None,
+            logit_bias=LogitBias.from_params(params, vocab_size, device),
+            penalties=penalties,
         )
 
 
@@ -161,8 +176,10 @@ class Sampler(nn.Module):
     fast_path_min_rows = 32
 
     def fast_path_ok(self, st: SamplingTensors) -> bool:
-        """Temperature sampling only: no filters, no seeded rows, no logprobs, enough rows."""
+        """Temperature sampling only: no filters, penalties or biases, no seeded rows, no
+        logprobs, enough rows."""
         return not (st.all_greedy or st.num_rows < self.fast_path_min_rows
+                    or st.logit_bias is not None or st.penalties is not None
                     or st.any_top_k or st.any_top_p or st.any_min_p or st.max_num_logprobs is not None
                     or any(g is not None for g in st.generators))
 
@@ -175,7 +192,13 @@ class Sampler(nn.Module):
             seed = torch.randint(0, 2**31 - 1, (1,), device=logits.device, dtype=torch.int64)
             return SamplerOutput(gumbel_argmax(logits.contiguous(), st.temperature, seed), None, None, None)
         # May alias the caller's tensor when it is already fp32: nothing below writes into it.
-        logits = logits.float()
+        logits = raw = logits.float()
+        if st.logit_bias is not None or st.penalties is not None:
+            logits = raw.clone()
+            if st.logit_bias is not None:
+                st.logit_bias.apply_(logits)
+            if st.penalties is not None:
+                st.penalties.apply_(logits)
 
         if st.all_greedy:
             token_ids = logits.argmax(dim=-1)
@@ -188,7 +211,7 @@ class Sampler(nn.Module):
 
         if st.max_num_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(raw, dim=-1)
         sampled_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         k = min(st.max_num_logprobs, logits.shape[1])
         if k == 0:

@@ -93,6 +93,11 @@ def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return bytes(value).decode("utf-8") if field.types[0] == gguf.GGUFValueType.STRING else value.item()
 
 
+def metadata_value(reader: gguf.GGUFReader, key: str) -> Any:
+    """A scalar or string metadata value, None where the key is absent; ValueError for an array."""
+    return _meta(reader, key)
+
+
 def _require(reader: gguf.GGUFReader, key: str) -> Any:
     value = _meta(reader, key)
     if value is None:

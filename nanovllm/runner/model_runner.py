@@ -26,6 +26,7 @@ from nanovllm.models.registry import get_model_class
 from nanovllm.precompile import precompiling
 from nanovllm.runner.device import resolve_device, resolve_dtype
 from nanovllm.runner.host_staging import HostStaging
+from nanovllm.runner.penalty_state import PenaltyState
 from nanovllm.step_result import Done, PendingOutput, RunnerOutput, StepResult
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
@@ -70,6 +71,7 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
+        self.penalty_state = PenaltyState(source.hf_config.vocab_size, self.device)
         # The last step's sampled ids stay on the device: with async scheduling the next step's
         # decode inputs are PLACEHOLDER_TOKEN on the host and are gathered from here.
         self.prev_tokens: torch.Tensor | None = None
@@ -231,6 +233,12 @@ class ModelRunner:
         ]
         mixed = [every_control[i % 2] for i in range(rows)]
         self.sampler(logits, SamplingTensors.from_params(mixed, None, vocab, self.device))
+        # Penalties and a logit bias on every row: their [rows, vocab] temporaries.
+        edits = [SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+                                repetition_penalty=1.1, logit_bias={0: 1.0})] * rows
+        stats = (torch.zeros((rows, vocab), dtype=torch.int32, device=self.device),
+                 torch.zeros((rows, vocab), dtype=torch.bool, device=self.device))
+        self.sampler(logits, SamplingTensors.from_params(edits, None, vocab, self.device, token_stats=stats))
         plain = [SamplingParams(temperature=1.0)] * rows  # the fused path, when the batch is large enough
         self.sampler(logits, SamplingTensors.from_params(plain, None, vocab, self.device))
 
@@ -360,6 +368,7 @@ class ModelRunner:
         where there is one, is asked first whether it takes the step."""
         for seq_id in out.finished_seq_ids:
             self.generators.pop(seq_id, None)
+        self.penalty_state.release(out.finished_seq_ids)
         if out.is_empty:
             return Done(RunnerOutput([]))
         taken = self.fastpath.take(out) if self.fastpath is not None else None
@@ -417,7 +426,8 @@ class ModelRunner:
         return PendingOutput([item], SamplerOutput(torch.cat(tokens), None, None, None), self.device)
 
     def sample(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
-        """Sample one token per row of `logits` under each row's parameters (and seed)."""
+        """Sample one token per row of `logits` under each row's parameters (and seed); a
+        penalized row's token is added to its sequence's counts (runner/penalty_state.py)."""
         banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]
         if banned:
             r, c = zip(*banned)
@@ -432,5 +442,12 @@ class ModelRunner:
             if gen is None:
                 gen = self.generators[s.seq_id] = make_generator(s.seed, self.device)
             generators.append(gen)
-        st = SamplingTensors.from_params([s.params for s in rows], generators, logits.shape[-1], self.device)
-        return self.sampler(logits, st)
+        slots = token_stats = None
+        if any(s.params.penalized for s in rows):
+            slots, *token_stats = self.penalty_state.gather(rows)
+        st = SamplingTensors.from_params([s.params for s in rows], generators, logits.shape[-1], self.device,
+                                         token_stats=token_stats)
+        sampled = self.sampler(logits, st)
+        if st.penalties is not None:
+            self.penalty_state.record(slots, sampled.token_ids[st.penalties.rows])
+        return sampled

@@ -1,0 +1,103 @@
+"""Logit biases and vLLM's three penalties, applied to a step's logits on their device.
+
+Definitions (vLLM's, which OpenAI's presence/frequency penalties match):
+- logit_bias: token id -> b in [-100, 100], added to the raw logit first.
+- repetition_penalty r, over tokens seen in the prompt or the output: a logit > 0 is divided
+  by r, any other multiplied by r (r > 1 discourages repeats).
+- frequency_penalty f and presence_penalty p, over the output only:
+  logit -= f * count + p * (count > 0).
+Temperature and the top-k / top-p / min-p filters come after (layers/sampler.py).
+
+Only the rows that carry a penalty are touched (gathered, edited, scattered back), so a batch
+mixing them with plain requests costs the plain rows nothing. Every control is a tensor built
+on the host when the step is prepared; nothing here reads the device.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class LogitBias:
+    """Every (row, token, bias) of the batch's logit_bias entries, flattened: [N] each."""
+
+    rows: torch.Tensor  # int64
+    token_ids: torch.Tensor  # int64
+    values: torch.Tensor  # float32
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], vocab_size: int,
+                    device: torch.device) -> LogitBias | None:
+        """None when no row has a bias. A token id outside the logits is a ValueError (the
+        engine checks it against the vocabulary when the request is added)."""
+        rows, tokens, values = [], [], []
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                for t, b in p.logit_bias.items():
+                    if t >= vocab_size:
+                        raise ValueError(f"SamplingParams.logit_bias: token id {t} is outside the vocabulary [0, {vocab_size})")
+                    rows.append(i)
+                    tokens.append(t)
+                    values.append(b)
+        if not rows:
+            return None
+        index = torch.tensor([rows, tokens], dtype=torch.int64).to(device)
+        return cls(index[0], index[1], torch.tensor(values, dtype=torch.float32).to(device))
+
+    def apply_(self, logits: torch.Tensor) -> None:
+        """logits [B, V] fp32 += the biases, in place (a token listed twice cannot occur: dict keys)."""
+        logits.index_put_((self.rows, self.token_ids), self.values, accumulate=True)
+
+
+@dataclass
+class Penalties:
+    """The penalized rows of a step ([P] each) and their token statistics ([P, V])."""
+
+    rows: torch.Tensor  # int64, rows of the batch's logits
+    presence: torch.Tensor  # float32
+    frequency: torch.Tensor  # float32
+    repetition: torch.Tensor  # float32; 1 = off
+    output_counts: torch.Tensor  # [P, V] int32: how often each token was sampled so far
+    seen: torch.Tensor  # [P, V] bool: the token is in the prompt or was sampled
+    # Host flags: whether some row has a repetition / a presence or frequency penalty.
+    any_repetition: bool = True
+    any_additive: bool = True
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], output_counts: torch.Tensor,
+                    seen: torch.Tensor) -> Penalties | None:
+        """None when no row is penalized (SamplingParams.penalized); else output_counts and
+        seen hold one row per penalized row of `params`, in order."""
+        rows = [i for i, p in enumerate(params) if p.penalized]
+        if not rows:
+            return None
+        if output_counts.shape[0] != len(rows) or seen.shape != output_counts.shape:
+            raise ValueError(f"Penalties: {len(rows)} penalized rows, token statistics of shape "
+                             f"{tuple(output_counts.shape)} and {tuple(seen.shape)}")
+        device = output_counts.device
+        knobs = torch.tensor([[params[i].presence_penalty for i in rows], [params[i].frequency_penalty for i in rows],
+                              [params[i].repetition_penalty for i in rows]], dtype=torch.float32).to(device)
+        return cls(torch.tensor(rows, dtype=torch.int64).to(device), knobs[0], knobs[1], knobs[2], output_counts, seen,
+                   any_repetition=any(params[i].repetition_penalty != 1.0 for i in rows),
+                   any_additive=any(params[i].presence_penalty != 0.0 or params[i].frequency_penalty != 0.0 for i in rows))
+
+    def apply_(self, logits: torch.Tensor) -> None:
+        """Penalize the rows of logits [B, V] fp32 in place. Plain indexing, not index_select:
+        on the CPU, torch's index_select of long rows is an order of magnitude slower."""
+        whole = self.rows.shape[0] == logits.shape[0]  # every row penalized: no gather
+        x = logits if whole else logits[self.rows]
+        if self.any_repetition:
+            r = torch.where(self.seen, self.repetition.unsqueeze(1), 1.0)
+            x = torch.where(x > 0, x / r, x * r)
+        if self.any_additive:
+            counts = self.output_counts.to(torch.float32)
+            x = x - (self.frequency.unsqueeze(1) * counts + self.presence.unsqueeze(1) * (counts > 0))
+        if whole:
+            logits.copy_(x)
+        else:
+            logits[self.rows] = x

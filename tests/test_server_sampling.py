@@ -1,0 +1,114 @@
+"""The server's sampling fields: penalties and logit_bias reach the engine, and a field the
+request leaves unset takes the model's generation_config.json (vLLM's --generation-config auto)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+
+import msgspec
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    apply_generation_defaults,
+)
+
+MODEL_DEFAULTS = dict(temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.05, max_tokens=33)
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"prompt": "x", **fields})
+
+
+def test_request_over_model_over_server():
+    assert apply_generation_defaults(dict(temperature=None, top_k=5, max_tokens=None), dict(temperature=0.6, top_k=20),
+                                     dict(max_tokens=16)) == dict(temperature=0.6, top_k=5, max_tokens=16)
+    p = completion().sampling_params(16, None, 384, MODEL_DEFAULTS)
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.6, 0.95, 20, 1.05, 33)
+    p = completion(temperature=0, top_k=-1, repetition_penalty=1.0, max_tokens=4, presence_penalty=1,
+                   frequency_penalty=-0.5, logit_bias={"7": -100, "9": 2.5}).sampling_params(16, None, 384, MODEL_DEFAULTS)
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.0, 0.95, -1, 1.0, 4)
+    assert (p.presence_penalty, p.frequency_penalty, p.logit_bias) == (1.0, -0.5, {7: -100.0, 9: 2.5})
+    p = completion().sampling_params(16, None, 384, {})
+    assert p == SamplingParams(max_tokens=16)  # no model defaults: OpenAI's
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "max_completion_tokens": 3})
+    assert chat.sampling_params(400, None, 384, MODEL_DEFAULTS).max_tokens == 3
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(logit_bias={"abc": 1.0}), "logit_bias"),
+    (dict(logit_bias={"-1": 1.0}), "logit_bias"),
+    (dict(logit_bias={"384": 1.0}), "logit_bias"),
+    (dict(logit_bias={"5": 100.5}), "logit_bias"),
+])
+def test_bad_logit_bias_is_a_400_naming_it(fields, param):
+    with pytest.raises(OpenAIError) as err:
+        completion(**fields).sampling_params(16, None, 384, {})
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_params_cross_to_the_core_intact():
+    from nanovllm.engine.messages import AddRequest, FrontendMessage, params_from_wire, params_to_wire
+
+    p = SamplingParams(temperature=0.7, presence_penalty=1.0, frequency_penalty=-0.5, repetition_penalty=1.2,
+                       logit_bias={7: -100.0, 9: 2.5})
+    wire = msgspec.msgpack.encode(AddRequest("r", [1, 2], params_to_wire(p)))
+    assert params_from_wire(msgspec.msgpack.Decoder(FrontendMessage).decode(wire).params) == p
+
+
+@contextlib.contextmanager
+def core_engine(path, kw):
+    """The engine as `nanovllm serve` runs it: a core process and a CoreClient front-end."""
+    from nanovllm.engine.core import CoreProcess
+    from nanovllm.engine.core_client import CoreClient
+
+    core = CoreProcess(str(path), kw, max_pending=64)
+    try:
+        engine = CoreClient(core.addresses, core.info, core_alive=core.is_alive)
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
+    finally:
+        core.shutdown()
+
+
+def test_live_server_applies_model_defaults_and_penalties(qwen3_tiny, tmp_path):
+    from test_server import KEY, serve_in_thread
+
+    import httpx
+
+    from nanovllm.entrypoints.server import create_app
+
+    path = tmp_path / "model"
+    shutil.copytree(qwen3_tiny, path)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 6}))
+    kw = dict(device="cpu", max_model_len=256)
+    offline = LLM(str(path), **kw)
+    prompt = [11, 12, 13, 14]
+    with core_engine(path, kw) as engine:
+        assert engine.generation_defaults == dict(temperature=0.0, max_tokens=6)
+        with serve_in_thread(create_app(engine, "tiny", api_key=KEY)) as url:
+            http = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+
+            def tokens(**fields):
+                resp = http.post("/v1/completions", json={"prompt": prompt, "logprobs": 0, "ignore_eos": True, **fields})
+                assert resp.status_code == 200, resp.text
+                return resp.json()["choices"][0]["logprobs"]["tokens"]
+
+            def expected(**kw):
+                out = offline.generate([prompt], SamplingParams(logprobs=0, ignore_eos=True, **kw), use_tqdm=False)[0]
+                return [offline.tokenizer.decode([t]) for t in out.outputs[0].token_ids]
+
+            # Unset fields: the model's greedy and 6 tokens, not OpenAI's temperature 1 and 16.
+            assert tokens() == expected(temperature=0.0, max_tokens=6)
+            assert len(tokens(max_tokens=9)) == 9
+            pen = dict(presence_penalty=2.0, frequency_penalty=0.5, repetition_penalty=3.0)
+            assert tokens(**pen) == expected(temperature=0.0, max_tokens=6, **pen) != expected(temperature=0.0, max_tokens=6)
+            forced = tokens(temperature=1.0, logit_bias={"42": 100})
+            assert forced == [offline.tokenizer.decode([42])] * 6
