@@ -100,5 +100,8 @@ def read_generation_defaults(source: Any) -> dict[str, Any]:
     """The model's sampling defaults as SamplingParams keyword arguments ({} where it has none);
     `source` is a loaders.source.ModelSource."""
     if source.kind == "gguf":
+        raw = getattr(source.hf_config, "gguf_sampling", None)  # loaders/gguf.py: also from the start-up cache
+        if isinstance(raw, dict):
+            return check_defaults(raw, GGUF_FIELDS, source.path)
         return read_gguf_defaults(source.gguf_reader(), source.path)
     return read_hf_defaults(source.path)

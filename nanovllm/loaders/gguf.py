@@ -151,7 +151,24 @@ def load_gguf_config(
     else:
         kwargs["head_dim"] = head_dim
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    return getattr(transformers, config_class)(**kwargs)
+    config = getattr(transformers, config_class)(**kwargs)
+    # The file's general.sampling.* values ride on the config, so that a start-up from the
+    # converted-file cache (which never opens the file) sees them too (loaders/generation_config.py).
+    config.gguf_sampling = sampling_metadata(reader)
+    return config
+
+
+def sampling_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """The file's `general.sampling.*` scalars (f32 values as their shortest decimal)."""
+    out = {}
+    for key in reader.fields:
+        if key.startswith("general.sampling."):
+            try:
+                value = _meta(reader, key)
+            except ValueError:
+                continue
+            out[key] = _decimal(value) if isinstance(value, float) else value
+    return out
 
 
 def _rope_scaling(
