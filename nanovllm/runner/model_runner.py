@@ -227,11 +227,8 @@ class ModelRunner:
         peak and its kernels are loaded (the fused one compiled) now, not in the middle of the
         first batch that samples."""
         rows, vocab = logits.shape
-        every_control = [
-            SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=5),
-            SamplingParams(temperature=0.0),
-        ]
-        mixed = [every_control[i % 2] for i in range(rows)]
+        every_control = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=5)
+        mixed = [SamplingParams(temperature=0.0) if i % 2 else every_control for i in range(rows)]
         self.sampler(logits, SamplingTensors.from_params(mixed, None, vocab, self.device))
         # Penalties and a logit bias on every row: their [rows, vocab] temporaries.
         edits = [SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
