@@ -352,19 +352,7 @@ class AsyncEngine:
                 self._settle(command.stream, EngineDeadError("the engine is shutting down"))
 
     def _publish_stats(self) -> None:
-        sched, bm = self.engine.scheduler, self.engine.block_manager
-        running = len({seq.request_id for seq in sched.running})
-        self.stats = EngineStats(
-            num_requests_running=running,
-            num_requests_waiting=max(0, self.engine.num_unfinished_requests - running),
-            num_free_blocks=bm.num_free_blocks,
-            num_blocks=bm.num_blocks,
-            prefix_queries=bm.prefix_queries,
-            prefix_hits=bm.prefix_hits,
-            num_preemptions=sched.num_preemptions,
-            num_aborted=self._num_aborted,
-            time=time.monotonic(),
-        )
+        self.stats = EngineStats(**self.engine.load_snapshot(), num_aborted=self._num_aborted, time=time.monotonic())
 
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

@@ -365,18 +365,7 @@ class EngineCore:
         self._publish(replies)
 
     def _publish(self, replies: dict[bytes, CoreOutput]) -> None:
-        sched, bm = self.engine.scheduler, self.engine.block_manager
-        running = len({seq.request_id for seq in sched.running})
-        self.stats = stats = Stats(
-            num_requests_running=running,
-            num_requests_waiting=max(0, self.engine.num_unfinished_requests - running),
-            num_free_blocks=bm.num_free_blocks,
-            num_blocks=bm.num_blocks,
-            prefix_queries=bm.prefix_queries,
-            prefix_hits=bm.prefix_hits,
-            num_preemptions=sched.num_preemptions,
-            num_aborted=self.num_aborted,
-        )
+        self.stats = stats = Stats(**self.engine.load_snapshot(), num_aborted=self.num_aborted)
         for ident, out in replies.items():
             out.stats = stats
             self.outbox.put((ident, out))

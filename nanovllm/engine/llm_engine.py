@@ -218,6 +218,21 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def load_snapshot(self) -> dict[str, int]:
+        """Requests running and waiting, the KV pool and the prefix cache, as the engine's
+        stats (AsyncEngine's, the core process's) publish them."""
+        sched, bm = self.scheduler, self.block_manager
+        running = len({seq.request_id for seq in sched.running})
+        return dict(
+            num_requests_running=running,
+            num_requests_waiting=max(0, self.num_unfinished_requests - running),
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            prefix_queries=bm.prefix_queries,
+            prefix_hits=bm.prefix_hits,
+            num_preemptions=sched.num_preemptions,
+        )
+
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration. With async scheduling, this launches step N and then processes the
