@@ -127,19 +127,25 @@ def stream_request(url: str, body: dict, first_chunk: threading.Event, result: d
         result["end"] = time.monotonic()
 
 
+def start_streams(url: str, body: dict, n: int) -> list[tuple[threading.Thread, threading.Event, dict]]:
+    """n streaming requests on threads, returned once each has its first chunk."""
+    streams = []
+    for _ in range(n):
+        first, result = threading.Event(), {}
+        t = threading.Thread(target=stream_request, args=(url, body, first, result), daemon=True)
+        t.start()
+        streams.append((t, first, result))
+    for _, first, _ in streams:
+        assert first.wait(30)
+    return streams
+
+
 # ---- the core dies -------------------------------------------------------------------------
 def test_core_killed_under_load_fails_every_request_within_2s(qwen3_tiny):
     serve = Serve(qwen3_tiny, "--max-model-len", "1024", "--num-kvcache-blocks", "512")
     try:
         body = {"model": MODEL, "prompt": "load", "max_tokens": 1000, "ignore_eos": True}
-        streams = []
-        for _ in range(6):
-            first, result = threading.Event(), {}
-            t = threading.Thread(target=stream_request, args=(serve.url, body, first, result), daemon=True)
-            t.start()
-            streams.append((t, first, result))
-        for _, first, _ in streams:
-            assert first.wait(30)
+        streams = start_streams(serve.url, body, 6)
         unstreamed: dict = {}
 
         def post() -> None:
@@ -221,14 +227,7 @@ def test_two_frontends_share_the_port_metrics_admission_and_sigterm(qwen3_tiny):
 
         # Admission: three long streams fill --max-pending-requests 3; the fourth gets a 503.
         body = {"model": MODEL, "prompt": "busy", "max_tokens": 1000, "ignore_eos": True}
-        streams = []
-        for _ in range(3):
-            first, result = threading.Event(), {}
-            t = threading.Thread(target=stream_request, args=(serve.url, body, first, result), daemon=True)
-            t.start()
-            streams.append((t, first, result))
-        for _, first, _ in streams:
-            assert first.wait(30)
+        streams = start_streams(serve.url, body, 3)
         r = httpx.post(serve.url + "/v1/completions", json=body, timeout=30)
         err = assert_error_body(r, 503)
         assert err["code"] == "server_overloaded" and r.headers["retry-after"] == "1"
