@@ -19,6 +19,10 @@ from random import randint, seed
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+# W5-chat's sampling settings: Qwen3's generation_config.json.
+W5_CHAT = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+
 def w1_requests():
     from nanovllm import SamplingParams
 
@@ -108,13 +112,13 @@ def _allocator_counts() -> dict[str, int]:
     return {"cuda_mallocs": stats.get("num_device_alloc", 0), "alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
-def run_w5(llm, runs: int, temperature: float = 0.0) -> dict:
+def run_w5(llm, runs: int, sampling: dict | None = None) -> dict:
     from nanovllm import SamplingParams
 
     engine = llm.engine
     prompt = [randint(0, 10000) for _ in range(128)]
-    # W5 is greedy; a temperature > 0 measures a sampling stream the same way (not W5).
-    sp = SamplingParams(temperature=temperature, max_tokens=512, ignore_eos=True)
+    # W5 is greedy; other sampling settings (W5-chat: W5_CHAT) measure a sampling stream the same way.
+    sp = SamplingParams(**(sampling or {}), max_tokens=512, ignore_eos=True)
     # The persistent decode kernel compiles in the background after start-up; W5 measures the
     # steady state, so it waits for it (and says whether it was used).
     runner = engine.executor.runner
@@ -172,6 +176,10 @@ def main() -> None:
                          "(default: the engine's)")
     ap.add_argument("--w5-temperature", type=float, default=0.0,
                     help="W5's stream samples at this temperature instead of greedily (not the W5 workload)")
+    ap.add_argument("--w5-chat", action="store_true",
+                    help="W5-chat: W5 sampling with Qwen3's defaults (temperature 0.6, top_p 0.95, top_k 20)")
+    ap.add_argument("--w5-presence-penalty", type=float, default=0.0, help="added to W5's sampling settings")
+    ap.add_argument("--w5-seed", type=int, default=None, help="W5's request seed")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args()
 
@@ -199,7 +207,13 @@ def main() -> None:
     if args.workload in ("w1", "all"):
         report["w1"] = run_w1(llm, args.runs, compiles)
     if args.workload in ("w5", "all"):
-        report["w5"] = run_w5(llm, args.runs, args.w5_temperature)
+        sampling = dict(W5_CHAT) if args.w5_chat else {"temperature": args.w5_temperature}
+        if args.w5_presence_penalty:
+            sampling["presence_penalty"] = args.w5_presence_penalty
+        if args.w5_seed is not None:
+            sampling["seed"] = args.w5_seed
+        report["w5"] = run_w5(llm, args.runs, sampling)
+        report["w5"]["sampling"] = sampling
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -211,7 +225,7 @@ def main() -> None:
               + ", ".join(f"{r['tok_per_s']:.0f} ({r['seconds']:.2f}s, prefill {r['prefill_s']:.2f}s, decode {r['decode_s']:.2f}s)" for r in w1["runs"]))
     if "w5" in report:
         w5 = report["w5"]
-        print(f"W5 decode {w5['median_decode_tok_per_s']:.0f} tok/s, TTFT {w5['median_ttft_ms']:.1f} ms"
+        print(f"W5 {w5['sampling']} decode {w5['median_decode_tok_per_s']:.0f} tok/s, TTFT {w5['median_ttft_ms']:.1f} ms"
               f" (persistent kernel {'on' if w5['persistent_kernel'] else 'off'}, decode burst {runner.decode_burst}); "
               f"timed from the first engine step's return: "
               f"{w5['median_decode_tok_per_s_first_step']:.0f} tok/s")

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# What vllm-router costs in front of one replica: W4 at W4_CLIENTS (default 64) clients, straight
+# to the replica and through the router, alternated ROUNDS times (default 2) against one server.
+#   benchmarks/router_overhead.sh [MODEL] [extra serve options...]   (no MODEL: the embedded default)
+set -euo pipefail
+model=${1:-}
+shift || true
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+port=$(free_port); rport=$(free_port)
+python3 -m nanovllm serve ${model:+"$model"} --host 127.0.0.1 --port "$port" --served-model-name m "$@" >/tmp/replica.log 2>&1 &
+server=$!
+trap 'kill $server ${router:-} 2>/dev/null; wait 2>/dev/null || true' EXIT
+for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+  kill -0 $server 2>/dev/null || { cat /tmp/replica.log; exit 1; }; sleep 0.5; done
+vllm-router --host 127.0.0.1 --port "$rport" --worker-urls "http://127.0.0.1:$port" --policy round_robin >/tmp/router.log 2>&1 &
+router=$!
+for _ in $(seq 120); do curl -sf "http://127.0.0.1:$rport/health" >/dev/null 2>&1 && break; sleep 0.5; done
+clients=${W4_CLIENTS:-64}
+load() {  # $1: label, $2: port
+  echo -n "$1 "
+  python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$2" --served-model m --num-clients "$clients" \
+    --num-requests "$((2 * clients))" --input-len "${W4_INPUT_LEN:-128}" --output-len "${W4_OUTPUT_LEN:-128}" --json
+}
+load warmup "$port" >/dev/null
+for _ in $(seq "${ROUNDS:-2}"); do load replica "$port"; load router "$rport"; done
