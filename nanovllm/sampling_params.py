@@ -55,6 +55,9 @@ class SamplingParams:
     # OpenAI semantics: token id -> bias in [-100, 100], added to that token's logit first.
     logit_bias: dict[int, float] | None = None
     stop_list: list[str] = field(init=False, repr=False)
+    # Sampled (not greedy) with a top-k / top-p / min-p filter or a seed of its own: on CUDA such
+    # a row takes layers/filtered_sampler.py (Sampler.wants_step_seeds reads it every step).
+    filters_or_seed: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -109,6 +112,8 @@ class SamplingParams:
             raise bad("stop", "stop strings must not be empty")
         # Frozen: the normalized values are set once, here, through object.__setattr__.
         object.__setattr__(self, "stop_list", stops)
+        object.__setattr__(self, "filters_or_seed", not self.greedy and (
+            self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0 or self.seed is not None))
         if self.stop_token_ids is None:
             object.__setattr__(self, "stop_token_ids", [])
         elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(
@@ -138,8 +143,9 @@ class SamplingParams:
     @property
     def plain_temperature(self) -> bool:
         """Whether this request samples at its temperature with nothing else: no top-k, top-p or
-        min-p filter, no penalty or logit bias and no seed of its own (a seeded request draws from its own generator). Such
-        a row is one Gumbel-max draw over logits / temperature (layers/fused_sampler.py), which
-        the persistent decode kernel can take too (a lone stream's decode bursts)."""
+        min-p filter and no penalty or logit bias (a seed is allowed: on CUDA it keys the noise,
+        layers/sampler.step_seed). Such a row is one Gumbel-max draw over logits / temperature
+        (layers/fused_sampler.py), which the persistent decode kernel can take too (a lone
+        stream's decode bursts)."""
         return (not self.greedy and self.top_k == -1 and self.top_p == 1.0 and self.min_p == 0.0
-                and self.seed is None and not self.edits_logits)
+                and not self.edits_logits)

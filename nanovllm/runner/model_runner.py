@@ -20,7 +20,7 @@ from nanovllm.attention.backend import bind_kv_cache, get_backend
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
-from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator, step_seed
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
 from nanovllm.precompile import precompiling
@@ -402,7 +402,7 @@ class ModelRunner:
 
     @property
     def decode_burst(self) -> int:
-        """How many decode steps of a lone greedy or plain-temperature sequence one engine step
+        """How many decode steps of a lone sequence one engine step
         may run (Scheduler.schedule): config.decode_burst where given, else the fast path's
         burst once its graphs are captured (1 before, and without one)."""
         if self.config.decode_burst is not None:
@@ -430,9 +430,15 @@ class ModelRunner:
             r, c = zip(*banned)
             logits = logits.float()
             logits[torch.tensor(r, device=logits.device), torch.tensor(c, device=logits.device)] = float("-inf")
+        params = [s.params for s in rows]
+        step_seeds = None
+        if self.sampler.wants_step_seeds(params, self.device):
+            drawn = torch.randint(0, 2**31 - 1, (len(rows),)).tolist()  # torch.manual_seed governs them
+            step_seeds = [drawn[i] if s.seed is None else step_seed(s.seed, s.start_pos + len(s.token_ids) - 1)
+                          for i, s in enumerate(rows)]
         generators = []
         for s in rows:
-            if s.seed is None:
+            if s.seed is None or step_seeds is not None:
                 generators.append(None)
                 continue
             gen = self.generators.get(s.seq_id)
@@ -442,8 +448,8 @@ class ModelRunner:
         slots = token_stats = None
         if any(s.params.penalized for s in rows):
             slots, *token_stats = self.penalty_state.gather(rows)
-        st = SamplingTensors.from_params([s.params for s in rows], generators, logits.shape[-1], self.device,
-                                         token_stats=token_stats)
+        st = SamplingTensors.from_params(params, generators, logits.shape[-1], self.device, token_stats=token_stats,
+                                         step_seeds=step_seeds)
         sampled = self.sampler(logits, st)
         if st.penalties is not None:
             self.penalty_state.record(slots, sampled.token_ids[st.penalties.rows])
