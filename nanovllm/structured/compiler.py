@@ -9,6 +9,7 @@ first constrained request, in the same pool, so an engine that never sees one ne
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,9 +27,11 @@ class GrammarCompiler:
     """`submit(spec)` -> Future[CompiledGrammar]: checks the spec at once (ValueError naming
     the field) and compiles in the pool, once per distinct (kind, spec text)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_workers: int = 2) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_workers: int | None = None) -> None:
         if tokenizer is None:
             raise ValueError("structured_outputs: this model has no tokenizer to build grammars over")
+        if max_workers is None:  # xgrammar compiles one grammar on several threads; the engine loop keeps a core
+            max_workers = max(1, min(8, (os.cpu_count() or 2) // 2))
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
