@@ -25,8 +25,8 @@ done
 bench() {  # clients, then extra serve_bench options; prints output tok/s, the summary on stderr
   python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$1" \
     --num-requests "$(( $1 < 16 ? 8 : 2 * $1 ))" --input-len "${W4_INPUT_LEN:-128}" \
-    --output-len "${W4_OUTPUT_LEN:-128}" --json "${@:2}" | tee /dev/stderr | python3 -c \
-    'import json, sys; print(json.load(sys.stdin)["output_tok_per_s"])'
+    --output-len "${W4_OUTPUT_LEN:-128}" --json "${@:2}" | python3 -c \
+    'import json, sys; line = sys.stdin.read(); sys.stderr.write(line); print(json.loads(line)["output_tok_per_s"])'
 }
 bench 4 >/dev/null  # warm-up: the first constrained request builds the tokenizer's tables
 bench 4 --json-schema "$schema" >/dev/null
