@@ -168,6 +168,9 @@ class LLMEngine:
         grammar = None
         if params.structured_outputs is not None:  # last check: nothing is kept after it
             grammar = self.grammars.submit(request_id, params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:  # a cached failed compile
+                del self.grammars.waiting[request_id]
+                raise ValueError(f"structured_outputs.{params.structured_outputs.kind}: {grammar.exception()}")
         banned = []
         if params.min_tokens:
             banned = sorted(set((self.eos_token_ids if not params.ignore_eos else []) + params.stop_token_ids))

@@ -424,7 +424,8 @@ class ModelRunner:
 
     def sample(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
         """Sample one token per row of `logits` under each row's parameters (and seed); a
-        penalized row's token is added to its sequence's counts (runner/penalty_state.py)."""
+        penalized row's token is added to its sequence's counts (runner/penalty_state.py); a row
+        with a grammar samples only what its bitmask allows (structured/bitmask.py)."""
         banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]
         if banned:
             r, c = zip(*banned)
