@@ -77,7 +77,7 @@ def main() -> None:
 
     t = time.perf_counter()
     compiler = GrammarCompiler(tokenizer, vocab, eos)
-    compiler._compiler.result()
+    compiler.wait_ready()
     print(f"xgrammar   tokenizer tables {1e3 * (time.perf_counter() - t):8.1f} ms (once per engine)")
     t = time.perf_counter()
     compiled = compiler.submit(spec).result()

@@ -199,3 +199,4 @@ def test_a_request_waits_for_its_grammar_while_others_run(llm, monkeypatch):
     assert engine.grammars.submit("again", spec).done()
     engine.grammars.waiting.pop("again")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+

@@ -42,6 +42,10 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
 
+    def wait_ready(self) -> None:
+        """Block until the tokenizer's tables are built (the first compile waits for them anyway)."""
+        self._compiler.result()
+
     def submit(self, spec: StructuredOutputsParams) -> Future:
         key = (spec.kind, spec.spec)
         with self._lock:
