@@ -65,7 +65,6 @@ _ACCEPTED: dict[str, dict[str, Any]] = {  # by schema component
     "ChatMessage": {"role": {"enum": ["system", "user", "assistant"]}, "tool_calls": _NULL,
                     "tool_call_id": _NULL, "function_call": _NULL},
     "ContentPart": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
-    "ResponseFormat": {"type": {"enum": ["text"]}},
 }
 
 

@@ -182,7 +182,7 @@ class FastPath:
             return None
         item = out.seqs[0]
         if item.params.edits_logits:
-            return None  # penalties and logit biases are applied by the runner's sampler only
+            return None  # penalties, logit biases and grammar masks are applied by the runner's sampler only
         if item.num_steps > 1:
             return self._execute_burst(item)
         launched = self._execute_single(item)

@@ -424,7 +424,8 @@ class ModelRunner:
 
     def sample(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
         """Sample one token per row of `logits` under each row's parameters (and seed); a
-        penalized row's token is added to its sequence's counts (runner/penalty_state.py)."""
+        penalized row's token is added to its sequence's counts (runner/penalty_state.py); a row
+        with a grammar samples only what its bitmask allows (structured/bitmask.py)."""
         banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]
         if banned:
             r, c = zip(*banned)
@@ -450,6 +451,11 @@ class ModelRunner:
             slots, *token_stats = self.penalty_state.gather(rows)
         st = SamplingTensors.from_params(params, generators, logits.shape[-1], self.device, token_stats=token_stats,
                                          step_seeds=step_seeds)
+        masks = [(i, s.token_bitmask) for i, s in enumerate(rows) if s.token_bitmask is not None]
+        if masks:  # xgrammar is imported only once a request has a grammar
+            from nanovllm.structured.bitmask import TokenBitmask
+
+            st.token_mask = TokenBitmask.from_rows(len(rows), masks, self.device)
         sampled = self.sampler(logits, st)
         if st.penalties is not None:
             self.penalty_state.record(slots, sampled.token_ids[st.penalties.rows])
