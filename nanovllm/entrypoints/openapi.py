@@ -60,10 +60,8 @@ _SAMPLING: dict[str, Any] = {  # both endpoints
 }
 _ACCEPTED: dict[str, dict[str, Any]] = {  # by schema component
     "CompletionRequest": {"echo": {"enum": [False]}, "suffix": _only(""), "best_of": _NULL},
-    "ChatCompletionRequest": {"tools": _EMPTY_LIST, "functions": _EMPTY_LIST, "tool_choice": _only("none"),
-                              "function_call": _only("none")},
-    "ChatMessage": {"role": {"enum": ["system", "user", "assistant"]}, "tool_calls": _NULL,
-                    "tool_call_id": _NULL, "function_call": _NULL},
+    "ChatCompletionRequest": {"functions": _EMPTY_LIST, "function_call": _only("none")},
+    "ChatMessage": {"role": {"enum": ["system", "user", "assistant", "tool"]}, "function_call": _NULL},
     "ContentPart": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
     "ResponseFormat": {"type": {"enum": ["text"]}},
 }
