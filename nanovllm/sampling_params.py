@@ -97,7 +97,8 @@ class StructuredOutputsParams:
         value = getattr(self, self.kind)
         if self.kind == "json":
             schema = _json.loads(value) if isinstance(value, str) else value
-            return _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            # Key order kept: a schema's property order is the order the output writes them in.
+            return _json.dumps(schema, separators=(",", ":"))
         if self.kind == "choice":
             return _json.dumps(value)
         if self.kind == "json_object":

@@ -45,6 +45,9 @@ class ScheduledSeq:
     # which the runner starts the sequence's token counts; it adds each sampled token on the
     # device after that (runner/penalty_state.py), so later steps carry nothing.
     penalty_prompt_ids: list[int] | None = None
+    # A sampling row with a grammar (SamplingParams.structured_outputs): the host bitmask of the
+    # tokens it allows next (int32 [1, ceil(vocab / 32)], a torch tensor, set by the engine).
+    token_bitmask: object | None = None
 
 
 @dataclass

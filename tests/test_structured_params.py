@@ -24,9 +24,9 @@ def test_bad_structured_outputs_name_the_field(kwargs, field):
 
 
 def test_structured_outputs_is_frozen_and_keyed_by_canonical_text():
-    a = StructuredOutputsParams(json='{"b": 1, "a": {"type": "string"}}')
-    b = StructuredOutputsParams(json={"a": {"type": "string"}, "b": 1})
-    assert (a.kind, a.spec) == ("json", '{"a":{"type":"string"},"b":1}')
+    a = StructuredOutputsParams(json='{"b": 1,  "a": {"type": "string"}}')
+    b = StructuredOutputsParams(json={"b": 1, "a": {"type": "string"}})
+    assert (a.kind, a.spec) == ("json", '{"b":1,"a":{"type":"string"}}')  # key order kept: it is the output's
     assert hash(a) == hash(b)
     assert StructuredOutputsParams(choice=("x", "y")).choice == ["x", "y"]
     assert StructuredOutputsParams(json_object=True).kind == "json_object"

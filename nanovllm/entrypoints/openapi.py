@@ -63,7 +63,6 @@ _ACCEPTED: dict[str, dict[str, Any]] = {  # by schema component
     "ChatCompletionRequest": {"functions": _EMPTY_LIST, "function_call": _only("none")},
     "ChatMessage": {"role": {"enum": ["system", "user", "assistant", "tool"]}, "function_call": _NULL},
     "ContentPart": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
-    "ResponseFormat": {"type": {"enum": ["text"]}},
 }
 
 

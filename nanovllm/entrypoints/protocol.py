@@ -12,6 +12,11 @@ ignore_eos, min_tokens, stop_token_ids, skip_special_tokens (send them with the 
 `extra_body`). A sampling field a request leaves unset takes the model's default where it has
 one (`apply_generation_defaults`: vLLM's `--generation-config auto`).
 
+Structured output: `response_format` (`{"type": "json_object"}`, or `{"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}`) and vLLM's `structured_outputs` (`json`, `regex`,
+`choice`, `grammar` or `json_object`), on both endpoints; at most one of the two per request.
+The grammar itself is checked by the engine when the request is added (a 400 naming the field).
+
 Numbers and flags are strict: `true` is not the integer 1 and `1` is not a bool (SamplingParams
 refuses bools as numbers too). Strings with lone surrogates (JSON's "\ud800") are refused here,
 naming the field, as tokenizers cannot encode them. Chat roles are system, user, assistant and
@@ -38,7 +43,11 @@ from pydantic import (
 
 from nanovllm.chat import ROLES
 from nanovllm.sampling_params import (
-    MAX_ADDITIVE_PENALTY, MAX_SEED, MAX_TEMPERATURE, SamplingParams, StructuredOutputsParams,
+    MAX_ADDITIVE_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    SamplingParams,
+    StructuredOutputsParams,
 )
 from nanovllm.text import check_text
 
@@ -96,6 +105,27 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` request field: exactly one of these."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+
+
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -122,10 +152,39 @@ class _SamplingRequest(_Request):
     min_tokens: StrictInt = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+    @property
+    def structured_param(self) -> str:
+        """The request field a grammar error is about."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The output constraint of response_format or structured_outputs (400 naming the field)."""
+        fmt = self.response_format
+        constrained = fmt is not None and fmt.type != "text"
+        if constrained and self.structured_outputs is not None:
+            raise bad_request("give response_format or structured_outputs, not both", param="structured_outputs")
+        try:
+            if self.structured_outputs is not None:
+                so = self.structured_outputs
+                return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                               json_object=so.json_object)
+            if not constrained:
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise bad_request("response_format of type json_schema needs json_schema.schema",
+                                  param="response_format")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=self.structured_param) from None
 
     def check_limits(self, max_n: int, max_prompts: int) -> None:
         """The server's per-request caps (ServerLimits), as 400s naming the field."""
@@ -165,6 +224,12 @@ class _SamplingRequest(_Request):
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      repetition_penalty=self.repetition_penalty, max_tokens=self.requested_max_tokens)
         fields = apply_generation_defaults(given, model_defaults or {}, dict(max_tokens=max_tokens))
+        structured = self._structured_outputs()
+        if structured_outputs is not None:
+            if structured is not None:
+                raise bad_request("tool_choice 'required' or a named function constrains the output itself; "
+                                  f"drop {self.structured_param}", param=self.structured_param)
+            structured = structured_outputs
         try:
             return SamplingParams(
                 **fields,
@@ -177,7 +242,7 @@ class _SamplingRequest(_Request):
                 logprobs=logprobs,
                 n=self.n,
                 skip_special_tokens=self.skip_special_tokens,
-                structured_outputs=structured_outputs,
+                structured_outputs=structured,
             )
         except ValueError as exc:
             message = str(exc)
@@ -284,10 +349,6 @@ class ChatMessage(_Request):
         return "".join(parts)
 
 
-class ResponseFormat(_Request):
-    type: str = "text"
-
-
 class FunctionDefinition(_Request):
     name: str
     description: str | None = None
@@ -319,7 +380,6 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: StrictBool = True
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: StrictBool = True
     # vLLM's field: extra variables for the chat template, e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
@@ -330,8 +390,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("functions is deprecated and not supported; use tools", param="functions")
         if self.function_call not in (None, "none"):
             raise bad_request("function_call is deprecated and not supported; use tool_choice", param="function_call")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request("only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 

@@ -435,9 +435,9 @@ class OpenAIServer:
                               param="model", code="model_not_found")
 
     async def submit(self, base_id: str, prompts: list[str | list[int]], params: SamplingParams, stream: bool,
-                     param: str) -> list[RequestStream]:
+                     param: str, grammar_param: str | None = None) -> list[RequestStream]:
         """Add one engine request per prompt, all at once; all or nothing. ValueError -> 400
-        naming `param`."""
+        naming `param` (`grammar_param` for the engine's grammar check: structured_outputs.*)."""
         prompts = await self.tokenize(prompts, param)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
@@ -451,7 +451,8 @@ class OpenAIServer:
             i, exc = failed[0]
             if isinstance(exc, ValueError):
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
-                raise bad_request(f"{where}{exc}", param=param) from None
+                about = grammar_param if str(exc).startswith("structured_outputs") else param
+                raise bad_request(f"{where}{exc}", param=about) from None
             raise exc
         return streams
 
@@ -505,7 +506,7 @@ class OpenAIServer:
         params = body.sampling_params(max_tokens, body.logprobs, self.engine.vocab_size, self.engine.generation_defaults)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, len(prompts), params.n, body.stream)
-        streams = await self.submit(request_id, prompts, params, body.stream, "prompt")
+        streams = await self.submit(request_id, prompts, params, body.stream, "prompt", body.structured_param)
         if body.stream:
             return _EventStream(_sse_body(self._completion_events(request_id, body, params, streams, tracker), tracker),
                                 lambda: self.abort(streams), self.stream_write_timeout)
@@ -577,7 +578,8 @@ class OpenAIServer:
         parsers = [ChoiceParser(plan, self.parsers, opens_reasoning) for _ in range(params.n)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, 1, params.n, body.stream)
-        streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages")
+        grammar_param = "tools" if plan.structured_outputs is not None else body.structured_param
+        streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages", grammar_param)
         if body.stream:
             events = self._chat_events(request_id, body, params, parsers, streams[0], tracker)
             return _EventStream(_sse_body(events, tracker), lambda: self.abort(streams), self.stream_write_timeout)

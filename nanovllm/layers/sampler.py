@@ -3,6 +3,7 @@
 Pipeline per row (all in fp32, whatever the logits' dtype):
   raw logits --> logprobs (optional)
              --> + logit_bias --> penalties (layers/penalties.py; only rows that ask)
+             --> grammar mask (structured/bitmask.py; only rows with structured_outputs)
              --> greedy argmax, or
                  / temperature --> top-k --> top-p --> softmax --> min-p --> exponential race
 
@@ -34,12 +35,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nanovllm.layers.penalties import LogitBias, Penalties
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # xgrammar is imported only once a request has a grammar
+    from nanovllm.structured.bitmask import TokenBitmask
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -78,6 +83,7 @@ class SamplingTensors:
     max_num_logprobs: int | None
     logit_bias: LogitBias | None = None  # None unless some row has a logit_bias
     penalties: Penalties | None = None  # None unless some row is penalized
+    token_mask: TokenBitmask | None = None  # None unless some row has a grammar
 
     @property
     def num_rows(self) -> int:
@@ -179,7 +185,7 @@ class Sampler(nn.Module):
         """Temperature sampling only: no filters, penalties or biases, no seeded rows, no
         logprobs, enough rows."""
         return not (st.all_greedy or st.num_rows < self.fast_path_min_rows
-                    or st.logit_bias is not None or st.penalties is not None
+                    or st.logit_bias is not None or st.penalties is not None or st.token_mask is not None
                     or st.any_top_k or st.any_top_p or st.any_min_p or st.max_num_logprobs is not None
                     or any(g is not None for g in st.generators))
 
@@ -193,12 +199,14 @@ class Sampler(nn.Module):
             return SamplerOutput(gumbel_argmax(logits.contiguous(), st.temperature, seed), None, None, None)
         # May alias the caller's tensor when it is already fp32: nothing below writes into it.
         logits = raw = logits.float()
-        if st.logit_bias is not None or st.penalties is not None:
+        if st.logit_bias is not None or st.penalties is not None or st.token_mask is not None:
             logits = raw.clone()
             if st.logit_bias is not None:
                 st.logit_bias.apply_(logits)
             if st.penalties is not None:
                 st.penalties.apply_(logits)
+            if st.token_mask is not None:
+                st.token_mask.apply_(logits)
 
         if st.all_greedy:
             token_ids = logits.argmax(dim=-1)

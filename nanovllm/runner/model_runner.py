@@ -444,6 +444,11 @@ class ModelRunner:
             slots, *token_stats = self.penalty_state.gather(rows)
         st = SamplingTensors.from_params([s.params for s in rows], generators, logits.shape[-1], self.device,
                                          token_stats=token_stats)
+        masks = [(i, s.token_bitmask) for i, s in enumerate(rows) if s.token_bitmask is not None]
+        if masks:  # xgrammar is imported only once a request has a grammar
+            from nanovllm.structured.bitmask import TokenBitmask
+
+            st.token_mask = TokenBitmask.from_rows(len(rows), masks, self.device)
         sampled = self.sampler(logits, st)
         if st.penalties is not None:
             self.penalty_state.record(slots, sampled.token_ids[st.penalties.rows])
