@@ -305,9 +305,17 @@ def test_auto_needs_the_flag(tools_tokenizer):
 
 
 # ---- end to end, with the grammar engine ---------------------------------------------------
+UNIT = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"], "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("nanovllm.structured") is None,
                     reason="needs the grammar engine (nanovllm.structured) for tool_choice 'required'")
-def test_required_always_yields_valid_calls_from_a_random_model(qwen3_tiny):
+def test_required_and_named_always_yield_valid_calls_from_a_random_model(qwen3_tiny):
+    """A random model, constrained: every answer is a valid call (the tools' schemas are small
+    enough that it finishes within max_tokens)."""
     from nanovllm.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine.from_kwargs(str(qwen3_tiny), device="cpu", max_model_len=512, num_kvcache_blocks=64,
@@ -315,21 +323,25 @@ def test_required_always_yields_valid_calls_from_a_random_model(qwen3_tiny):
     try:
         with serve_in_thread(create_app(engine, "tiny", api_key=KEY)) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-            schema = required_schema([WEATHER, TIME])
-            for seed, stream in ((0, False), (1, True)):
-                kw = dict(model="tiny", messages=CONVERSATION[:2], tools=[WEATHER, TIME], tool_choice="required",
-                          max_completion_tokens=200, seed=seed, temperature=1.0)
+            validator = Draft202012Validator(required_schema([UNIT, NOW], parallel=False))
+            for seed, stream in ((1, False), (3, True)):
+                kw = dict(model="tiny", messages=CONVERSATION[:2], tools=[UNIT, NOW], tool_choice="required",
+                          parallel_tool_calls=False, max_completion_tokens=100, seed=seed, temperature=1.0)
                 if stream:
                     content, _, calls, finish = reassemble(client.chat.completions.create(stream=True, **kw))
                 else:
                     r = client.chat.completions.create(**kw)
-                    finish = r.choices[0].finish_reason
+                    finish, content = r.choices[0].finish_reason, r.choices[0].message.content
                     calls = [{"name": c.function.name, "arguments": c.function.arguments}
                              for c in r.choices[0].message.tool_calls]
-                if finish == "length":
-                    continue  # a random model may not close the array within max_tokens
-                assert finish == "tool_calls" and calls
-                array = [{"name": c["name"], "parameters": json.loads(c["arguments"])} for c in calls]
-                assert Draft202012Validator(schema).is_valid(array)
+                assert finish == "tool_calls" and not content
+                assert validator.is_valid([{"name": c["name"], "parameters": json.loads(c["arguments"])}
+                                           for c in calls])
+            r = client.chat.completions.create(model="tiny", messages=CONVERSATION[:2], tools=[UNIT, NOW],
+                                               tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                               max_completion_tokens=100, seed=5)
+            call = r.choices[0].message.tool_calls[0]
+            assert r.choices[0].finish_reason == "stop" and call.function.name == "get_weather"
+            assert json.loads(call.function.arguments) in ({"unit": "c"}, {"unit": "f"})
     finally:
         engine.shutdown()
