@@ -28,6 +28,11 @@ _SUBSCHEMAS = {
 }
 # Any JSON object: `{"type": "object"}` with any properties (json_object, response_format json_object).
 JSON_OBJECT_SCHEMA = {"type": "object", "additionalProperties": True}
+# xgrammar 0.2.8 writes a length-bounded JSON string's characters (minLength / maxLength) as this
+# class, which admits raw control characters (invalid in JSON); they are excluded as in its
+# unbounded strings.
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
 def _unsupported_keyword(schema: object, path: str) -> str | None:
@@ -70,10 +75,13 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
         if found:
             raise ValueError(f"{field}: the JSON schema keyword at {found} is not supported")
     try:
-        if kind == "json":
-            return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
-        if kind == "json_object":
-            return xgr.Grammar.from_json_schema(json.dumps(JSON_OBJECT_SCHEMA), any_whitespace=False)
+        if kind in ("json", "json_object"):
+            schema = spec.spec if kind == "json" else json.dumps(JSON_OBJECT_SCHEMA)
+            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+            text = str(grammar)
+            if _LOOSE_STRING_CHAR in text:
+                grammar = xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+            return grammar
         if kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)
         if kind == "choice":
