@@ -4,14 +4,13 @@ The chat template path uses the tiny test tokenizer with a small Qwen-style temp
 tools block. The live-server tests run the real app (uvicorn on a free port) over a scripted
 engine: it records the prompt and SamplingParams it is given and replies with a fixed text,
 streamed a few characters per output, so the parsers' work on whole and streamed replies is
-checked against known text. The last test runs a real engine with tool_choice "required" and
-needs the grammar engine (nanovllm.structured); it skips until that module exists.
+checked against known text. The last test runs the tiny random model with tool_choice
+"required" and a named function, constrained by the grammar engine (nanovllm/structured/).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import shutil
 
@@ -304,6 +303,18 @@ def test_auto_needs_the_flag(tools_tokenizer):
         assert r.choices[0].finish_reason == "stop"
 
 
+def test_serve_flags():
+    from nanovllm.entrypoints.cli import build_parser, parsers_from_args
+
+    parser = build_parser()
+    assert parsers_from_args(parser.parse_args(["serve", "m"])) == ParserConfig()
+    args = parser.parse_args(["serve", "m", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+                              "--reasoning-parser", "deepseek_r1"])
+    assert parsers_from_args(args) == ParserConfig("llama3_json", True, "deepseek_r1")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "m", "--tool-call-parser", "pythonic"])
+
+
 # ---- end to end, with the grammar engine ---------------------------------------------------
 UNIT = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"], "additionalProperties": False}}}
@@ -311,8 +322,6 @@ NOW = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {}, "additionalProperties": False}}}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nanovllm.structured") is None,
-                    reason="needs the grammar engine (nanovllm.structured) for tool_choice 'required'")
 def test_required_and_named_always_yield_valid_calls_from_a_random_model(qwen3_tiny):
     """A random model, constrained: every answer is a valid call (the tools' schemas are small
     enough that it finishes within max_tokens)."""

@@ -178,7 +178,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     --api-server-count N > 1, in N child processes sharing the port (docs/server.md)."""
     from nanovllm.engine.core import CoreProcess
     from nanovllm.entrypoints.limits import fit_to_fd_limit, limits_from_args, raise_fd_limit, warn_open_host
-    from nanovllm.entrypoints.tools import ParserConfig
 
     if args.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
@@ -186,7 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("NANOVLLM_API_KEY")
     limits = fit_to_fd_limit(limits_from_args(args), raise_fd_limit())  # docs/server.md, limits
     warn_open_host(args.host, api_key, limits)
-    parsers = ParserConfig(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
+    parsers = parsers_from_args(args)
     kwargs = engine_kwargs(args)
     max_pending = args.max_pending_requests or 4 * max(args.max_num_seqs, 256)
     metrics_dir = None
@@ -210,6 +209,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
+def parsers_from_args(args: argparse.Namespace):
+    """The tool-call and reasoning parsers of `serve` (a ParserConfig)."""
+    from nanovllm.entrypoints.tools import ParserConfig
+
+    return ParserConfig(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
 
 
 def _run_frontends(cfg, count: int, core) -> int:
