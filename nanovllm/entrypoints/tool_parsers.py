@@ -107,7 +107,10 @@ def merge_deltas(deltas: list[ParsedDelta]) -> ParsedOutput:
 def held_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `marker` (text to
     hold back: the next delta may complete the marker)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+    start = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+    if start < 0:
+        return 0
+    for size in range(len(text) - start, 0, -1):
         if text.endswith(marker[:size]):
             return size
     return 0
@@ -128,10 +131,61 @@ class ObjectScan:
     name: str | None = None
     args_start: int | None = None
     args_end: int | None = None
+    args_tracker: "ValueEnd | None" = None
 
 
-def scan_call_object(text: str, start: int) -> ObjectScan:
-    """Scan the object that begins at text[start] == "{" as far as the text goes."""
+class ValueEnd:
+    """Where a JSON object, array or string that begins at `start` ends, found by reading each
+    character once however many times the growing text is asked about (brackets and quotes,
+    outside strings; escapes inside them). The value's own syntax is checked by raw_decode once
+    its end is found."""
+
+    _PLAIN = re.compile(r'[^"\\{}\[\]]+')
+    _PLAIN_IN_STRING = re.compile(r'[^"\\]+')
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.pos = start  # text before this has been read
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.end: int | None = None
+
+    def advance(self, text: str) -> int | None:
+        """One past the value's last character, or None while it is not finished."""
+        if self.end is not None:
+            return self.end
+        i, n = self.pos, len(text)
+        while i < n:
+            if self.escaped:
+                self.escaped, i = False, i + 1
+                continue
+            skip = (self._PLAIN_IN_STRING if self.in_string else self._PLAIN).match(text, i)
+            if skip is not None:
+                i = skip.end()
+                continue
+            c = text[i]
+            i += 1
+            if c == "\\":
+                self.escaped = self.in_string
+            elif c == '"':
+                self.in_string = not self.in_string
+                if not self.in_string and self.depth == 0:
+                    self.pos = self.end = i
+                    return i
+            elif not self.in_string:
+                self.depth += 1 if c in "{[" else -1
+                if self.depth == 0:
+                    self.pos = self.end = i
+                    return i
+        self.pos = i
+        return None
+
+
+def scan_call_object(text: str, start: int, args_end: ValueEnd | None = None) -> ObjectScan:
+    """Scan the object that begins at text[start] == "{" as far as the text goes. `args_end`:
+    the tracker of the arguments value from the last scan of this (shorter) text, so a long
+    unfinished value is not read again; a new one is stored in the returned scan."""
     scan = ObjectScan("partial")
     n = len(text)
     i = _WHITESPACE.match(text, start + 1).end()
@@ -160,6 +214,11 @@ def scan_call_object(text: str, start: int) -> ObjectScan:
             scan.args_start = i
         if i == n:
             return scan
+        if is_args and text[i] in '{["':
+            tracker = args_end if args_end is not None and args_end.start == i else ValueEnd(i)
+            scan.args_tracker = tracker
+            if tracker.advance(text) is None:
+                return scan  # unfinished
         try:
             value, j = _DECODER.raw_decode(text, i)
         except ValueError:
@@ -189,35 +248,33 @@ class _Calls:
         self.new_id = new_id
         self.count = 0  # calls finished
         self.begun = False  # the current call's name went out
-        self.sent = ""  # the current call's arguments sent so far
+        self.sent = 0  # characters of the current call's arguments sent so far
 
-    def step(self, name: str | None, arguments: str) -> list[ToolCallDelta]:
-        """Deltas for the current call, given its name (once known) and its arguments so far
-        (each a continuation of the last)."""
+    def step(self, name: str | None, text: str, start: int = 0, end: int | None = None) -> list[ToolCallDelta]:
+        """Deltas for the current call, given its name (once known) and its arguments so far,
+        text[start:end] (each time a continuation of the last: the text only grows)."""
         out = []
         if not self.begun:
             if name is None:
                 return out
             self.begun = True
             out.append(ToolCallDelta(self.count, self.new_id(), name, ""))
-        if len(arguments) > len(self.sent) and arguments.startswith(self.sent):
-            out.append(ToolCallDelta(self.count, arguments=arguments[len(self.sent):]))
-            self.sent = arguments
+        end = len(text) if end is None else end
+        if end - start > self.sent:
+            out.append(ToolCallDelta(self.count, arguments=text[start + self.sent:end]))
+            self.sent = end - start
         return out
 
     def object_step(self, text: str, scan: ObjectScan, final: bool) -> list[ToolCallDelta]:
         """Deltas for a call object scanned from `text`; `final`: the object's text is all there."""
-        arguments = ""
         if scan.args_start is not None:
-            arguments = text[scan.args_start:scan.args_end if scan.args_end is not None else len(text)]
-        elif final:
-            arguments = "{}"
-        return self.step(scan.name, arguments)
+            return self.step(scan.name, text, scan.args_start, scan.args_end)
+        return self.step(scan.name, "{}" if final else "")
 
     def close(self) -> None:
         if self.begun:
             self.count += 1
-        self.begun, self.sent = False, ""
+        self.begun, self.sent = False, 0
 
 
 class _Content:
@@ -268,6 +325,8 @@ class HermesToolParser(ToolParser):
         super().__init__(new_id)
         self._buffer = ""
         self._in_call = False
+        self._args_end: ValueEnd | None = None  # the current block's arguments tracker
+        self._searched = 0  # the block's text before this holds no end marker
 
     def feed(self, text: str) -> ParsedDelta:
         self._buffer += text
@@ -282,10 +341,11 @@ class HermesToolParser(ToolParser):
                     return out
                 out.content += self._content.add(self._buffer[:start])
                 self._buffer = self._buffer[start + len(self.START):]
-                self._in_call = True
+                self._in_call, self._searched = True, 0
                 continue
-            end = self._buffer.find(self.END)
+            end = self._buffer.find(self.END, self._searched)
             if end < 0:
+                self._searched = max(0, len(self._buffer) - len(self.END) + 1)
                 body = self._buffer[:len(self._buffer) - held_suffix(self._buffer, self.END)]
                 out.extend(self._call_step(body, final=False))
                 return out
@@ -306,7 +366,10 @@ class HermesToolParser(ToolParser):
     def _call_step(self, body: str, final: bool, closed: bool = False) -> ParsedDelta:
         out = ParsedDelta()
         first = _WHITESPACE.match(body).end()
-        scan = scan_call_object(body, first) if first < len(body) and body[first] == "{" else None
+        scan = None
+        if first < len(body) and body[first] == "{":
+            scan = scan_call_object(body, first, self._args_end)
+            self._args_end = scan.args_tracker
         if scan is not None:
             out.tool_calls = self._calls.object_step(body, scan, final)
             if self._calls.begun:
@@ -315,6 +378,7 @@ class HermesToolParser(ToolParser):
             if not self._calls.begun:  # no call in it: the block is content
                 out.content += self._content.add(self.START + body + (self.END if closed else ""))
             self._calls.close()
+            self._args_end = None
         return out
 
 
@@ -332,6 +396,7 @@ class JsonCallsParser(ToolParser):
         self.closer = closer
         self._buffer = ""
         self._state = "start"  # start -> between <-> object; -> content
+        self._args_end: ValueEnd | None = None  # the current object's arguments tracker
 
     def feed(self, text: str) -> ParsedDelta:
         self._buffer += text
@@ -340,7 +405,7 @@ class JsonCallsParser(ToolParser):
     def finish(self) -> ParsedDelta:
         out = self._advance(final=True)
         if self._state == "object":
-            scan = scan_call_object(self._buffer, 0)
+            scan = scan_call_object(self._buffer, 0, self._args_end)
             out.extend(self._end_object(scan, final=True))
         out.content += self._content.add(self._buffer)
         self._buffer = ""
@@ -385,7 +450,8 @@ class JsonCallsParser(ToolParser):
                     self._buffer = buf[1:]
                 self._state = "content"
                 continue
-            scan = scan_call_object(buf, 0)  # state "object"
+            scan = scan_call_object(buf, 0, self._args_end)  # state "object"
+            self._args_end = scan.args_tracker
             if scan.state == "partial":
                 out.tool_calls += self._calls.object_step(buf, scan, final=False)
                 return out
@@ -395,6 +461,7 @@ class JsonCallsParser(ToolParser):
         """The object at the buffer's start ended (complete, malformed, or the output ended)."""
         out = ParsedDelta()
         buf = self._buffer
+        self._args_end = None
         end = len(buf) if scan.state == "partial" else scan.end
         out.tool_calls = self._calls.object_step(buf[:end], scan, final)
         if self._calls.begun:
