@@ -73,6 +73,9 @@ def test_hermes_calls_whole_and_split():
     ('<tool_call>{"arguments": {}}</tool_call>', ('<tool_call>{"arguments": {}}</tool_call>', None, [])),
     # the output ends inside a block (max_tokens): the call as far as it got
     ('<tool_call>{"name": "f", "arguments": {"a": 1', (None, None, [("f", '{"a": 1')])),
+    # brackets and quotes inside strings, an escaped backslash before a closing quote
+    ('<tool_call>{"name": "f", "arguments": {"p": "C:\\\\", "q": [{"a": "]}"}, []]}}</tool_call>',
+     (None, None, [("f", '{"p": "C:\\\\", "q": [{"a": "]}"}, []]}')])),
     # a call without arguments has {}
     ('<tool_call>{"name": "f"}</tool_call>', (None, None, [("f", "{}")])),
     # the close marker inside a string ends the block (the first close wins, as in vLLM)
