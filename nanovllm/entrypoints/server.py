@@ -565,7 +565,8 @@ class OpenAIServer:
         except (TypeError, ValueError) as exc:
             raise bad_request(str(exc), param="chat_template_kwargs") from None
         messages = body.template_messages()
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        self._check_chars(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
+                          + len(json.dumps(plan.tools or "")), "messages")
         prompt_ids, prompt_tail = await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, self._chat_prompt, messages, body.add_generation_prompt, plan.tools, template_kwargs)
         max_tokens = body.requested_max_tokens
