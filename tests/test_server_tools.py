@@ -118,6 +118,24 @@ def test_malformed_tool_messages_are_refused_naming_them(tools_tokenizer, messag
         chat_prompt_ids(tools_tokenizer, messages)
 
 
+def test_offline_chat_passes_tools_to_the_template(qwen3_tiny):
+    from nanovllm import LLM, SamplingParams
+
+    llm = LLM(str(qwen3_tiny), device="cpu", max_model_len=512, num_kvcache_blocks=64)
+    try:
+        tok = llm.get_tokenizer()
+        tok.chat_template = QWEN_TOOLS_TEMPLATE
+        out = llm.chat(CONVERSATION, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False, tools=[WEATHER],
+                       chat_template_kwargs={"enable_thinking": False})[0]
+        assert out.prompt_token_ids == chat_prompt_ids(tok, CONVERSATION, tools=[WEATHER],
+                                                       template_kwargs={"enable_thinking": False})
+        assert json.dumps(WEATHER) in tok.decode(out.prompt_token_ids, skip_special_tokens=False)
+        with pytest.raises(ValueError, match=r"tools\[0\]\.function\.name"):
+            llm.chat(CONVERSATION, tools=[{"type": "function", "function": {"name": "two words"}}], use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
 # ---- a live server over a scripted engine --------------------------------------------------
 class ScriptedEngine:
     """An engine for the app that replies with `reply` (one text per sample), a few characters
