@@ -40,3 +40,37 @@ def test_sampling_params_takes_structured_outputs():
     assert not SamplingParams().edits_logits
     with pytest.raises(ValueError, match="SamplingParams.structured_outputs"):
         SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutputsParams(json={"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}),
+    StructuredOutputsParams(json='{"type": "string"}'),
+    StructuredOutputsParams(regex=r"\d+"),
+    StructuredOutputsParams(choice=["x", "y z"]),
+    StructuredOutputsParams(grammar='root ::= "a"'),
+    StructuredOutputsParams(json_object=True),
+])
+def test_structured_outputs_cross_to_the_core_intact(spec):
+    msgspec = pytest.importorskip("msgspec")
+    from nanovllm.engine.messages import AddRequest, FrontendMessage, params_from_wire, params_to_wire
+
+    p = SamplingParams(temperature=0.5, structured_outputs=spec)
+    wire = msgspec.msgpack.encode(AddRequest("r", [1, 2], params_to_wire(p)))
+    back = params_from_wire(msgspec.msgpack.Decoder(FrontendMessage).decode(wire).params)
+    assert back == p and back.structured_outputs.spec == spec.spec
+
+
+def test_response_format_and_structured_outputs_map_onto_the_params():
+    pytest.importorskip("fastapi")
+    from nanovllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+
+    schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}}
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}})
+    assert chat.sampling_params(16, None, 384, {}).structured_outputs == StructuredOutputsParams(json=schema)
+    done = CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
+    assert done.sampling_params(16, None, 384, {}).structured_outputs == StructuredOutputsParams(json_object=True)
+    vllm = CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}})
+    assert vllm.sampling_params(16, None, 384, {}).structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    text = CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "text"}})
+    assert text.sampling_params(16, None, 384, {}).structured_outputs is None
