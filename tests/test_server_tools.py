@@ -335,7 +335,8 @@ def test_serve_flags():
 
 # ---- end to end, with the grammar engine ---------------------------------------------------
 UNIT = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"], "additionalProperties": False}}}
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
 NOW = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {}, "additionalProperties": False}}}
 

@@ -91,7 +91,8 @@ def test_hermes_stream_shape():
     ids = itertools.count()
     parser = HermesToolParser(new_id=lambda: f"call_{next(ids)}")
     steps = []
-    for piece in ["<tool_call>", '{"name": "get_wea', 'ther", "argu', 'ments": {"city": ', '"Par', 'is"}}', "</tool_call>"]:
+    pieces = ["<tool_call>", '{"name": "get_wea', 'ther", "argu', 'ments": {"city": ', '"Par', 'is"}}', "</tool_call>"]
+    for piece in pieces:
         steps += parser.feed(piece).tool_calls
     steps += parser.finish().tool_calls
     assert [(s.index, s.id, s.name, s.arguments) for s in steps] == [
@@ -231,7 +232,8 @@ def test_bad_tool_requests_name_the_field(fields, param, words):
 
 
 def test_choice_parser_reasoning_then_tools():
-    text = '<think>Need weather.</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    text = ('<think>Need weather.</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+            '</tool_call>')
     config = ParserConfig("hermes", True, "qwen3")
     plan = ToolPlan("auto", [WEATHER])
     assert assert_every_split_agrees(lambda: ChoiceParser(plan, config), text) == (
