@@ -285,6 +285,16 @@ def test_tool_result_round_trip(hermes, tools_tokenizer):
     counted = http.post("/tokenize", json={"messages": CONVERSATION, "tools": [WEATHER]}).json()
     assert counted["tokens"] == prompt
 
+    # as docs/server.md shows it: the returned message object goes back into the conversation
+    engine.reply = ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>']
+    messages = CONVERSATION[:2]
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER])
+    call = r.choices[0].message.tool_calls[0]
+    messages = messages + [r.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    engine.reply = ["It is 18 C and sunny in Paris."]
+    client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER])
+    assert engine.prompts[-1] == prompt  # the same conversation as written out by hand
+
 
 @pytest.mark.parametrize("fields, param", [
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "send_mail"}}), "tool_choice"),
