@@ -116,3 +116,21 @@ def test_qwen3_30b_layer_shape_bf16(tokens):
     got = fused_moe.fused_moe(x, logits, w13, w2, 8, True)
     want = experts_reference(x, w13, w2, *route_reference(logits, 8, True))
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_padding_rows_skip_the_experts_and_give_zeros():
+    """Rows whose KV slot is -1 (CUDA-graph padding) are routed to no expert: their output is 0,
+    the other rows' equals the reference, and the grouping holds only the real rows' slots."""
+    tokens, experts, top_k = 6, 5, 2
+    x, logits, w13, w2 = make_inputs(tokens, experts, top_k, 32, 24, torch.float32)
+    slots = torch.tensor([7, 3, 12, -1, -1, -1], device=DEVICE)
+    weights, ids = fused_moe.route(logits, top_k, True, slots)
+    assert (ids[3:] == experts).all() and (weights[3:] == 0).all()
+    layout = fused_moe.align_by_expert(ids, experts, 16)
+    ends = layout.block_row_end.cpu().tolist()
+    real = [s for b, e in enumerate(layout.block_expert.cpu().tolist()) if e < experts
+            for s in layout.sorted_slots.cpu().tolist()[b * 16:ends[b]]]
+    assert sorted(real) == list(range(3 * top_k))
+    got = fused_moe.fused_moe(x, logits, w13, w2, top_k, True, slot_mapping=slots)
+    assert torch.equal(got[3:], torch.zeros_like(got[3:]))
+    torch.testing.assert_close(got[:3], moe_reference(x[:3], logits[:3], w13, w2, top_k, True), atol=1e-5, rtol=1e-5)

@@ -30,13 +30,15 @@ def greedy_tokens(llm: LLM, prompts, n: int = 12) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels interpreted on the CPU; with CUDA, "
+                    "test_fused_moe.py runs them compiled")
 @pytest.mark.parametrize("shape", [QWEN3_MOE, QWEN2_MOE], ids=["qwen3-moe", "qwen2-moe-shared-expert"])
 @torch.inference_mode()
 def test_model_with_fused_moe_matches_reference_path(checkpoint_factory, shape):
     """The Triton path (interpreted on the CPU) inside a whole model gives the torch path's logits."""
     pytest.importorskip("triton", reason="triton is not importable")
     path = checkpoint_factory(**shape)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cpu")
     model, config = load_model(path, torch.float32, device)
     bind_torch_caches(model, config.num_hidden_layers)
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
@@ -49,7 +51,7 @@ def test_model_with_fused_moe_matches_reference_path(checkpoint_factory, shape):
     for devices in [(), (device.type,)]:
         for moe in moes:
             moe.fused_devices = devices
-        results.append(model.compute_logits(model(torch.cat(prompts).to(device), positions.to(device), meta)))
+        results.append(model.compute_logits(model(torch.cat(prompts), positions, meta)))
     torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
 
 

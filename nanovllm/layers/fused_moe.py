@@ -19,7 +19,12 @@ S = T * top_k (token, choice) slots:
 3. `_gate_up_kernel`: per block of rows and of intermediate columns, x[token] @ w13[e].T for the
    gate and the up halves, then silu(gate) * up, into a [S, I] buffer (rows by slot).
 4. `_down_kernel`: per block, act[slot] @ w2[e].T times the slot's routing weight, into [S, H];
-   a torch sum over top_k gives [T, H].
+   `_sum_kernel` adds each token's top_k rows into [T, H].
+
+Padding rows: a CUDA-graph decode batch is padded to the captured size, and a padding row
+routed like a token would make the GEMMs read its experts' weights too (a lone sequence padded to
+8 rows read up to 64 experts per layer instead of 8). Given the step's KV slots, `route` sends
+rows whose slot is negative (padding) to no expert; they come out as zeros.
 
 Numerics follow the torch reference (layers/moe.py, as Hugging Face computes it): gate and up
 rounded to the activation dtype, SiLU rounded, then the product; the down projection rounded
@@ -74,8 +79,9 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEKernelCo
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, stride_l, E,
+    logits_ptr, weights_ptr, ids_ptr, slot_ptr, stride_l, E,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -96,12 +102,20 @@ def _route_kernel(
     if RENORMALIZE:
         values = values / tl.sum(tl.where(koffs < TOP_K, values, 0.0), axis=0)
     kmask = koffs < TOP_K
+    if HAS_SLOTS:  # a padding row (KV slot < 0) goes to no expert: id E, weight 0
+        padding = tl.load(slot_ptr + row + koffs * 0) < 0
+        ids = tl.where(padding, E, ids)
+        values = tl.where(padding, 0.0, values)
     tl.store(weights_ptr + row * TOP_K + koffs, values, mask=kmask)
     tl.store(ids_ptr + row * TOP_K + koffs, ids, mask=kmask)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, top_k] fp32, expert ids [T, top_k] int32) of softmax(router_logits)'s top_k."""
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] fp32, expert ids [T, top_k] int32) of softmax(router_logits)'s top_k.
+    With slot_mapping [T] (the step's KV slots), rows whose slot is negative are the padding of
+    a CUDA-graph batch: they get expert id E and weight 0, so no expert computes them."""
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"route: top_k={top_k} must be in [1, {num_experts}] (the experts)")
@@ -111,9 +125,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens:
         launch(
-            _route_kernel, (num_tokens,), router_logits, weights, ids, router_logits.stride(0), num_experts,
+            _route_kernel, (num_tokens,), router_logits, weights, ids,
+            slot_mapping if slot_mapping is not None else ids, router_logits.stride(0), num_experts,
             TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_K=triton.next_power_of_2(top_k),
+            BLOCK_K=triton.next_power_of_2(top_k), HAS_SLOTS=slot_mapping is not None,
         )
     return weights, ids
 
@@ -126,7 +141,7 @@ def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, S, E, BLOCK: tl.constexpr, E_PAD
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + offs, mask=offs < S, other=-1)
     experts = tl.arange(0, E_PAD)
-    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK, E_PAD]
+    onehot = ((ids[:, None] == experts[None, :]) & (experts[None, :] < E)).to(tl.int32)  # [BLOCK, E_PAD]; id E: none
     before = tl.cumsum(onehot, axis=0) - onehot  # same-expert slots earlier in this chunk
     rank_in_chunk = tl.sum(before * onehot, axis=1)
     counts = tl.sum(onehot, axis=0)
@@ -158,10 +173,10 @@ def _layout_kernel(
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, rank_ptr, padded_start_ptr, sorted_slots_ptr, S, BLOCK: tl.constexpr):
+def _scatter_kernel(ids_ptr, rank_ptr, padded_start_ptr, sorted_slots_ptr, S, E, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < S
-    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    ids = tl.load(ids_ptr + offs, mask=offs < S, other=E)
+    mask = (offs < S) & (ids < E)
     rank = tl.load(rank_ptr + offs, mask=mask, other=0)
     row = tl.load(padded_start_ptr + ids, mask=mask, other=0) + rank
     tl.store(sorted_slots_ptr + row, offs, mask=mask)
@@ -189,7 +204,8 @@ def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
 
 
 def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
-    """Group the slots of `expert_ids` ([T, top_k] int32, slot = token * top_k + choice) by expert."""
+    """Group the slots of `expert_ids` ([T, top_k] int32, slot = token * top_k + choice) by
+    expert; slots of id num_experts (padding rows) are left out."""
     flat = expert_ids.reshape(-1)
     num_slots, device = flat.numel(), flat.device
     num_blocks = max_blocks(num_slots, num_experts, block_m)
@@ -208,7 +224,8 @@ def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
         BLOCK_M=block_m, E_PAD=e_pad, BLOCK_B=max(16, min(128, 4096 // e_pad)),
     )
     if num_slots:
-        launch(_scatter_kernel, (chunks,), flat, rank, padded_start, sorted_slots, num_slots, BLOCK=ALIGN_CHUNK)
+        launch(_scatter_kernel, (chunks,), flat, rank, padded_start, sorted_slots, num_slots, num_experts,
+               BLOCK=ALIGN_CHUNK)
     return ExpertLayout(sorted_slots, block_expert, block_row_end, block_m)
 
 
@@ -307,6 +324,19 @@ def _down_kernel(
     tl.store(out_ptr + slots[:, None] * stride_ot + offs_n[None, :], out.to(dtype), mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _sum_kernel(down_ptr, ids_ptr, out_ptr, H, E, stride_dt, stride_ot, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over j of down[t * TOP_K + j], over the choices that went to an expert."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        routed = tl.load(ids_ptr + token * TOP_K + j + offs * 0) < E
+        acc += tl.load(down_ptr + (token * TOP_K + j) * stride_dt + offs, mask=(offs < H) & routed, other=0.0).to(
+            tl.float32)
+    tl.store(out_ptr + token * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < H)
+
+
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
     if x.dtype not in SUPPORTED_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"fused_moe: x, w13 and w2 must share one of float32/float16/bfloat16, got "
@@ -323,7 +353,8 @@ def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     config: MoEKernelConfig | None = None,
 ) -> torch.Tensor:
-    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token: [T, H]."""
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token: [T, H] (an id
+    of E, a padding row's, adds nothing)."""
     _check(x, w13, w2)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
@@ -355,13 +386,18 @@ def fused_experts(
         hidden, inter, num_experts, act.stride(0), w2.stride(0), w2.stride(1), down.stride(0),
         IEEE=ieee, **tiles,
     )
-    return down.view(num_tokens, top_k, hidden).sum(dim=1)
+    out = torch.empty_like(x)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    launch(_sum_kernel, (num_tokens, triton.cdiv(hidden, block_h)), down, topk_ids, out, hidden, num_experts,
+           down.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h)
+    return out
 
 
 def fused_moe(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-    renormalize: bool, config: MoEKernelConfig | None = None,
+    renormalize: bool, config: MoEKernelConfig | None = None, slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The whole MoE MLP for x [T, H]: route, then `fused_experts`."""
-    weights, ids = route(router_logits, top_k, renormalize)
+    """The whole MoE MLP for x [T, H]: route, then `fused_experts`. Padding rows (slot_mapping
+    < 0) give zeros."""
+    weights, ids = route(router_logits, top_k, renormalize, slot_mapping)
     return fused_experts(x, w13, w2, weights, ids, config)

@@ -18,6 +18,8 @@ by expert. Tests add "cpu" to `fused_devices` to run the kernels under TRITON_IN
 """
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 
 import torch
@@ -61,6 +63,29 @@ def moe_reference(
     return experts_reference(x, w13, w2, weights, ids)
 
 
+def kernel_config_from_env() -> Callable[[int], object] | None:
+    """The fused kernels' block sizes from the JSON file NANOVLLM_MOE_CONFIG names (what
+    `benchmarks/moe_bench.py --sweep` writes): {"<tokens>": {"block_m": .., "block_n": ..,
+    "block_k": .., "num_warps": .., "num_stages": ..}, ...}; a step of T tokens takes the entry of
+    the smallest key >= T, else the largest. None (the kernels' own choice) when unset. Read when
+    the model is built."""
+    path = os.environ.get("NANOVLLM_MOE_CONFIG")
+    if not path:
+        return None
+    from nanovllm.layers.fused_moe import MoEKernelConfig
+
+    with open(path) as f:
+        table = {int(tokens): MoEKernelConfig(**config) for tokens, config in json.load(f).items()}
+    if not table:
+        raise ValueError(f"NANOVLLM_MOE_CONFIG={path!r} lists no configurations")
+    keys = sorted(table)
+
+    def pick(num_tokens: int) -> object:
+        return table[next((k for k in keys if k >= num_tokens), keys[-1])]
+
+    return pick
+
+
 class FusedMoE(nn.Module):
     """`moe(x [T, H], router_logits [T, E]) -> [T, H]`, summed over tensor-parallel ranks.
 
@@ -95,7 +120,7 @@ class FusedMoE(nn.Module):
             param.weight_loader = self.weight_loader
         self.checkpoint_names = dict(zip(PARTS, checkpoint_names))
         self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
-        self.kernel_config: Callable[[int], object] | None = None
+        self.kernel_config: Callable[[int], object] | None = kernel_config_from_env() if fused else None
 
     def checkpoint_tensors(self) -> dict[str, tuple[str, tuple[int, str]]]:
         """Checkpoint tensor name (relative to this module) -> (our parameter, shard id)."""
@@ -123,12 +148,16 @@ class FusedMoE(nn.Module):
         offset = 0 if part == "gate" else local
         param.data[expert].narrow(0, offset, local).copy_(loaded_weight.narrow(0, self.tp_rank * local, local))
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, router_logits: torch.Tensor, slot_mapping: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """slot_mapping: the step's KV slots; rows with a negative slot are padding (CUDA-graph
+        batches), which the fused path leaves out (zeros) and the reference computes anyway."""
         if x.device.type in self.fused_devices:
             from nanovllm.layers.fused_moe import fused_moe  # triton is optional; imported only where it runs
 
             config = self.kernel_config(x.shape[0]) if self.kernel_config is not None else None
-            out = fused_moe(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize, config)
+            out = fused_moe(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize, config, slot_mapping)
         else:
             out = moe_reference(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
         return all_reduce(out)

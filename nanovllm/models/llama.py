@@ -113,6 +113,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, options, rotary_emb, fused)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, options, fused)
+        self.mlp_reads_metadata = bool(getattr(self.mlp, "wants_step_metadata", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
@@ -125,6 +126,8 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, meta)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        if self.mlp_reads_metadata:
+            return self.mlp(hidden_states, meta), residual
         return self.mlp(hidden_states), residual
 
 

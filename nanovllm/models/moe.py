@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.moe import FusedMoE
 from nanovllm.models.llama import DecoderOptions, LlamaForCausalLM, LlamaMLP
@@ -50,8 +51,10 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+    wants_step_metadata = True  # the decoder layer passes the step's metadata (padding rows)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        out = self.experts(x, self.gate(x), meta.slot_mapping if meta is not None else None)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
