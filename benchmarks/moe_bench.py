@@ -79,7 +79,7 @@ def candidates(num_tokens: int):
         yield MoEKernelConfig(bm, bn, bk, warps, stages)
 
 
-def sweep(out_path: str) -> dict:
+def sweep(out_path: str, token_counts: list[int]) -> dict:
     """Best block configuration of the fused expert GEMMs per token count, by CUDA-graph time."""
     import torch
 
@@ -94,7 +94,7 @@ def sweep(out_path: str) -> dict:
     w2 = (torch.randn(experts, hidden, inter, device=dev) * 0.02).to(dtype)
     weight_bytes = (w13.numel() + w2.numel()) * 2
     best: dict[str, dict] = {}
-    for tokens in DECODE_TOKENS + PREFILL_TOKENS:
+    for tokens in token_counts:
         x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
         weights, ids = route(torch.randn(tokens, experts, device=dev), top_k, True)
         touched = min(experts, len(torch.unique(ids))) / experts
@@ -118,6 +118,26 @@ def sweep(out_path: str) -> dict:
     return best
 
 
+def profile_decode(llm, batch: int, replays: int = 20) -> None:
+    """GPU time per kernel of the per-op decode graph of `batch` rows (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = llm.engine.executor.runner.graph_runner
+    size = graphs.graph_size(batch)
+    graphs.slot_mapping[:size] = -1
+    graphs.slot_mapping[:batch] = torch.arange(batch, device=graphs.slot_mapping.device)
+    graphs.seq_lens[:batch] = 128
+    graphs.graphs[size].replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graphs.graphs[size].replay()
+        torch.cuda.synchronize()
+    print(f"decode graph of {size} rows ({batch} real), per replay:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default="/tmp/qwen3-30b-a3b-shape", help="where config.json is written")
@@ -129,11 +149,15 @@ def main() -> None:
     ap.add_argument("--decode-burst", type=int, default=None,
                     help="decode steps per engine step for the single stream (default: the engine's)")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--profile-decode", type=int, default=0, metavar="ROWS",
+                    help="print the decode graph's GPU time per kernel for ROWS real rows, then stop")
+    ap.add_argument("--sweep-tokens", default=None, help="comma-separated token counts for --sweep (default: all)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
     if args.sweep or args.sweep_only:
-        sweep(args.sweep_out)
+        tokens = [int(t) for t in args.sweep_tokens.split(",")] if args.sweep_tokens else DECODE_TOKENS + PREFILL_TOKENS
+        sweep(args.sweep_out, tokens)
         if args.sweep_only:
             return
     from bench import CompileLog, run_w1, run_w5
@@ -149,6 +173,9 @@ def main() -> None:
     startup = {"since_process_start_s": ready - PROCESS_START, "llm_init_s": ready - t0,
                **{k: round(v, 2) for k, v in runner.startup_seconds.items()}}
     print("startup", json.dumps(startup), flush=True)
+    if args.profile_decode:
+        profile_decode(llm, args.profile_decode)
+        return
     report = {"startup": startup, "moe_config": os.environ.get("NANOVLLM_MOE_CONFIG")}
     if not args.skip_w6:
         report["w6"] = run_w1(llm, 1, compiles)

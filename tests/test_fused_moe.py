@@ -134,3 +134,16 @@ def test_padding_rows_skip_the_experts_and_give_zeros():
     got = fused_moe.fused_moe(x, logits, w13, w2, top_k, True, slot_mapping=slots)
     assert torch.equal(got[3:], torch.zeros_like(got[3:]))
     torch.testing.assert_close(got[:3], moe_reference(x[:3], logits[:3], w13, w2, top_k, True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, top_k", [(8, 8), (9, 8)], ids=["one-slot-per-block", "grouped"])
+def test_small_and_large_batches_around_the_layout_switch(tokens, top_k):
+    """Up to 64 slots each slot gets its own block from the routing launch; above, the slots are
+    grouped by expert. Both give the reference, padding rows included."""
+    x, logits, w13, w2 = make_inputs(tokens, 11, top_k, 32, 24, torch.float32)
+    slots = torch.arange(tokens, device=DEVICE)
+    slots[-2:] = -1
+    got = fused_moe.fused_moe(x, logits, w13, w2, top_k, False, slot_mapping=slots)
+    assert torch.equal(got[-2:], torch.zeros_like(got[-2:]))
+    want = moe_reference(x[:-2], logits[:-2], w13, w2, top_k, False)
+    torch.testing.assert_close(got[:-2], want, atol=1e-5, rtol=1e-5)

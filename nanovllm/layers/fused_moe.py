@@ -7,7 +7,8 @@ S = T * top_k (token, choice) slots:
 1. `route`: one program per token: softmax of the router logits in fp32, the top_k largest
    (ties to the lower expert id, as torch.topk), optionally renormalised to sum to 1. Gives
    weights [T, top_k] fp32 and expert ids [T, top_k] int32.
-2. `align_by_expert` (vLLM's moe_align_block_size, written here): the S slots grouped by expert,
+2. `align_by_expert` (vLLM's moe_align_block_size, written here; for S <= 64, instead, `route`
+   gives each slot a block of its own): the S slots grouped by expert,
    each expert's group padded to a multiple of BLOCK_M, so that every block of BLOCK_M rows
    belongs to one expert. Three launches: per chunk of slots, each slot's rank within its
    expert (a one-hot cumsum inside the chunk plus an atomic add of the chunk's counts); one
@@ -46,6 +47,10 @@ from nanovllm.precompile import launch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ALIGN_CHUNK = 64  # slots per program in the rank and scatter launches
+# Up to this many slots (a decode graph of 8 rows at top-8), each slot takes a block of its own,
+# laid out by the routing launch: the grouping's four launches cost more than the few experts
+# two slots share would save.
+ONE_SLOT_PER_BLOCK_MAX_SLOTS = 64
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, slot_ptr, stride_l, E,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
+    sorted_slots_ptr, block_expert_ptr, block_row_end_ptr, LAYOUT_BLOCK_M: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -108,28 +114,50 @@ def _route_kernel(
         values = tl.where(padding, 0.0, values)
     tl.store(weights_ptr + row * TOP_K + koffs, values, mask=kmask)
     tl.store(ids_ptr + row * TOP_K + koffs, ids, mask=kmask)
+    if LAYOUT_BLOCK_M > 0:  # one block per slot (small batches): no grouping launches
+        slots = row * TOP_K + koffs
+        tl.store(sorted_slots_ptr + slots * LAYOUT_BLOCK_M, slots.to(tl.int32), mask=kmask)
+        tl.store(block_expert_ptr + slots, ids, mask=kmask)
+        tl.store(block_row_end_ptr + slots, (slots * LAYOUT_BLOCK_M + 1).to(tl.int32), mask=kmask)
 
 
 def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None = None
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None = None,
+    layout_block_m: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] fp32, expert ids [T, top_k] int32) of softmax(router_logits)'s top_k.
     With slot_mapping [T] (the step's KV slots), rows whose slot is negative are the padding of
-    a CUDA-graph batch: they get expert id E and weight 0, so no expert computes them."""
+    a CUDA-graph batch: they get expert id E and weight 0, so no expert computes them.
+    layout_block_m > 0: also returns the `ExpertLayout` of one block per slot (block s holds slot
+    s alone), which small batches use instead of `align_by_expert`'s grouping."""
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"route: top_k={top_k} must be in [1, {num_experts}] (the experts)")
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    device = router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    num_slots = num_tokens * top_k
+    layout = None
+    if layout_block_m:
+        layout = ExpertLayout(
+            torch.empty(num_slots * layout_block_m, dtype=torch.int32, device=device),
+            torch.empty(num_slots, dtype=torch.int32, device=device),
+            torch.empty(num_slots, dtype=torch.int32, device=device),
+            layout_block_m,
+        )
     if num_tokens:
         launch(
             _route_kernel, (num_tokens,), router_logits, weights, ids,
             slot_mapping if slot_mapping is not None else ids, router_logits.stride(0), num_experts,
             TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
             BLOCK_K=triton.next_power_of_2(top_k), HAS_SLOTS=slot_mapping is not None,
+            sorted_slots_ptr=layout.sorted_slots if layout else ids, block_expert_ptr=layout.block_expert if layout else ids,
+            block_row_end_ptr=layout.block_row_end if layout else ids, LAYOUT_BLOCK_M=layout_block_m,
         )
+    if layout is not None:
+        return weights, ids, layout
     return weights, ids
 
 
@@ -351,7 +379,7 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
 
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    config: MoEKernelConfig | None = None,
+    config: MoEKernelConfig | None = None, layout: ExpertLayout | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token: [T, H] (an id
     of E, a padding row's, adds nothing)."""
@@ -364,7 +392,10 @@ def fused_experts(
     if x.stride(-1) != 1:
         x = x.contiguous()
     config = config or default_config(num_tokens, num_experts, top_k)
-    layout = align_by_expert(topk_ids, num_experts, config.block_m)
+    if layout is None:
+        layout = align_by_expert(topk_ids, num_experts, config.block_m)
+    elif layout.block_m != config.block_m:
+        raise ValueError(f"fused_experts: layout.block_m={layout.block_m} != config.block_m={config.block_m}")
     num_slots = num_tokens * top_k
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
@@ -399,5 +430,10 @@ def fused_moe(
 ) -> torch.Tensor:
     """The whole MoE MLP for x [T, H]: route, then `fused_experts`. Padding rows (slot_mapping
     < 0) give zeros."""
+    num_tokens, num_experts = router_logits.shape
+    config = config or default_config(num_tokens, num_experts, top_k)
+    if num_tokens * top_k <= ONE_SLOT_PER_BLOCK_MAX_SLOTS:
+        weights, ids, layout = route(router_logits, top_k, renormalize, slot_mapping, layout_block_m=config.block_m)
+        return fused_experts(x, w13, w2, weights, ids, config, layout)
     weights, ids = route(router_logits, top_k, renormalize, slot_mapping)
     return fused_experts(x, w13, w2, weights, ids, config)
