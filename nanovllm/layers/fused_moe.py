@@ -164,7 +164,9 @@ def route(
 # ---- 2. grouping by expert ---------------------------------------------------------------------
 
 
-@triton.jit
+# Counts that change with the batch are not specialised on (Triton would compile a variant for
+# each divisibility by 16 mid-run); shapes fixed by the model still are.
+@triton.jit(do_not_specialize=["S"])
 def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, S, E, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + offs, mask=offs < S, other=-1)
@@ -178,7 +180,7 @@ def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, S, E, BLOCK: tl.constexpr, E_PAD
     tl.store(rank_ptr + offs, base + rank_in_chunk, mask=offs < S)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])
 def _layout_kernel(
     counts_ptr, padded_start_ptr, block_expert_ptr, block_row_end_ptr, E, num_blocks,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -200,7 +202,7 @@ def _layout_kernel(
         tl.store(block_row_end_ptr + blocks, row_end, mask=blocks < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _scatter_kernel(ids_ptr, rank_ptr, padded_start_ptr, sorted_slots_ptr, S, E, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + offs, mask=offs < S, other=E)
