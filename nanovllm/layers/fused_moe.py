@@ -70,13 +70,16 @@ class MoEKernelConfig:
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEKernelConfig:
     """Block sizes by the average rows each expert gets: small blocks for decode, where every
-    expert holds a few rows and the weights' bytes dominate, larger ones for prefill."""
+    expert holds a few rows and the weights' bytes dominate, large ones for prefill. The best of
+    `benchmarks/moe_bench.py --sweep` on an H200 at the Qwen3-30B-A3B shape (docs/benchmarks.md)."""
     rows_per_expert = num_tokens * top_k / num_experts
-    if rows_per_expert <= 16:
+    if rows_per_expert < 16:
         return MoEKernelConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if rows_per_expert < 32:
+        return MoEKernelConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if rows_per_expert <= 64:
         return MoEKernelConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
-    return MoEKernelConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return MoEKernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 # ---- 1. routing ------------------------------------------------------------------------------
