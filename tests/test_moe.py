@@ -120,3 +120,18 @@ def test_persistent_kernel_declines_moe_models(checkpoint_factory):
     assert unsupported_reason(model) == "mixture-of-experts MLP layers"
     dense, _ = load_model(checkpoint_factory("qwen3"), torch.float32, torch.device("cpu"))
     assert unsupported_reason(dense) is None
+
+
+def test_reference_without_host_reads_gives_the_same_sum():
+    """The reference as it runs off the CPU (every expert on every token, no host sync) equals
+    the one that runs only the chosen experts."""
+    from nanovllm.layers import moe
+
+    gen = torch.Generator().manual_seed(0)
+    x, logits = torch.randn(6, 16, generator=gen), torch.randn(6, 5, generator=gen)
+    w13, w2 = torch.randn(5, 24, 16, generator=gen), torch.randn(5, 16, 12, generator=gen)
+    weights, ids = moe.route_reference(logits, 2, True)
+    sparse = moe.experts_reference(x, w13, w2, weights, ids, host_sync=True)
+    dense = moe.experts_reference(x, w13, w2, weights, ids, host_sync=False)
+    torch.testing.assert_close(dense, sparse, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(sparse, torch.zeros_like(sparse))

@@ -43,11 +43,21 @@ def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) 
 
 
 def experts_reference(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    host_sync: bool | None = None,
 ) -> torch.Tensor:
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), expert by expert (reads the ids on the host)."""
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), expert by expert in ascending order, as
+    transformers adds them. host_sync (default: on the CPU): only the experts chosen run, their
+    ids read on the host; otherwise every expert runs on every token with weight 0 where not
+    chosen, which adds exact zeros and never syncs the host (CUDA graphs capture it)."""
     out = torch.zeros_like(x)
     weights = weights.to(x.dtype)
+    if not (x.device.type == "cpu" if host_sync is None else host_sync):
+        for expert in range(w13.shape[0]):
+            gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
+            routed = (weights * (ids == expert)).sum(dim=-1, keepdim=True)
+            out += F.linear(F.silu(gate) * up, w2[expert]) * routed
+        return out
     for expert in ids.unique().tolist():
         token, choice = torch.where(ids == expert)
         gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
