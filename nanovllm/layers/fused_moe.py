@@ -82,6 +82,22 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEKernelCo
     return MoEKernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Slots grouped by expert in blocks of block_m rows. Row r of block b holds slot
+    sorted_slots[b * block_m + r] when b * block_m + r < block_row_end[b]; block_expert[b] is the
+    block's expert, or E for blocks past the last expert's (they compute nothing)."""
+
+    sorted_slots: torch.Tensor  # [num_blocks * block_m] int32
+    block_expert: torch.Tensor  # [num_blocks] int32
+    block_row_end: torch.Tensor  # [num_blocks] int32
+    block_m: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_expert.numel()
+
+
 # ---- 1. routing ------------------------------------------------------------------------------
 
 
@@ -125,14 +141,27 @@ def _route_kernel(
 
 
 def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None = None,
-    layout_block_m: int = 0,
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] fp32, expert ids [T, top_k] int32) of softmax(router_logits)'s top_k.
     With slot_mapping [T] (the step's KV slots), rows whose slot is negative are the padding of
-    a CUDA-graph batch: they get expert id E and weight 0, so no expert computes them.
-    layout_block_m > 0: also returns the `ExpertLayout` of one block per slot (block s holds slot
-    s alone), which small batches use instead of `align_by_expert`'s grouping."""
+    a CUDA-graph batch: they get expert id E and weight 0, so no expert computes them."""
+    weights, ids, _ = _route(router_logits, top_k, renormalize, slot_mapping, 0)
+    return weights, ids
+
+
+def route_one_slot_per_block(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout]:
+    """`route`, plus the `ExpertLayout` of one block per slot (block s holds slot s alone) from
+    the same launch: what small batches use instead of `align_by_expert`'s grouping."""
+    return _route(router_logits, top_k, renormalize, slot_mapping, block_m)
+
+
+def _route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None,
+    layout_block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout | None]:
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"route: top_k={top_k} must be in [1, {num_experts}] (the experts)")
@@ -156,12 +185,11 @@ def route(
             slot_mapping if slot_mapping is not None else ids, router_logits.stride(0), num_experts,
             TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
             BLOCK_K=triton.next_power_of_2(top_k), HAS_SLOTS=slot_mapping is not None,
-            sorted_slots_ptr=layout.sorted_slots if layout else ids, block_expert_ptr=layout.block_expert if layout else ids,
+            sorted_slots_ptr=layout.sorted_slots if layout else ids,  # unused without a layout
+            block_expert_ptr=layout.block_expert if layout else ids,
             block_row_end_ptr=layout.block_row_end if layout else ids, LAYOUT_BLOCK_M=layout_block_m,
         )
-    if layout is not None:
-        return weights, ids, layout
-    return weights, ids
+    return weights, ids, layout
 
 
 # ---- 2. grouping by expert ---------------------------------------------------------------------
@@ -213,22 +241,6 @@ def _scatter_kernel(ids_ptr, rank_ptr, padded_start_ptr, sorted_slots_ptr, S, E,
     rank = tl.load(rank_ptr + offs, mask=mask, other=0)
     row = tl.load(padded_start_ptr + ids, mask=mask, other=0) + rank
     tl.store(sorted_slots_ptr + row, offs, mask=mask)
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Slots grouped by expert in blocks of block_m rows. Row r of block b holds slot
-    sorted_slots[b * block_m + r] when b * block_m + r < block_row_end[b]; block_expert[b] is the
-    block's expert, or E for blocks past the last expert's (they compute nothing)."""
-
-    sorted_slots: torch.Tensor  # [num_blocks * block_m] int32
-    block_expert: torch.Tensor  # [num_blocks] int32
-    block_row_end: torch.Tensor  # [num_blocks] int32
-    block_m: int
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_expert.numel()
 
 
 def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -438,7 +450,7 @@ def fused_moe(
     num_tokens, num_experts = router_logits.shape
     config = config or default_config(num_tokens, num_experts, top_k)
     if num_tokens * top_k <= ONE_SLOT_PER_BLOCK_MAX_SLOTS:
-        weights, ids, layout = route(router_logits, top_k, renormalize, slot_mapping, layout_block_m=config.block_m)
+        weights, ids, layout = route_one_slot_per_block(router_logits, top_k, renormalize, slot_mapping, config.block_m)
         return fused_experts(x, w13, w2, weights, ids, config, layout)
     weights, ids = route(router_logits, top_k, renormalize, slot_mapping)
     return fused_experts(x, w13, w2, weights, ids, config)
