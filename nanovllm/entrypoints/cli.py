@@ -53,6 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                    help="vLLM's flag: 'auto' (default) takes the model's sampling defaults (generation_config.json "
                         "or GGUF general.sampling.* metadata) for every sampling option not given; 'none' ignores them")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="'dummy': random weights from config.json alone, no checkpoint read (benchmarks)")
     g.add_argument("--quantization", default=None, choices=["int4"],
                    help="CPU only: int4 weights with bf16 activations (faster single-stream decode, approximate)")
 
@@ -63,6 +65,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens", "kvcache_block_size", "num_kvcache_blocks", "gpu_memory_utilization",
         "enable_prefix_caching", "enforce_eager", "seed", "async_scheduling", "persistent_decode", "decode_burst",
         "quantization", "nnodes", "master_addr", "master_port", "join_timeout_s", "generation_config",
+        "load_format",
     )
     return {n: getattr(args, n) for n in names}
 

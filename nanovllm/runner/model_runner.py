@@ -21,6 +21,7 @@ from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator, step_seed
+from nanovllm.loaders.dummy import init_dummy_weights
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
 from nanovllm.precompile import precompiling
@@ -62,7 +63,10 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         variant = f"{model_cls.__name__}-{str(self.dtype).removeprefix('torch.')}-tp{rank}of{config.tensor_parallel_size}"
-        source.load_into(self.model, variant)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            source.load_into(self.model, variant)
         self.model.eval()
         if config.quantization == "int4":
             self._quantize_int4()
