@@ -20,6 +20,7 @@ from nanovllm.attention.backend import bind_kv_cache, get_backend
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
+from nanovllm.layers.host_copy import to_device
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator, step_seed
 from nanovllm.loaders.dummy import init_dummy_weights
 from nanovllm.loaders.source import ModelSource
@@ -434,7 +435,8 @@ class ModelRunner:
         if banned:
             r, c = zip(*banned)
             logits = logits.float()
-            logits[torch.tensor(r, device=logits.device), torch.tensor(c, device=logits.device)] = float("-inf")
+            index = to_device(torch.tensor([r, c], dtype=torch.int64), logits.device)
+            logits[index[0], index[1]] = float("-inf")
         params = [s.params for s in rows]
         step_seeds = None
         if self.sampler.wants_step_seeds(params, self.device):
