@@ -262,12 +262,13 @@ class FakeGraphs:
     def has_single(self) -> bool:
         return self.single_graph is not None
 
-    def capture(self, step, burst=1, one_launch=False) -> None:
+    def capture(self, step, burst=1, one_launch=False, filtered_step=None) -> None:
         if self.fail:
             raise RuntimeError("capture failed")
         self.single_graph = step
         self.burst = burst
         self.one_launch = one_launch
+        self.filtered_step = filtered_step
 
 
 def fastpath_with_background_compile(graphs: FakeGraphs, dry_pass):
@@ -291,6 +292,7 @@ def test_background_compile_is_adopted_or_leaves_the_per_op_path(caplog):
     assert ran == [True] and fast.graphs.single_graph == fast._lone_step and fast.decoder is decoder
     assert fast.graphs.burst == 8  # the default decode burst's graph is captured with it
     assert fast.graphs.one_launch  # in one launch, as the decoder can (multi_step)
+    assert fast.graphs.filtered_step == fast._lone_filtered_step  # and the filtered streams' graphs
     fast.finish_background_compile()  # nothing left to do
     assert ran == [True]
 
