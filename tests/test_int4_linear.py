@@ -161,6 +161,8 @@ def test_int4_weights_of_the_embedded_q4_1_file_are_its_own(tmp_path):
     runner = llm.engine.executor.runner
     assert runner.quantization == "int4" and runner.dtype == torch.bfloat16
     assert isinstance(model_layer(runner.model).mlp.down_proj.weight, Int4Weight)
+    head = runner.model.lm_head  # dense, multiplied in fp32: bf16 matmuls are slow without native bf16
+    assert head.fp32_weight.dtype == torch.float32 and torch.equal(head.fp32_weight, head.weight.float())
     prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert out[0]["text"].startswith("The capital of France is Paris")

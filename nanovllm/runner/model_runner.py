@@ -68,6 +68,7 @@ class ModelRunner:
         variant = f"{model_cls.__name__}-{str(self.dtype).removeprefix('torch.')}-tp{rank}of{config.tensor_parallel_size}"
         if self.quantization == "int4":
             self.model = source.load_model(build, variant + "-int4", convert=self._quantize_int4)
+            self.model.lm_head.compute_in_fp32()  # the LM head stays dense: layers/linear.py, quantize_int4
         else:
             self.model = source.load_model(build, variant)
         self.model.eval()
