@@ -135,6 +135,23 @@ def test_bad_quantization_settings_are_refused(kwargs, message):
         EngineConfig(model=None, **kwargs)
 
 
+def test_int4_is_the_default_only_for_a_quantized_gguf_on_one_cpu_rank():
+    from types import SimpleNamespace
+
+    from nanovllm.config import EngineConfig
+    from nanovllm.runner.device import resolve_quantization
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    quantized, dense = SimpleNamespace(gguf_quantized=True), SimpleNamespace()
+    assert resolve_quantization(EngineConfig(), quantized, cpu) == "int4"
+    assert resolve_quantization(EngineConfig(), dense, cpu) is None  # safetensors, F32/F16 GGUF
+    assert resolve_quantization(EngineConfig(), quantized, cuda) is None
+    assert resolve_quantization(EngineConfig(dtype="float32"), quantized, cpu) is None
+    assert resolve_quantization(EngineConfig(dtype="bfloat16"), quantized, cpu) is None
+    assert resolve_quantization(EngineConfig(tensor_parallel_size=2), quantized, cpu) is None
+    assert resolve_quantization(EngineConfig(quantization="int4"), dense, cpu) == "int4"
+
+
 def test_int4_weights_of_the_embedded_q4_1_file_are_its_own(tmp_path):
     """On the embedded GGUF model (Q4_1 projections): every code is the file's (dequantized in
     fp32, the weights are exactly codes * d + m, so fp32 scale/offset reconstruct them with no
