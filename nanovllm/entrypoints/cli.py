@@ -54,7 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="vLLM's flag: 'auto' (default) takes the model's sampling defaults (generation_config.json "
                         "or GGUF general.sampling.* metadata) for every sampling option not given; 'none' ignores them")
     g.add_argument("--quantization", default=None, choices=["int4"],
-                   help="CPU only: int4 weights with bf16 activations (faster single-stream decode, approximate)")
+                   help="CPU only: int4 weights with bf16 activations (faster single-stream decode, approximate); "
+                        "the default for a quantized GGUF file at --dtype auto (--dtype float32: the fp32 model)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
