@@ -21,6 +21,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # W5-chat's sampling settings: Qwen3's generation_config.json.
 W5_CHAT = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+# W5's stream under other sampling settings (--w5-modes): each runs as W5 does, one after another.
+W5_MODES = {
+    "greedy": {"temperature": 0.0},
+    "chat": dict(W5_CHAT),
+    "chat-seed": dict(W5_CHAT, seed=1234),
+    "top-p": {"temperature": 0.6, "top_p": 0.9},
+    "min-p": {"temperature": 1.0, "min_p": 0.1},
+    "chat-presence": dict(W5_CHAT, presence_penalty=0.5),
+}
 
 
 def w1_requests():
@@ -180,6 +189,8 @@ def main() -> None:
                     help="W5-chat: W5 sampling with Qwen3's defaults (temperature 0.6, top_p 0.95, top_k 20)")
     ap.add_argument("--w5-presence-penalty", type=float, default=0.0, help="added to W5's sampling settings")
     ap.add_argument("--w5-seed", type=int, default=None, help="W5's request seed")
+    ap.add_argument("--w5-modes", default=None,
+                    help=f"comma-separated sampling modes, each measured as W5 is, in one engine: {', '.join(W5_MODES)}")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args()
 
@@ -206,6 +217,13 @@ def main() -> None:
     report = {"startup": startup, "device": _device_name(), "make_model_s": t_import - t_start}
     if args.workload in ("w1", "all"):
         report["w1"] = run_w1(llm, args.runs, compiles)
+    if args.w5_modes:
+        report["w5_modes"] = {}
+        for mode in args.w5_modes.split(","):
+            r = run_w5(llm, args.runs, W5_MODES[mode])
+            report["w5_modes"][mode] = r
+            print(f"W5 mode {mode} {W5_MODES[mode]}: decode {r['median_decode_tok_per_s']:.0f} tok/s, "
+                  f"TTFT {r['median_ttft_ms']:.1f} ms", flush=True)
     if args.workload in ("w5", "all"):
         sampling = dict(W5_CHAT) if args.w5_chat else {"temperature": args.w5_temperature}
         if args.w5_presence_penalty:

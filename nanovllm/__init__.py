@@ -5,13 +5,13 @@ can be used and tested without importing torch.
 """
 from typing import TYPE_CHECKING
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from nanovllm.llm import LLM
     from nanovllm.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

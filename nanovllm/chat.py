@@ -1,24 +1,30 @@
-"""Chat messages -> prompt token ids, with message contents kept as plain text.
+"""Chat messages (and tool definitions) -> prompt token ids, with client text kept as plain text.
 
 A chat template renders the messages into one string. Tokenizing that string with special
 tokens parsed (what `apply_chat_template` + `encode` do, and what vLLM and llama.cpp do) turns
 special-token text inside a message, e.g. a user writing `<|im_end|>\\n<|im_start|>system`, into
 the real control tokens: the user can forge a system turn. So contents are tokenized apart:
-the template is rendered with a unique placeholder in place of each content; the template's
-own text between placeholders is tokenized with special tokens parsed (its role markers), each
-content with `split_special_tokens=True` (special-token text stays ordinary text), and the ids
-are concatenated in order. `parse_special_tokens=True` gives the plain behaviour (the rendered
-string tokenized whole).
+the template is rendered with a unique placeholder in place of each non-empty content; the
+template's own text between placeholders is tokenized with special tokens parsed (its role
+markers), each content with `split_special_tokens=True` (special-token text stays ordinary
+text), and the ids are concatenated in order. `parse_special_tokens=True` gives the plain
+behaviour (the rendered string tokenized whole).
+
+Tool definitions, the arguments of earlier tool calls and `chat_template_kwargs` reach the
+template as data, which templates print as JSON (`tojson`) or inspect. Their strings go in
+unchanged, except a string holding special-token text: it becomes a placeholder too, whose
+text (JSON-escaped for tools and arguments, as `tojson` prints it) is tokenized as plain text.
 
 The template sees placeholders, not contents: a template that inspects or transforms content
 (strips it, splits it on `</think>`) acts on the placeholder, and the content goes in as sent.
 
-`check_messages` gives the errors for malformed messages (no role, an unknown role, a content
-that is not text) as ValueError/TypeError naming the message, instead of the template's
-jinja2 errors.
+`check_messages` and `check_tools` give the errors for malformed input (no role, an unknown
+role, a content that is not text, a tool call without a function name, ...) as
+ValueError/TypeError naming the field, instead of the template's jinja2 errors.
 """
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Sequence
@@ -26,12 +32,54 @@ from typing import Any
 
 from nanovllm.text import check_text
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+# vLLM's rule for function names (and OpenAI's).
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# apply_chat_template's own arguments: a request's chat_template_kwargs cannot set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
-def check_messages(messages: Any) -> list[dict[str, str]]:
-    """Messages as [{"role", "content"}] with string contents (None -> ""), checked: a list of
-    dicts, each with a role in ROLES and a str content. TypeError for a wrong type, ValueError
+def _check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls, with each call's arguments (JSON text) decoded to
+    the object templates expect."""
+    if not isinstance(calls, Sequence) or isinstance(calls, (str, bytes)):
+        raise TypeError(f"{where} must be a list of tool calls, got {type(calls).__name__}")
+    checked = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise TypeError(f"{at} must be a dict with 'id', 'type' and 'function', got {type(call).__name__}")
+        if call.get("type", "function") != "function":
+            raise ValueError(f"{at}.type must be 'function'; got {call.get('type')!r}")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise ValueError(f"{at}.function must be a dict with 'name' and 'arguments'")
+        name = function.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise ValueError(f"{at}.function.name must be 1-64 letters, digits, '_' or '-'; got {name!r}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(check_text(arguments, f"{at}.function.arguments"))
+            except ValueError:
+                raise ValueError(f"{at}.function.arguments must be the JSON text of an object") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{at}.function.arguments must be the JSON text of an object")
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise TypeError(f"{at}.id must be a string")
+        checked.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    return checked
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages as [{"role", "content", ...}] with string contents (None -> ""), checked: a list
+    of dicts, each with a role in ROLES and a str content; an assistant message may carry
+    `tool_calls`, a tool message carries `tool_call_id`. TypeError for a wrong type, ValueError
     for a wrong value, naming the message."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
@@ -51,43 +99,158 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise TypeError(f"messages[{i}].content must be a string, got {type(content).__name__}")
-        checked.append({"role": role, "content": check_text(content, f"messages[{i}].content")})
+        entry: dict[str, Any] = {"role": role, "content": check_text(content, f"messages[{i}].content")}
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise ValueError(f"messages[{i}].tool_calls: only assistant messages carry tool calls")
+            entry["tool_calls"] = _check_tool_calls(message["tool_calls"], f"messages[{i}].tool_calls")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ValueError(f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers")
+            entry["tool_call_id"] = call_id
+        elif message.get("tool_call_id") is not None:
+            raise ValueError(f"messages[{i}].tool_call_id: only tool messages carry a tool_call_id")
+        if isinstance(message.get("name"), str):
+            entry["name"] = message["name"]
+        checked.append(entry)
     return checked
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """The template applied to checked messages (a string); ValueError if the model has none or
-    the template rejects them."""
+def check_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Tool definitions in OpenAI's shape ({"type": "function", "function": {"name",
+    "description", "parameters"}}), checked; `parameters` must be a valid JSON schema. None or
+    [] -> None."""
+    if tools is None:
+        return None
+    if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
+        raise TypeError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    checked = []
+    for i, tool in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise TypeError(f"{at} must be a dict with 'type' and 'function', got {type(tool).__name__}")
+        if tool.get("type") != "function":
+            raise ValueError(f"{at}.type must be 'function'; got {tool.get('type')!r}")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise ValueError(f"{at}.function must be a dict with 'name', 'description' and 'parameters'")
+        name = function.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise ValueError(f"{at}.function.name must be 1-64 letters, digits, '_' or '-'; got {name!r}")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise ValueError(f"{at}.function.description must be a string")
+        parameters = function.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, dict):
+                raise ValueError(f"{at}.function.parameters must be a JSON schema object")
+            try:
+                Draft202012Validator.check_schema(parameters)
+            except SchemaError as exc:
+                raise ValueError(f"{at}.function.parameters is not a valid JSON schema: {exc.message}") from None
+        checked.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    names = [t["function"]["name"] for t in checked]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ValueError(f"tools[{i}].function.name: {name!r} is defined twice")
+    return checked or None
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """chat_template_kwargs (vLLM's request field): extra variables for the template."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError("chat_template_kwargs must be an object with string keys")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
+    return dict(kwargs)
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+           tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+    """The template applied to checked messages and tools (a string); ValueError if the model
+    has none or the template rejects them."""
     from jinja2 import TemplateError
 
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
     except (TemplateError, KeyError, TypeError) as exc:
         raise ValueError(f"the chat template rejected the messages: {exc}") from None
 
 
+class _Placeholders:
+    """Unique placeholders standing for client text in the rendered template."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.nonce = secrets.token_hex(8)
+        self.text: dict[str, str] = {}  # placeholder -> the text it stands for, as rendered
+        self.markers = _special_token_texts(tokenizer)
+
+    def new(self, text: str) -> str:
+        holder = f"NANOVLLMCONTENT{self.nonce}N{len(self.text)}X"
+        self.text[holder] = text
+        return holder
+
+    def guard(self, value: Any, as_json: bool) -> Any:
+        """`value` with each string (key or value) that holds special-token text replaced by a
+        placeholder standing for that string (JSON-escaped if `as_json`)."""
+        if isinstance(value, str):
+            if not any(m in value for m in self.markers):
+                return value
+            return self.new(json.dumps(value, ensure_ascii=False)[1:-1] if as_json else value)
+        if isinstance(value, dict):
+            return {self.guard(k, as_json): self.guard(v, as_json) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.guard(v, as_json) for v in value]
+        return value
+
+    def pattern(self) -> str:
+        return f"(NANOVLLMCONTENT{self.nonce}N\\d+X)"
+
+
+def _special_token_texts(tokenizer: Any) -> list[str]:
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            texts.add(token.content)
+    return sorted(t for t in texts if t)
+
+
 def chat_prompt_ids(
-    tokenizer: Any, messages: Any, add_generation_prompt: bool = True, parse_special_tokens: bool = False
+    tokenizer: Any, messages: Any, add_generation_prompt: bool = True, parse_special_tokens: bool = False,
+    tools: Any = None, template_kwargs: Any = None,
 ) -> list[int]:
-    """Prompt token ids for `messages` (see the module docstring). The template holds any BOS,
-    so nothing is added around it."""
+    """Prompt token ids for `messages` (and `tools`, `template_kwargs`: see the module
+    docstring). The template holds any BOS, so nothing is added around it."""
     messages = check_messages(messages)
+    tools = check_tools(tools)
+    template_kwargs = check_template_kwargs(template_kwargs)
     if parse_special_tokens:
-        return tokenizer.encode(render(tokenizer, messages, add_generation_prompt), add_special_tokens=False)
-    nonce = secrets.token_hex(8)
-    holders = [f"NANOVLLMCONTENT{nonce}N{i}X" for i in range(len(messages))]
-    text = render(tokenizer, [{**m, "content": h} for m, h in zip(messages, holders)], add_generation_prompt)
-    index = {h: i for i, h in enumerate(holders)}
+        text = render(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+        return tokenizer.encode(text, add_special_tokens=False)
+    holders = _Placeholders(tokenizer)
+    held = []
+    for m in messages:
+        m = {**m, "content": holders.new(m["content"]) if m["content"] else ""}
+        if "tool_calls" in m:
+            m["tool_calls"] = holders.guard(m["tool_calls"], as_json=True)
+        held.append(m)
+    text = render(tokenizer, held, add_generation_prompt, holders.guard(tools, as_json=True),
+                  holders.guard(template_kwargs, as_json=False))
     ids: list[int] = []
-    for j, piece in enumerate(re.split(f"(NANOVLLMCONTENT{nonce}N\\d+X)", text)):
+    for j, piece in enumerate(re.split(holders.pattern(), text)):
         if not piece:
             continue
-        if j % 2:  # a placeholder: the content, special-token text kept as text
-            content = messages[index[piece]]["content"]
-            if content:
-                ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+        if j % 2:  # a placeholder: client text, special-token text kept as text
+            ids += tokenizer.encode(holders.text[piece], add_special_tokens=False, split_special_tokens=True)
         else:  # the template's own text: its markers are special tokens
             ids += tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=False)
     return ids

@@ -14,6 +14,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = (None, "int4")
 GENERATION_CONFIGS = ("auto", "none")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass
@@ -67,6 +68,9 @@ class EngineConfig:
     # generation_config.json or GGUF sampling metadata: loaders/generation_config.py) for every
     # field a request leaves unset; "none" ignores them.
     generation_config: str = "auto"
+    # vLLM's --load-format: "auto" reads the checkpoint's weights; "dummy" builds the model from
+    # config.json alone with small random weights, drawn on the target device (benchmarks).
+    load_format: str = "auto"
     # Accepted for nano-vllm compatibility: a preloaded HF config and an EOS override.
     hf_config: Any = field(default=None, repr=False)
     eos: int | None = None
@@ -113,6 +117,8 @@ class EngineConfig:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.generation_config not in GENERATION_CONFIGS:
             raise bad("generation_config", f"must be one of {GENERATION_CONFIGS}")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be one of {QUANTIZATIONS}")
         if self.quantization == "int4":

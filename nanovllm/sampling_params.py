@@ -8,6 +8,7 @@ behind the validation's back (use `dataclasses.replace(params, n=2)`, which vali
 """
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
 
@@ -29,6 +30,87 @@ def _is_int(x: object) -> bool:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names): exactly one field is set.
+
+    - json: a JSON schema, as a dict or as JSON text.
+    - regex: a regular expression the whole output matches.
+    - choice: the output is exactly one of these strings.
+    - grammar: a context-free grammar in GBNF (llama.cpp's EBNF dialect).
+    - json_object: True for any JSON object.
+
+    Only the form is checked here; whether the grammar engine supports the schema, regex or
+    grammar is checked when the engine compiles it (nanovllm/structured/), also a ValueError
+    naming the field.
+    """
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"StructuredOutputsParams.{name}: {why} (got {getattr(self, name)!r})")
+
+        set_fields = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(set_fields) != 1:
+            raise ValueError("StructuredOutputsParams: exactly one of json, regex, choice, grammar, "
+                             f"json_object must be set (got {set_fields or 'none'})")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = _json.loads(self.json)
+                except ValueError as e:
+                    raise bad("json", f"is not valid JSON text ({e})") from None
+            else:
+                schema = self.json
+                try:
+                    _json.dumps(schema)
+                except (TypeError, ValueError) as e:
+                    raise bad("json", f"is not JSON-serializable ({e})") from None
+            if not isinstance(schema, dict):
+                raise bad("json", "must be a JSON schema: a dict or the JSON text of an object")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(name, "must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise bad("choice", "must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise bad("json_object", "must be a bool")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: one of STRUCTURED_KINDS."""
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as canonical text: with `kind`, the key of the grammar compile cache."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            schema = _json.loads(value) if isinstance(value, str) else value
+            # Key order kept: a schema's property order is the order the output writes them in.
+            return _json.dumps(schema, separators=(",", ":"))
+        if self.kind == "choice":
+            return _json.dumps(value)
+        if self.kind == "json_object":
+            return ""
+        return value
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.spec))
+
+
+# The fields of StructuredOutputsParams, in order; exactly one is set.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
@@ -54,7 +136,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # OpenAI semantics: token id -> bias in [-100, 100], added to that token's logit first.
     logit_bias: dict[int, float] | None = None
+    # A grammar the output must follow (JSON schema, regex, choice, GBNF grammar, any JSON object).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
+    # Sampled (not greedy) with a top-k / top-p / min-p filter or a seed of its own: on CUDA such
+    # a row takes layers/filtered_sampler.py (Sampler.wants_step_seeds reads it every step).
+    filters_or_seed: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -94,6 +181,8 @@ class SamplingParams:
                     raise bad("logit_bias", f"bias {bias!r} of token {token} is not a number in "
                                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
             object.__setattr__(self, "logit_bias", {t: float(b) for t, b in self.logit_bias.items()} or None)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be None or a StructuredOutputsParams")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
@@ -109,6 +198,8 @@ class SamplingParams:
             raise bad("stop", "stop strings must not be empty")
         # Frozen: the normalized values are set once, here, through object.__setattr__.
         object.__setattr__(self, "stop_list", stops)
+        object.__setattr__(self, "filters_or_seed", not self.greedy and (
+            self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0 or self.seed is not None))
         if self.stop_token_ids is None:
             object.__setattr__(self, "stop_token_ids", [])
         elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(
@@ -131,15 +222,16 @@ class SamplingParams:
 
     @property
     def edits_logits(self) -> bool:
-        """Whether a penalty or a logit bias changes the logits before sampling: such a request
-        takes the per-op sampler (layers/penalties.py), never a fused kernel or decode burst."""
-        return self.penalized or self.logit_bias is not None
+        """Whether a penalty, a logit bias or a grammar's token mask changes the logits before
+        sampling: such a request takes the per-op sampler, never a fused kernel or decode burst."""
+        return self.penalized or self.logit_bias is not None or self.structured_outputs is not None
 
     @property
     def plain_temperature(self) -> bool:
         """Whether this request samples at its temperature with nothing else: no top-k, top-p or
-        min-p filter, no penalty or logit bias and no seed of its own (a seeded request draws from its own generator). Such
-        a row is one Gumbel-max draw over logits / temperature (layers/fused_sampler.py), which
-        the persistent decode kernel can take too (a lone stream's decode bursts)."""
+        min-p filter and no penalty or logit bias (a seed is allowed: on CUDA it keys the noise,
+        layers/sampler.step_seed). Such a row is one Gumbel-max draw over logits / temperature
+        (layers/fused_sampler.py), which the persistent decode kernel can take too (a lone
+        stream's decode bursts)."""
         return (not self.greedy and self.top_k == -1 and self.top_p == 1.0 and self.min_p == 0.0
-                and self.seed is None and not self.edits_logits)
+                and not self.edits_logits)

@@ -37,7 +37,7 @@ class ScheduledSeq:
     params: SamplingParams
     seed: int | None
     banned_token_ids: list[int] | None  # not samplable yet (min_tokens)
-    # A decode burst (greedy or plain temperature, one token in): K steps back to back, the K/V
+    # A decode burst (no penalty, bias or logprobs; one token in): K steps back to back, the K/V
     # of token_ids[0] and of the first K-1 tokens sampled, and K tokens sampled. 1: an ordinary
     # step.
     num_steps: int = 1
@@ -45,6 +45,9 @@ class ScheduledSeq:
     # which the runner starts the sequence's token counts; it adds each sampled token on the
     # device after that (runner/penalty_state.py), so later steps carry nothing.
     penalty_prompt_ids: list[int] | None = None
+    # A sampling row with a grammar (SamplingParams.structured_outputs): the host bitmask of the
+    # tokens it allows next (int32 [1, ceil(vocab / 32)], a torch tensor, set by the engine).
+    token_bitmask: object | None = None
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 `make_tokenizer_dir` trains a small byte-level BPE tokenizer on a fixed corpus with the
 `tokenizers` library and saves it with a ChatML chat template; `make_checkpoint` builds a random
-Qwen3 / Qwen2 / Llama model with transformers, saves it as safetensors next to the tokenizer,
+Qwen3 / Qwen2 / Llama / Qwen3-MoE / Qwen2-MoE / Mixtral model with transformers, saves it as safetensors next to the tokenizer,
 and returns the directory. The model's vocabulary equals the tokenizer's, so every generated id
 decodes.
 """
@@ -68,7 +68,17 @@ def make_checkpoint(
     **extra,
 ) -> Path:
     """Build, save and return a tiny random checkpoint directory (fp32 safetensors)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     common = dict(
@@ -95,6 +105,14 @@ def make_checkpoint(
         config = Qwen2Config(**common)
     elif arch == "llama":
         config = LlamaConfig(head_dim=head_dim, **common)
+    elif arch == "qwen3_moe":  # extra: num_experts, num_experts_per_tok, moe_intermediate_size, ...
+        config = Qwen3MoeConfig(head_dim=head_dim, **common)
+    elif arch == "qwen2_moe":  # extra as qwen3_moe, plus shared_expert_intermediate_size
+        if head_dim != hidden_size // num_heads:
+            raise ValueError("Qwen2-MoE derives head_dim from hidden_size / num_heads")
+        config = Qwen2MoeConfig(**common)
+    elif arch == "mixtral":  # extra: num_local_experts, num_experts_per_tok (intermediate_size per expert)
+        config = MixtralConfig(head_dim=head_dim, **common)
     else:
         raise ValueError(f"unknown arch {arch}")
     torch.manual_seed(seed)

@@ -418,11 +418,13 @@ def test_sampled_decode_bursts_equal_single_steps(qwen3_tiny, async_scheduling):
     """A lone plain-temperature stream takes bursts too. Here (no persistent kernel) a burst's 3
     steps each sample with the reference sampler, drawing from torch's RNG in the order single
     steps do, so from the same seed the tokens equal one step at a time; and they are a sample,
-    not the greedy tokens. A top-p, seeded or logprobs stream takes no burst."""
+    not the greedy tokens. A top-p or seeded stream bursts as well (a seeded one gives the tokens
+    it gives one step at a time); a logprobs stream takes no burst."""
     prompt = [[7, 8, 9, 10]]
     kw = dict(kvcache_block_size=4, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=1.5, max_tokens=20, ignore_eos=True)
-    expected = engine(qwen3_tiny, decode_burst=1, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    single = engine(qwen3_tiny, decode_burst=1, **kw)
+    expected = single.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     llm = engine(qwen3_tiny, decode_burst=3, **kw)
     bursts = count_bursts(llm)
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
@@ -430,11 +432,13 @@ def test_sampled_decode_bursts_equal_single_steps(qwen3_tiny, async_scheduling):
     greedy_ids = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                               use_tqdm=False)[0].outputs[0].token_ids
     assert greedy_ids != expected
-    for other in (dict(top_p=0.9), dict(seed=4), dict(logprobs=1)):
+    for other in (dict(top_p=0.9), dict(seed=4, top_k=5), dict(logprobs=1)):
         bursts.clear()
-        out = llm.generate(prompt, SamplingParams(temperature=1.5, max_tokens=20, ignore_eos=True, **other),
-                           use_tqdm=False)[0].outputs[0]
-        assert not bursts and len(out.token_ids) == 20, other
+        p = SamplingParams(temperature=1.5, max_tokens=20, ignore_eos=True, **other)
+        out = llm.generate(prompt, p, use_tqdm=False)[0].outputs[0]
+        assert bool(bursts) == ("logprobs" not in other) and len(out.token_ids) == 20, other
+        if "seed" in other:
+            assert out.token_ids == single.generate(prompt, p, use_tqdm=False)[0].outputs[0].token_ids
     assert_free(llm)
 
 

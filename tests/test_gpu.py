@@ -200,11 +200,13 @@ class CountedGraph:
 
 
 class CountedBursts:
-    """Counts the replays of the decode bursts' graphs (per burst length, two taken in turn)."""
+    """Counts the replays of the decode bursts' graphs (per burst length, two taken in turn);
+    filtered: those of the filtered graphs."""
 
-    def __init__(self, lone_graphs) -> None:
-        self.graphs = lone_graphs.burst_graphs = {
-            n: [CountedGraph(g) for g in pair] for n, pair in lone_graphs.burst_graphs.items()}
+    def __init__(self, lone_graphs, filtered: bool = False) -> None:
+        family = "filtered_burst_graphs" if filtered else "burst_graphs"
+        self.graphs = {n: [CountedGraph(g) for g in pair] for n, pair in getattr(lone_graphs, family).items()}
+        setattr(lone_graphs, family, self.graphs)
 
     @property
     def replays(self) -> int:
@@ -334,4 +336,33 @@ def test_sampled_stream_bursts_in_the_graph_equal_single_steps(checkpoint_factor
     before = counted.replays
     out = llm.generate([ps[0]], SamplingParams(temperature=1.5, top_p=0.9, max_tokens=20, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == 20 and counted.replays == before
+    assert len(out.token_ids) == 20 and counted.replays == before  # the filtered graphs took it
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.6, top_p=0.95, top_k=20), dict(temperature=1.3, min_p=0.05)],
+                         ids=["chat", "min_p"])
+def test_seeded_filtered_stream_alone_equals_its_tokens_in_a_batch(checkpoint_factory, params):
+    """A seeded top-k / top-p / min-p stream decoding alone takes the filtered graphs (the
+    persistent kernel stores every logit, filtered_sampler samples after it) in bursts; its
+    tokens equal those of one step per replay, and those of the same request sampled by the
+    runner in a batch with other requests (fp32: the kernel's logits and cuBLAS's agree to
+    rounding, and the noise is keyed by the seed and the position alone)."""
+    path = checkpoint_factory("qwen3", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    sp = SamplingParams(**params, seed=11, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for burst in (1, None):
+        llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3,
+                  decode_burst=burst)
+        runner = llm.engine.executor.runner
+        runner.finish_background_compile()
+        g = runner.fastpath.graphs
+        assert g.has_filtered
+        counted = CountedBursts(g, filtered=True)
+        ps = prompts(llm.engine.vocab_size, [5, 60], seed=3)
+        outs[burst] = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+        assert counted.replays > 0 if burst is None else counted.replays == 0
+    assert outs[None] == outs[1]
+    others = prompts(llm.engine.vocab_size, [9, 30, 70], seed=4)
+    batch = llm.generate(ps + others, [sp, sp] + [SamplingParams(temperature=1.0, max_tokens=40)] * 3, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batch[:2]] == outs[None]
+    assert len(set(map(tuple, outs[None]))) == 2 and all(len(t) == 40 for t in outs[None])

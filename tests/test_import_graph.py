@@ -29,6 +29,7 @@ RANKS = {
     "nanovllm.models": 2,
     "nanovllm.layers": 1,
     "nanovllm.attention": 1,
+    "nanovllm.structured": 1,  # grammars: the engine keeps the matchers, the sampler applies the masks
     "nanovllm.attention.kernels": 0,
     # leaves: rank 0, importable from anywhere
     "nanovllm.step": 0,

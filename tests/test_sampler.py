@@ -355,5 +355,6 @@ def test_plain_temperature_is_sampling_with_nothing_else():
     """The rows the persistent kernel's LM head may sample (a lone stream's decode bursts)."""
     assert SamplingParams(temperature=0.7).plain_temperature
     assert not SamplingParams(temperature=0).plain_temperature  # greedy
-    for kw in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(seed=3)):
+    assert SamplingParams(temperature=0.7, seed=3).plain_temperature  # a seed keys the noise
+    for kw in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(presence_penalty=0.5), dict(logit_bias={1: 2.0})):
         assert not SamplingParams(temperature=0.7, **kw).plain_temperature, kw

@@ -291,9 +291,9 @@ def test_burst_sizes_halve_down_to_two():
 
 
 def test_burst_only_where_eligible():
-    """Bursts need one decode alone, greedy or at a plain temperature (no filter, no seed, no
-    penalty or logit bias), with nothing waiting, no logprobs and no min_tokens ban; otherwise the step is an ordinary one.
-    Near max_tokens the burst is shorter."""
+    """Bursts need one decode alone with nothing waiting, no penalty or logit bias, no logprobs
+    and no min_tokens ban (any temperature, filter or seed); otherwise the step is an ordinary
+    one. Near max_tokens the burst is shorter."""
     bm = BlockManager(64, 4, True)
     sched = Scheduler(bm, 4, 64)
 
@@ -313,8 +313,9 @@ def test_burst_only_where_eligible():
 
     assert decode_after_prefill(SamplingParams(temperature=0)) == (4, 4, 4)
     assert decode_after_prefill(SamplingParams(temperature=0.7)) == (4, 4, 4)
-    for kw in (dict(top_k=3), dict(top_p=0.9), dict(min_p=0.1), dict(seed=5), dict(logprobs=0)):
-        assert decode_after_prefill(SamplingParams(temperature=0.7, **kw))[0] == 1, kw
+    for kw in (dict(top_k=3), dict(top_p=0.9), dict(min_p=0.1), dict(seed=5)):
+        assert decode_after_prefill(SamplingParams(temperature=0.7, **kw))[0] == 4, kw
+    assert decode_after_prefill(SamplingParams(temperature=0.7, logprobs=0))[0] == 1
     assert decode_after_prefill(SamplingParams(temperature=0, logprobs=1))[0] == 1
     assert decode_after_prefill(SamplingParams(temperature=0, min_tokens=5))[0] == 1
     for kw in (dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(repetition_penalty=1.2),

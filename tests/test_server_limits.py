@@ -289,16 +289,17 @@ def test_special_token_text_in_chat_stays_text_unless_the_flag_allows_it(engine,
 @pytest.mark.parametrize("extra, param", [
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto: not enabled here
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}], "tool_choice": "none"}, "tools"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # no tool_call_id
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),  # no schema
 ])
-def test_unsupported_chat_fields_and_roles_are_400_naming_the_field(keyed, extra, param):
+def test_bad_chat_fields_and_roles_are_400_naming_the_field(keyed, extra, param):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
     err = error(client(keyed).post("/v1/chat/completions", json=body), 400)
     assert err["param"] == param, err

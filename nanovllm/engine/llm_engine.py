@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
+from nanovllm.engine.grammars import Grammars
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.executor.executor import make_executor
 from nanovllm.layers.rotary import context_length
 from nanovllm.loaders.generation_config import read_generation_defaults
@@ -99,6 +100,8 @@ class LLMEngine:
         )
         self._mark("block_manager", t)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        # Structured output: requests waiting for their grammar, matchers of constrained sequences.
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -162,6 +165,12 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt needs {need} KV cache blocks but the whole pool has {self.block_manager.num_blocks}"
             )
+        grammar = None
+        if params.structured_outputs is not None:  # last check: nothing is kept after it
+            grammar = self.grammars.submit(request_id, params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:  # a cached failed compile
+                del self.grammars.waiting[request_id]
+                raise ValueError(f"structured_outputs.{params.structured_outputs.kind}: {grammar.exception()}")
         banned = []
         if params.min_tokens:
             banned = sorted(set((self.eos_token_ids if not params.ignore_eos else []) + params.stop_token_ids))
@@ -193,7 +202,36 @@ class LLMEngine:
         self.requests[request_id] = request
         for seq in seqs:
             self.seqs[seq.seq_id] = seq
-            self.scheduler.add(seq)
+        if grammar is None:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        elif grammar.done():  # a cached grammar: admitted at once
+            self._admit_compiled()
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar has compiled join the scheduler with one matcher per sample;
+        one whose compile failed ends ("abort"). Returns the outputs of the ended ones."""
+        outputs = []
+        for request_id, compiled in self.grammars.compiled():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if isinstance(compiled, BaseException):
+                logger.error("request %r: its grammar failed to compile (%s); it is aborted", request_id, compiled)
+                self._end_unscheduled(request, "abort")
+                outputs.append(self._finish_request(request))
+                continue
+            for seq in request.seqs:
+                self.grammars.start(seq.seq_id, compiled)
+                self.scheduler.add(seq)
+        return outputs
+
+    @staticmethod
+    def _end_unscheduled(request: Request, reason: str) -> None:
+        """End a request whose sequences never reached the scheduler (waiting for a grammar)."""
+        for seq in request.seqs:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
 
     def abort_request(self, request_id: str, index: int | None = None) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output (or None). With
@@ -202,6 +240,9 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        if self.grammars.waiting.pop(request_id, None) is not None:
+            self._end_unscheduled(request, "abort" if index is None else "stop")
+            return self._finish_request(request)
         if index is not None:
             if 0 <= index < len(request.seqs) and not request.seqs[index].is_finished:
                 self.scheduler.finish(request.seqs[index], "stop")
@@ -212,7 +253,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         # A step still in flight matters only while some request may get tokens from it.
-        return self.scheduler.has_unfinished() or (self._in_flight is not None and bool(self.requests))
+        return (self.scheduler.has_unfinished() or bool(self.grammars.waiting)
+                or (self._in_flight is not None and bool(self.requests)))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -238,21 +280,30 @@ class LLMEngine:
         """One iteration. With async scheduling, this launches step N and then processes the
         results of step N-1 (so outputs trail the device by one step)."""
         t0 = time.perf_counter()
+        outputs = []
+        if self.grammars.waiting:
+            if not self.scheduler.has_unfinished() and self._in_flight is None:
+                self.grammars.wait(timeout=0.05)  # nothing else to do
+            outputs += self._admit_compiled()
+        if self._in_flight is not None and self.grammars.samples_constrained(self._in_flight[0]):
+            # A grammar's next mask needs the token in flight: take it before scheduling.
+            outputs += self._process(self._in_flight[0], self._in_flight[1].result())
+            self._in_flight = None
         sched = self.scheduler.schedule(self.executor.decode_burst)
+        self.grammars.attach_masks(sched)
         decode_tokens = sched.num_decode_tokens
         self.last_step = StepStats(sched.num_batched_tokens - decode_tokens, decode_tokens, 0.0)
         if not self.async_scheduling:
             result = self.executor.execute(sched)
             self.scheduler.advance(sched, self.seqs)
-            outputs = self._process(sched, result)
+            outputs += self._process(sched, result)
         else:
             launched = self.executor.execute_async(sched)
             self.scheduler.advance(sched, self.seqs)
             previous, self._in_flight = self._in_flight, (sched, launched)
-            outputs = []
             if previous is not None:
                 prev_sched, prev_launched = previous
-                outputs = self._process(prev_sched, prev_launched.result())
+                outputs += self._process(prev_sched, prev_launched.result())
             if sched.is_empty:  # nothing was launched: drain now instead of on the next call
                 outputs += self._process(sched, launched.result())
                 self._in_flight = None
@@ -307,6 +358,8 @@ class LLMEngine:
                 if self._truncate_at_stop(detok, params.stop_list):
                     reason = "stop"
                     stopped_by_string = True
+        if reason is None and self.grammars.matchers:
+            reason = self.grammars.accept(seq.seq_id, token)
         if reason is None and n >= seq.max_tokens:
             reason = "length"
         if detok is not None and reason is not None and not stopped_by_string:
@@ -372,7 +425,9 @@ class LLMEngine:
         del self.requests[request.request_id]
         for seq in request.seqs:
             self.seqs.pop(seq.seq_id, None)
+        self.grammars.drop(seq.seq_id for seq in request.seqs)
         return output
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # SamplingParams' constructor fields (its derived stop_list is rebuilt by the constructor).
 _PARAM_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids",
@@ -68,8 +68,14 @@ FrontendMessage = AddRequest | Abort | Hello
 
 
 def params_to_wire(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name in _PARAM_FIELDS}
+    fields = {name: getattr(params, name) for name in _PARAM_FIELDS}
+    so = params.structured_outputs
+    # The one field set, as given (a JSON schema as a dict or as its text).
+    fields["structured_outputs"] = None if so is None else {so.kind: getattr(so, so.kind)}
+    return fields
 
 
 def params_from_wire(fields: dict) -> SamplingParams:
-    return SamplingParams(**{k: v for k, v in fields.items() if k in _PARAM_FIELDS})
+    so = fields.get("structured_outputs")
+    return SamplingParams(**{k: v for k, v in fields.items() if k in _PARAM_FIELDS},
+                          structured_outputs=None if so is None else StructuredOutputsParams(**so))

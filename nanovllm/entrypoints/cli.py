@@ -53,6 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                    help="vLLM's flag: 'auto' (default) takes the model's sampling defaults (generation_config.json "
                         "or GGUF general.sampling.* metadata) for every sampling option not given; 'none' ignores them")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="'dummy': random weights from config.json alone, no checkpoint read (benchmarks)")
     g.add_argument("--quantization", default=None, choices=["int4"],
                    help="CPU only: int4 weights with bf16 activations (faster single-stream decode, approximate); "
                         "the default for a quantized GGUF file at --dtype auto (--dtype float32: the fp32 model)")
@@ -64,6 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens", "kvcache_block_size", "num_kvcache_blocks", "gpu_memory_utilization",
         "enable_prefix_caching", "enforce_eager", "seed", "async_scheduling", "persistent_decode", "decode_burst",
         "quantization", "nnodes", "master_addr", "master_port", "join_timeout_s", "generation_config",
+        "load_format",
     )
     return {n: getattr(args, n) for n in names} | {"torchrun": getattr(args, "torchrun", False)}
 
@@ -218,6 +221,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("NANOVLLM_API_KEY")
     limits = fit_to_fd_limit(limits_from_args(args), raise_fd_limit())  # docs/server.md, limits
     warn_open_host(args.host, api_key, limits)
+    parsers = parsers_from_args(args)
     kwargs = engine_kwargs(args)
     max_pending = args.max_pending_requests or 4 * max(args.max_num_seqs, 256)
     metrics_dir = None
@@ -232,7 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("nanovllm").info("serving the model as %r", name)
         cfg = FrontendConfig(core.addresses, core.info, name, api_key or None, args.host, args.port,
                              args.shutdown_timeout, args.log_level, args.access_log, args.max_prompt_chars,
-                             args.stream_write_timeout, limits)
+                             args.stream_write_timeout, limits, parsers)
         if args.api_server_count == 1:
             return run_frontend(cfg, core_alive=core.is_alive)
         return _run_frontends(cfg, args.api_server_count, core)
@@ -241,6 +245,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
+def parsers_from_args(args: argparse.Namespace):
+    """The tool-call and reasoning parsers of `serve` (a ParserConfig)."""
+    from nanovllm.entrypoints.tools import ParserConfig
+
+    return ParserConfig(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
 
 
 def _run_frontends(cfg, count: int, core) -> int:
@@ -425,6 +436,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stream-write-timeout", type=float, default=60.0,
                        help="seconds a stream waits for a client that reads nothing before dropping it and "
                             "aborting its request")
+    from nanovllm.entrypoints.reasoning import PARSERS as REASONING_PARSERS
+    from nanovllm.entrypoints.tool_parsers import PARSERS as TOOL_PARSERS
+
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model call tools on its own (tool_choice "auto", the default with tools)')
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how tool calls are written in the output (default with --enable-auto-tool-choice: "
+                            "read from the chat template)")
+    serve.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                       help="return <think>...</think> as reasoning_content")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     from nanovllm.entrypoints.limits import add_limit_args

@@ -16,10 +16,13 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from nanovllm.engine.core import CoreAddresses, CoreInfo, die_with_parent
 from nanovllm.entrypoints.limits import ServerLimits
+
+if TYPE_CHECKING:
+    from nanovllm.entrypoints.tools import ParserConfig
 
 logger = logging.getLogger("nanovllm")
 
@@ -40,6 +43,7 @@ class FrontendConfig:
     max_prompt_chars: int | None
     stream_write_timeout: float
     limits: ServerLimits
+    parsers: "ParserConfig | None" = None  # --tool-call-parser, --enable-auto-tool-choice, --reasoning-parser
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
@@ -74,7 +78,8 @@ def run_frontend(cfg: FrontendConfig, sock: socket.socket | None = None,
     server = None
     try:
         app = create_app(client, cfg.model_name, api_key=cfg.api_key, limits=cfg.limits,
-                         max_prompt_chars=cfg.max_prompt_chars, stream_write_timeout=cfg.stream_write_timeout)
+                         max_prompt_chars=cfg.max_prompt_chars, stream_write_timeout=cfg.stream_write_timeout,
+                         parsers=cfg.parsers)
         server = GracefulServer(client, app, cfg.shutdown_timeout, host=cfg.host, port=cfg.port,
                                 log_level=cfg.log_level, access_log=cfg.access_log, **uvicorn_options(cfg.limits))
         server_box.append(server)

@@ -51,7 +51,9 @@ _EMPTY_LIST = {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]}
 # Values the server accepts, where the models' own schema says more: fields known to OpenAI but
 # not supported here are accepted only at their neutral values (protocol.py refuses the rest
 # with a 400 naming them), logit_bias keys are token ids, stop strings must not be empty, roles
-# and content parts are limited.
+# and content parts are limited. Tools, tool messages and chat_template_kwargs are described at
+# their neutral values: what makes them valid (a tool message's tool_call_id, a tool_choice the
+# server's flags allow, variables the template accepts) ties fields together beyond the schema.
 _SAMPLING: dict[str, Any] = {  # both endpoints
     "logit_bias": {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
                               "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, _NULL]},
@@ -60,12 +62,11 @@ _SAMPLING: dict[str, Any] = {  # both endpoints
 }
 _ACCEPTED: dict[str, dict[str, Any]] = {  # by schema component
     "CompletionRequest": {"echo": {"enum": [False]}, "suffix": _only(""), "best_of": _NULL},
-    "ChatCompletionRequest": {"tools": _EMPTY_LIST, "functions": _EMPTY_LIST, "tool_choice": _only("none"),
-                              "function_call": _only("none")},
-    "ChatMessage": {"role": {"enum": ["system", "user", "assistant"]}, "tool_calls": _NULL,
-                    "tool_call_id": _NULL, "function_call": _NULL},
+    "ChatCompletionRequest": {"functions": _EMPTY_LIST, "function_call": _only("none"), "tools": _EMPTY_LIST,
+                              "tool_choice": _only("none"), "chat_template_kwargs": _NULL},
+    "ChatMessage": {"role": {"enum": ["system", "user", "assistant"]}, "function_call": _NULL, "tool_calls": _NULL,
+                    "tool_call_id": _NULL},
     "ContentPart": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
-    "ResponseFormat": {"type": {"enum": ["text"]}},
 }
 
 

@@ -3,7 +3,7 @@
 Requests are parsed by pydantic; anything it rejects becomes a 400 with OpenAI's error body
 (the server overrides FastAPI's 422). Unknown request fields are ignored, as OpenAI clients send
 fields this engine has no use for (`user`, `metadata`, ...); fields we know but cannot honour
-(tools, echo, ...) are rejected with a 400 naming them rather than silently ignored. Sampling
+(echo, suffix, ...) are rejected with a 400 naming them rather than silently ignored. Sampling
 values are checked once, by `SamplingParams`, whose ValueError names the field;
 `sampling_params()` turns that into an `OpenAIError` with `param` set.
 
@@ -12,11 +12,17 @@ ignore_eos, min_tokens, stop_token_ids, skip_special_tokens (send them with the 
 `extra_body`). A sampling field a request leaves unset takes the model's default where it has
 one (`apply_generation_defaults`: vLLM's `--generation-config auto`).
 
+Structured output: `response_format` (`{"type": "json_object"}`, or `{"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}`) and vLLM's `structured_outputs` (`json`, `regex`,
+`choice`, `grammar` or `json_object`), on both endpoints; at most one of the two per request.
+The grammar itself is checked by the engine when the request is added (a 400 naming the field).
+
 Numbers and flags are strict: `true` is not the integer 1 and `1` is not a bool (SamplingParams
 refuses bools as numbers too). Strings with lone surrogates (JSON's "\ud800") are refused here,
-naming the field, as tokenizers cannot encode them. Chat roles are system, user and assistant;
-tools, functions and tool messages are refused (not supported). Per-request caps that depend
-on the server's configuration (n, prompts per request) are checked by `check_limits`.
+naming the field, as tokenizers cannot encode them. Chat roles are system, user, assistant and
+tool; `tools` and `tool_choice` are OpenAI's (entrypoints/tools.py turns them into a plan),
+the deprecated `functions` / `function_call` are refused. Per-request caps that depend on the
+server's configuration (n, prompts per request) are checked by `check_limits`.
 """
 from __future__ import annotations
 
@@ -36,7 +42,13 @@ from pydantic import (
 )
 
 from nanovllm.chat import ROLES
-from nanovllm.sampling_params import MAX_ADDITIVE_PENALTY, MAX_SEED, MAX_TEMPERATURE, SamplingParams
+from nanovllm.sampling_params import (
+    MAX_ADDITIVE_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from nanovllm.text import check_text
 
 
@@ -93,6 +105,27 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` request field: exactly one of these."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+
+
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -119,10 +152,39 @@ class _SamplingRequest(_Request):
     min_tokens: StrictInt = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+    @property
+    def structured_param(self) -> str:
+        """The request field a grammar error is about."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The output constraint of response_format or structured_outputs (400 naming the field)."""
+        fmt = self.response_format
+        constrained = fmt is not None and fmt.type != "text"
+        if constrained and self.structured_outputs is not None:
+            raise bad_request("give response_format or structured_outputs, not both", param="structured_outputs")
+        try:
+            if self.structured_outputs is not None:
+                so = self.structured_outputs
+                return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                               json_object=so.json_object)
+            if not constrained:
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise bad_request("response_format of type json_schema needs json_schema.schema",
+                                  param="response_format")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=self.structured_param) from None
 
     def check_limits(self, max_n: int, max_prompts: int) -> None:
         """The server's per-request caps (ServerLimits), as 400s naming the field."""
@@ -150,16 +212,24 @@ class _SamplingRequest(_Request):
         return out
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int,
-                        model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+                        model_defaults: dict[str, Any] | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams for this request; invalid values raise a 400 naming the parameter.
         max_tokens: the server's default where the request gives none; model_defaults: the
-        model's sampling defaults (LLMEngine.generation_defaults), which come before it."""
+        model's sampling defaults (LLMEngine.generation_defaults), which come before it;
+        structured_outputs: a constraint on the output (tool_choice required / named)."""
         if self.stop_token_ids and any(isinstance(t, int) and not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size})", param="stop_token_ids")
         given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      repetition_penalty=self.repetition_penalty, max_tokens=self.requested_max_tokens)
         fields = apply_generation_defaults(given, model_defaults or {}, dict(max_tokens=max_tokens))
+        structured = self._structured_outputs()
+        if structured_outputs is not None:
+            if structured is not None:
+                raise bad_request("tool_choice 'required' or a named function constrains the output itself; "
+                                  f"drop {self.structured_param}", param=self.structured_param)
+            structured = structured_outputs
         try:
             return SamplingParams(
                 **fields,
@@ -172,6 +242,7 @@ class _SamplingRequest(_Request):
                 logprobs=logprobs,
                 n=self.n,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=structured,
             )
         except ValueError as exc:
             message = str(exc)
@@ -237,24 +308,33 @@ class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # Tool calling is not supported: messages carrying it are refused rather than half-read.
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    # An assistant message's calls ({"id", "type", "function": {"name", "arguments"}}) and a
+    # tool message's answer to one; checked, with errors naming them, by chat.check_messages.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
 
     @field_validator("role")
     @classmethod
     def _known_role(cls, role: str) -> str:
         if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)} (tools are not supported); got {role!r}")
+            raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
         return role
 
-    @field_validator("tool_calls", "tool_call_id", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tools(cls, value: Any, info: Any) -> Any:
+    def _no_function_call(cls, value: Any, info: Any) -> Any:
         if value is not None:
-            raise ValueError(f"{info.field_name} is not supported by this server (no tool calling)")
+            raise ValueError("function_call is deprecated and not supported; use tool_calls")
         return value
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat.chat_prompt_ids takes it."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -269,8 +349,25 @@ class ChatMessage(_Request):
         return "".join(parts)
 
 
-class ResponseFormat(_Request):
-    type: str = "text"
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -278,27 +375,32 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: StrictBool = True
+    # vLLM's field: extra variables for the chat template, e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported by this server", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported by this server (only 'none')", param="tool_choice")
         if self.functions:
-            raise bad_request("functions are not supported by this server", param="functions")
+            raise bad_request("functions is deprecated and not supported; use tools", param="functions")
         if self.function_call not in (None, "none"):
-            raise bad_request("function_call is not supported by this server (only 'none')", param="function_call")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request("only response_format type 'text' is supported", param="response_format")
+            raise bad_request("function_call is deprecated and not supported; use tool_choice", param="function_call")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tool definitions as plain dicts (what chat templates take)."""
+        if self.tools is None:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -353,9 +455,32 @@ class ChatLogprobs(_Response):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler: Any) -> dict[str, Any]:
+        # reasoning_content only from a reasoning parser, tool_calls only when the model called
+        data = handler(self)
+        if self.reasoning_content is None:
+            data.pop("reasoning_content", None)
+        if not self.tool_calls:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(_Response):
@@ -374,14 +499,46 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="plain")
+    def _only_present(self) -> dict[str, Any]:
+        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
+
+
+class DeltaToolCall(_Response):
+    """A step of a streamed call: index always; id, type and name in the call's first step."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="plain")
+    def _only_present(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            data.update(id=self.id, type=self.type or "function")
+        data["function"] = self.function.model_dump()
+        return data
+
+
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="plain")
     def _only_present(self) -> dict[str, Any]:
         # OpenAI sends only what changed: {"role": ...} first, then {"content": ...}, {} at the end.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        data: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content),
+                                                  ("reasoning_content", self.reasoning_content)) if v is not None}
+        if self.tool_calls:
+            data["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return data
 
 
 class ChatChunkChoice(_Response):

@@ -14,6 +14,10 @@ tokens and a chunk of k tokens after a gap g counts as k gaps of g / k. Also rep
 (HTTP errors, broken streams, wrong token counts) with a sample message, and, from /metrics
 after the run, whether the KV block pool is entirely free again.
 
+With --json-schema FILE every request carries `response_format` json_schema with that schema:
+a request may then end early where its document is complete (finish_reason "stop"; it must
+parse as JSON), and otherwise runs to `output_len`.
+
 Bounded on purpose: a request count, a wall-clock limit, a per-request timeout, and the target
 must be this machine (127.0.0.1 / localhost), so the tool cannot be pointed at someone else.
 """
@@ -50,6 +54,7 @@ class ServeBenchConfig:
     token_id_high: int = 256
     seed: int = 0
     count_tokens: bool = False  # ask for logprobs=0 so chunks carry their token count (per-token ITL)
+    json_schema: dict | None = None  # every request constrained to this JSON schema (response_format)
 
     def validate(self) -> None:
         host = urlparse(self.url).hostname
@@ -110,6 +115,8 @@ class ServeBenchResult:
             "duration_s": round(self.duration_s, 3),
             "requests_per_s": round(self.requests_per_s, 3),
             "output_tok_per_s": round(self.output_tok_per_s, 1),
+            "output_tokens_per_request": round(self.output_tokens / self.num_ok, 1) if self.num_ok else None,
+            "json_schema": self.config.json_schema is not None,
             "ttft_ms_p50": ms(pct(self.ttft, 50)), "ttft_ms_p99": ms(pct(self.ttft, 99)),
             "itl_ms_p50": ms(pct(self.itl, 50)), "itl_ms_p99": ms(pct(self.itl, 99)),
             "tpot_ms_p50": ms(pct(self.tpot, 50)), "tpot_ms_p99": ms(pct(self.tpot, 99)),
@@ -137,6 +144,9 @@ async def _one_request(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: 
     }
     if cfg.count_tokens:
         body["logprobs"] = 0  # each chunk then lists its tokens, even those with no text yet
+    if cfg.json_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": cfg.json_schema}}
+    text, finish_reason = [], None
     start = time.perf_counter()
     chunks: list[tuple[float, int]] = []  # (arrival time, tokens; 1 if unknown) per chunk with output
     usage = None
@@ -160,6 +170,9 @@ async def _one_request(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: 
                 if payload.get("usage"):
                     usage = payload["usage"]
                 choices = payload.get("choices")
+                for choice in choices or ():
+                    text.append(choice.get("text") or "")
+                    finish_reason = choice.get("finish_reason") or finish_reason
                 if choices and not cfg.count_tokens:
                     chunks.append((now, 1))  # as vllm bench serve: every chunk with a choice
                 for choice in choices if cfg.count_tokens else ():
@@ -171,7 +184,12 @@ async def _one_request(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: 
     if not done or usage is None:
         return _RequestResult(False, "stream ended without usage and [DONE]")
     tokens = usage.get("completion_tokens", 0)
-    if tokens != cfg.output_len:
+    if cfg.json_schema is not None and finish_reason == "stop":  # the document ended: it must parse
+        try:
+            json.loads("".join(text))
+        except ValueError:
+            return _RequestResult(False, f"a constrained output is not JSON: {''.join(text)[:200]!r}")
+    elif tokens != cfg.output_len:
         return _RequestResult(False, f"got {tokens} tokens, expected {cfg.output_len}")
     result = _RequestResult(True, output_tokens=tokens)
     if chunks:
@@ -268,6 +286,8 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None)
     g.add_argument("--token-counts", dest="count_tokens", action="store_true",
                    help="ask for logprobs=0 so ITL is per token (default: per chunk, as vllm bench serve)")
+    g.add_argument("--json-schema", dest="json_schema_file", default=None, metavar="FILE",
+                   help="constrain every request to the JSON schema in FILE (response_format json_schema)")
     g.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -277,7 +297,19 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         num_requests=args.num_requests if args.num_requests is not None else 4 * args.num_clients,
         input_len=args.input_len, output_len=args.output_len, time_limit_s=args.time_limit, api_key=args.api_key,
         count_tokens=args.count_tokens,
+        json_schema=_read_schema(args.json_schema_file) if args.json_schema_file else None,
     )
+
+
+def _read_schema(path: str) -> dict:
+    try:
+        with open(path) as f:
+            schema = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--json-schema {path}: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: not a JSON schema object")
+    return schema
 
 
 def run_from_args(args: argparse.Namespace) -> int:

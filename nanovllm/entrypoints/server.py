@@ -49,7 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm.chat import chat_prompt_ids
+from nanovllm.chat import chat_prompt_ids, check_template_kwargs
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from nanovllm.entrypoints.guard import RequestGuard
 from nanovllm.entrypoints.limits import ServerLimits
@@ -66,19 +66,26 @@ from nanovllm.entrypoints.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     ModelCard,
     ModelList,
     OpenAIError,
     TokenLogprob,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
     bad_request,
     error_body,
 )
+from nanovllm.entrypoints.reasoning import prompt_opens_reasoning
 from nanovllm.entrypoints.tokenization import (
     TokenizeCompletionRequest, detokenize, parse_detokenize, parse_tokenize, tokenize,
 )
+from nanovllm.entrypoints.tool_parsers import ParsedDelta, merge_deltas
+from nanovllm.entrypoints.tools import ChoiceParser, ParserConfig, plan_tools
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -349,6 +356,22 @@ class _TokenText:
         return text
 
 
+def _delta_message(parsed: ParsedDelta) -> DeltaMessage:
+    """A streamed step in OpenAI's shape: one entry per call, with its id, type and name the
+    first time it appears."""
+    calls: dict[int, DeltaToolCall] = {}
+    for step in parsed.tool_calls:
+        call = calls.get(step.index)
+        if call is None:
+            calls[step.index] = DeltaToolCall(
+                index=step.index, id=step.id, type="function" if step.id else None,
+                function=DeltaFunctionCall(name=step.name, arguments=step.arguments))
+        else:
+            call.function.arguments = (call.function.arguments or "") + step.arguments
+    return DeltaMessage(content=parsed.content or None, reasoning_content=parsed.reasoning or None,
+                        tool_calls=list(calls.values()) or None)
+
+
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     # An entry holds the top-k alternatives plus the sampled token (which may rank below them).
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
@@ -359,10 +382,12 @@ class OpenAIServer:
     """Request handlers; `create_app` wires them to routes."""
 
     def __init__(self, engine: Any, model_name: str, limits: ServerLimits, max_prompt_chars: int | None = None,
-                 stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT) -> None:
+                 stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT,
+                 parsers: ParserConfig | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.limits = limits
+        self.parsers = (parsers or ParserConfig()).for_template(getattr(engine.tokenizer, "chat_template", None))
         self.metrics = ServerMetrics(engine, model_name)
         self.token_text = _TokenText(engine.tokenizer)
         self.max_prompt_chars = max_prompt_chars or engine.max_model_len * CHARS_PER_TOKEN_LIMIT
@@ -410,9 +435,9 @@ class OpenAIServer:
                               param="model", code="model_not_found")
 
     async def submit(self, base_id: str, prompts: list[str | list[int]], params: SamplingParams, stream: bool,
-                     param: str) -> list[RequestStream]:
+                     param: str, grammar_param: str | None = None) -> list[RequestStream]:
         """Add one engine request per prompt, all at once; all or nothing. ValueError -> 400
-        naming `param`."""
+        naming `param` (`grammar_param` for the engine's grammar check: structured_outputs.*)."""
         prompts = await self.tokenize(prompts, param)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
@@ -426,7 +451,8 @@ class OpenAIServer:
             i, exc = failed[0]
             if isinstance(exc, ValueError):
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
-                raise bad_request(f"{where}{exc}", param=param) from None
+                about = grammar_param if str(exc).startswith("structured_outputs") else param
+                raise bad_request(f"{where}{exc}", param=about) from None
             raise exc
         return streams
 
@@ -480,7 +506,7 @@ class OpenAIServer:
         params = body.sampling_params(max_tokens, body.logprobs, self.engine.vocab_size, self.engine.generation_defaults)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, len(prompts), params.n, body.stream)
-        streams = await self.submit(request_id, prompts, params, body.stream, "prompt")
+        streams = await self.submit(request_id, prompts, params, body.stream, "prompt", body.structured_param)
         if body.stream:
             return _EventStream(_sse_body(self._completion_events(request_id, body, params, streams, tracker), tracker),
                                 lambda: self.abort(streams), self.stream_write_timeout)
@@ -533,48 +559,70 @@ class OpenAIServer:
         self.check_model(body.model)
         body.check_unsupported()
         body.check_limits(self.limits.max_n, self.limits.max_prompts)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        self._check_chars(sum(len(m["content"] or "") for m in messages), "messages")
-        prompt_ids = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, self._chat_prompt, messages, body.add_generation_prompt)
+        plan = plan_tools(body, self.parsers)
+        try:
+            template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise bad_request(str(exc), param="chat_template_kwargs") from None
+        messages = body.template_messages()
+        self._check_chars(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
+                          + len(json.dumps(plan.tools or "")), "messages")
+        prompt_ids, prompt_tail = await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, self._chat_prompt, messages, body.add_generation_prompt, plan.tools, template_kwargs)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens, top, self.engine.vocab_size, self.engine.generation_defaults)
+        params = body.sampling_params(max_tokens, top, self.engine.vocab_size, self.engine.generation_defaults,
+                                      structured_outputs=plan.structured_outputs)
+        opens_reasoning = prompt_opens_reasoning(prompt_tail)
+        parsers = [ChoiceParser(plan, self.parsers, opens_reasoning) for _ in range(params.n)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, 1, params.n, body.stream)
-        streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages")
+        grammar_param = "tools" if plan.structured_outputs is not None else body.structured_param
+        streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages", grammar_param)
         if body.stream:
-            return _EventStream(_sse_body(self._chat_events(request_id, body, params, streams[0], tracker), tracker),
-                                lambda: self.abort(streams), self.stream_write_timeout)
+            events = self._chat_events(request_id, body, params, parsers, streams[0], tracker)
+            return _EventStream(_sse_body(events, tracker), lambda: self.abort(streams), self.stream_write_timeout)
         finals = await self.collect_finals(streams, request, tracker)
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
         out = finals[0]
-        choices = [
-            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                       logprobs=self._chat_logprobs(c.token_ids, c.logprobs or [], top) if top is not None else None,
-                       finish_reason=c.finish_reason)
-            for c in out.outputs
-        ]
+        choices = []
+        for c in out.outputs:
+            parser = parsers[c.index]
+            parsed = merge_deltas([parser.feed(c.text), parser.finish()])
+            content = parsed.content
+            if content is None and not parsed.tool_calls and parsed.reasoning is None:
+                content = ""
+            calls = [ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+                     for t in parsed.tool_calls]
+            message = ChatResponseMessage(content=content, reasoning_content=parsed.reasoning, tool_calls=calls)
+            logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], top) if top is not None else None
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                      finish_reason=parser.finish_reason(c.finish_reason)))
         return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                    usage=self._usage(finals)).model_dump())
 
-    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Runs on the tokenizer thread. Contents are tokenized apart, so special-token text in
-        them stays text (nanovllm/chat.py)."""
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
+                     template_kwargs: dict[str, Any]) -> tuple[list[int], str]:
+        """Runs on the tokenizer thread: the prompt's ids, and the text of its last few tokens
+        (does the template leave a think block open?). Contents are tokenized apart, so
+        special-token text in them stays text (nanovllm/chat.py)."""
         tok = self._tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
         try:
-            return chat_prompt_ids(tok, messages, add_generation_prompt,
-                                   parse_special_tokens=self.limits.parse_special_tokens_in_chat)
+            ids = chat_prompt_ids(tok, messages, add_generation_prompt,
+                                  parse_special_tokens=self.limits.parse_special_tokens_in_chat,
+                                  tools=tools, template_kwargs=template_kwargs)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param="messages") from None
+        return ids, tok.decode(ids[-4:])
 
     async def _chat_events(self, request_id: str, body: ChatCompletionRequest, params: SamplingParams,
-                           stream: RequestStream, tracker: _Tracker) -> AsyncIterator[str]:
+                           parsers: list[ChoiceParser], stream: RequestStream,
+                           tracker: _Tracker) -> AsyncIterator[str]:
         created = int(time.time())
         top = (body.top_logprobs or 0) if body.logprobs else None
 
@@ -590,17 +638,22 @@ class OpenAIServer:
             tracker.update(0, out)
             for c in out.outputs:
                 i = c.index
-                delta = c.text[sent_text[i]:]
-                new_ids = c.token_ids[sent_tokens[i]:]
-                finish = c.finish_reason if out.finished else None
+                text = c.text[sent_text[i]:]
+                start_tok = sent_tokens[i]
+                new_ids = c.token_ids[start_tok:]
+                sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                parsed = parsers[i].feed(text) if text else ParsedDelta()
+                finish = None
+                if out.finished:
+                    parsed.extend(parsers[i].finish())
+                    finish = parsers[i].finish_reason(c.finish_reason)
                 logprobs = None
                 if top is not None and new_ids:
-                    logprobs = self._chat_logprobs(new_ids, (c.logprobs or [])[sent_tokens[i]:], top)
-                if not delta and logprobs is None and finish is None:
+                    logprobs = self._chat_logprobs(new_ids, (c.logprobs or [])[start_tok:], top)
+                if not parsed and logprobs is None and finish is None:
                     continue
-                sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=delta or None),
-                                             logprobs=logprobs, finish_reason=finish)])
+                yield chunk([ChatChunkChoice(index=i, delta=_delta_message(parsed), logprobs=logprobs,
+                                             finish_reason=finish)])
         if body.include_usage:
             yield chunk([], usage=self._usage(tracker.outputs))
 
@@ -720,14 +773,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def create_app(engine: Any, model_name: str, api_key: str | None = None, *, limits: ServerLimits | None = None,
                max_prompt_chars: int | None = None,
-               stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT) -> FastAPI:
+               stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT,
+               parsers: ParserConfig | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (a `CoreClient`, or an in-process `AsyncEngine`) as model
     `model_name`. With `api_key`, /v1/* requires `Authorization: Bearer <api_key>` (/health and
     /metrics stay open). `limits`: the limits and Host policy (docs/server.md); the
     connection-level ones go to uvicorn separately (http_protocol.uvicorn_options).
-    `max_prompt_chars` (default max_model_len x 16) refuses longer prompts before tokenizing them."""
+    `max_prompt_chars` (default max_model_len x 16) refuses longer prompts before tokenizing them.
+    `parsers`: the tool-call and reasoning parsers (entrypoints/tools.py; ValueError if
+    --enable-auto-tool-choice finds no parser for the chat template)."""
     limits = limits if limits is not None else ServerLimits()
-    server = OpenAIServer(engine, model_name, limits, max_prompt_chars, stream_write_timeout)
+    server = OpenAIServer(engine, model_name, limits, max_prompt_chars, stream_write_timeout, parsers)
     app = FastAPI(title="nano-vllm", docs_url=None, redoc_url=None)
     app.state.server = server
     app.add_middleware(RequestGuard, limits=limits, api_key=api_key)  # inside the metrics middleware

@@ -26,6 +26,8 @@ class TokenizeCompletionRequest(_Request):
 class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage]
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False  # the template holds any BOS
 
@@ -74,9 +76,10 @@ def tokenize(tokenizer: Any, req: TokenizeCompletionRequest | TokenizeChatReques
     if tokenizer is None:
         raise bad_request("this model has no tokenizer")
     if isinstance(req, TokenizeChatRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         try:
-            ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt)
+            ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt, tools=req.tools,
+                                  template_kwargs=req.chat_template_kwargs)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param="messages") from None
         if req.add_special_tokens and tokenizer.bos_token_id is not None:

@@ -38,12 +38,14 @@ def _tile_shape(rows: int, k: int, elements: int) -> tuple[int, int]:
 def unsupported_reason(model: Any) -> str | None:
     """Why `model` cannot take the persistent decode kernel (None: it can)."""
     from nanovllm.distributed import tp_size
-    from nanovllm.models.llama import LlamaForCausalLM
+    from nanovllm.models.llama import LlamaForCausalLM, LlamaMLP
 
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family decoder"
     if tp_size() != 1:
         return "tensor parallelism"
+    if not all(isinstance(layer.mlp, LlamaMLP) for layer in model.model.layers):
+        return "mixture-of-experts MLP layers"
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:

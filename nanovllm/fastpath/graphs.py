@@ -52,6 +52,9 @@ class SingleDecodeInputs:
     are those of records 1..K-1, then record 0's: BurstTokens.in_order)."""
 
     TOKEN, POSITION, SLOT, SEQ_LEN, TEMPERATURE, SEED = 0, 16, 32, 48, 64, 80  # byte offsets in a record
+    # A filtered stream's sampling controls (the filtered graphs' FilteredSampler reads them;
+    # the kernel reads only the fields above).
+    SAMPLE_TEMPERATURE, TOP_K, TOP_P, MIN_P = 68, 72, 76, 88
     RECORD = 96
 
     def __init__(self, max_blocks: int, max_model_len: int, device: torch.device, steps: int = 1) -> None:
@@ -67,6 +70,11 @@ class SingleDecodeInputs:
         self.seq_lens = [b[o + self.SEQ_LEN : o + self.SEQ_LEN + 4].view(torch.int32) for o in r]
         self.temperatures = [b[o + self.TEMPERATURE : o + self.TEMPERATURE + 4].view(torch.float32) for o in r]
         self.seeds = [b[o + self.SEED : o + self.SEED + 8].view(torch.int64) for o in r]
+        self.sample_temperatures = [b[o + self.SAMPLE_TEMPERATURE : o + self.SAMPLE_TEMPERATURE + 4].view(torch.float32)
+                                    for o in r]
+        self.top_ks = [b[o + self.TOP_K : o + self.TOP_K + 4].view(torch.int32) for o in r]
+        self.top_ps = [b[o + self.TOP_P : o + self.TOP_P + 4].view(torch.float32) for o in r]
+        self.min_ps = [b[o + self.MIN_P : o + self.MIN_P + 4].view(torch.float32) for o in r]
         # [steps, 12] int64: column 0 holds each record's token (a burst's outputs, see above)
         self.records = b[: self.BLOCK_TABLE].view(torch.int64).view(steps, self.RECORD // 8)
         self.token, self.position, self.slot, self.seq_len = self.tokens[0], self.positions[0], self.slots[0], self.seq_lens[0]
@@ -91,16 +99,26 @@ class SingleDecodeInputs:
 
     def fill_host(self, host: np.ndarray, token: int, position: int, block_table: list[int], block_size: int,
                   steps: int = 1, temperature: float = 0.0, seeds: list[int] | None = None,
-                  all_logits: bool = False) -> None:
+                  all_logits: bool = False, filters: tuple[float, int, float, float] | None = None) -> None:
         """Write the inputs of `steps` decode steps from `position` on into `host` (nbytes uint8,
         the device buffer's layout); only the first step's token is known. temperature > 0: the
         steps sample at it, step i under seeds[i] (else greedy). all_logits: the steps store
-        every logit and pick their argmax (the temperature is then ignored)."""
+        every logit and pick their argmax (the temperature is then ignored). filters:
+        (temperature, top_k, top_p, min_p) of a filtered stream, sampled by the filtered graphs
+        under seeds[i] from every logit (stored as all_logits stores them)."""
+        floats = host[: self.BLOCK_TABLE].view(np.float32)
+        ints32 = host[: self.BLOCK_TABLE].view(np.int32)
+        if filters is not None:
+            all_logits = True
+            for i in range(steps):
+                r = i * self.RECORD
+                floats[(r + self.SAMPLE_TEMPERATURE) // 4] = filters[0]
+                ints32[(r + self.TOP_K) // 4] = filters[1]
+                floats[(r + self.TOP_P) // 4] = filters[2]
+                floats[(r + self.MIN_P) // 4] = filters[3]
         if all_logits:
             temperature = ALL_LOGITS_TEMPERATURE
         ints = host[: self.BLOCK_TABLE].view(np.int64)
-        ints32 = host[: self.BLOCK_TABLE].view(np.int32)
-        floats = host[: self.BLOCK_TABLE].view(np.float32)
         ints[self.TOKEN // 8] = token
         for i in range(steps):
             p = position + i
@@ -109,7 +127,7 @@ class SingleDecodeInputs:
             ints[(r + self.SLOT) // 8] = block_table[p // block_size] * block_size + p % block_size
             ints32[(r + self.SEQ_LEN) // 4] = p + 1
             floats[(r + self.TEMPERATURE) // 4] = temperature
-            ints[(r + self.SEED) // 8] = seeds[i] if temperature > 0 else 0
+            ints[(r + self.SEED) // 8] = seeds[i] if temperature > 0 or filters is not None else 0
         host[self.BLOCK_TABLE : self.BLOCK_TABLE + 4 * len(block_table)].view(np.int32)[:] = block_table
 
 
@@ -160,6 +178,10 @@ class LoneGraphs:
             if burst > 1 else []
         self.burst_tokens = [torch.zeros(burst, dtype=torch.int64, pin_memory=True) for _ in self.bursts]
         self.burst_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # The filtered graphs (capture(filtered_step=...)): the same shapes, each step a
+        # filtered stream's (every logit, then its top-k / top-p / min-p sample).
+        self.filtered_single_graph: torch.cuda.CUDAGraph | None = None
+        self.filtered_burst_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.burst_steps = 1
         self.bursts_to_host = False
         self._next_burst = 0
@@ -179,6 +201,7 @@ class LoneGraphs:
         step: Callable[..., torch.Tensor],
         burst: int = 1,
         one_launch: bool = False,
+        filtered_step: Callable[[SingleDecodeInputs, int, torch.Tensor], None] | None = None,
     ) -> None:
         """Capture `step` (`step(token, position, meta, next_token, temperature, seed) -> logits`:
         one decoding sequence's forward over `self.single`, its LM head and its greedy argmax (or
@@ -191,7 +214,11 @@ class LoneGraphs:
         host_tokens=...` and runs the n steps in one launch (the persistent kernel's MULTI_STEP),
         writing their tokens into `self.burst_tokens`, else the graph holds n launches. Runs
         between steps, on the thread that runs them: the warm-up launches read the static
-        inputs, so they are first made to store nothing and attend to nothing cached."""
+        inputs, so they are first made to store nothing and attend to nothing cached.
+
+        filtered_step(inputs, i, next_token): step i of a filtered stream over record i of
+        `inputs`, its token into next_token; captured the same way as the filtered graphs (one
+        launch per step; a burst's tokens stay in its records)."""
         t0 = time.perf_counter()
         if burst > 1 and (not self.bursts or burst > self.bursts[0].steps):
             raise ValueError(f"a decode burst of {burst} steps needs as many input records, there are "
@@ -234,26 +261,46 @@ class LoneGraphs:
                     for j, b in enumerate(self.bursts)
                 ]
             self.burst_steps, self.bursts_to_host = burst, to_host
+        self.filtered_single_graph, self.filtered_burst_graphs = None, {}
+        if filtered_step is not None:
+            def filtered_steps(s: SingleDecodeInputs, n: int, last_token: torch.Tensor):
+                def forward() -> None:
+                    for i in range(n):
+                        filtered_step(s, i, s.tokens[i + 1] if i + 1 < n else last_token)
+                return forward
+
+            try:
+                single = capture(filtered_steps(s, 1, s.tokens[0]))[0]
+                bursts = {n: [capture(filtered_steps(b, n, b.tokens[0]))[0] for b in self.bursts]
+                          for n in (burst_sizes(burst) if burst > 1 else [])}
+            except Exception as e:  # noqa: BLE001 - filtered streams then sample on the runner's path
+                logger.warning("filtered lone-sequence graphs off: %s", e)
+            else:
+                self.filtered_single_graph, self.filtered_burst_graphs = single, bursts
         logger.info("captured the persistent decode kernel's graphs (bursts of %d) in %.2fs", burst, time.perf_counter() - t0)
 
     def release(self) -> None:
         """Free the captured graphs (see CudaGraphRunner.release)."""
-        graphs = [g for pair in self.burst_graphs.values() for g in pair]
-        if self.single_graph is not None:
-            graphs.append(self.single_graph)
+        graphs = [g for family in (self.burst_graphs, self.filtered_burst_graphs) for pair in family.values() for g in pair]
+        graphs += [g for g in (self.single_graph, self.filtered_single_graph) if g is not None]
         for graph in graphs:
             graph.reset()
-        self.single_graph, self.single_logits = None, None
-        self.burst_graphs, self.burst_steps = {}, 1
+        self.single_graph, self.single_logits, self.filtered_single_graph = None, None, None
+        self.burst_graphs, self.filtered_burst_graphs, self.burst_steps = {}, {}, 1
 
     def next_burst(self) -> tuple[int, SingleDecodeInputs]:
         """(j, inputs) of the next decode burst: the graphs take turns, so that the next burst's
         inputs can be copied in while the burst before it runs (uploading, replay_burst)."""
         return self._next_burst, self.bursts[self._next_burst]
 
-    def last_token(self, j: int) -> torch.Tensor:
+    @property
+    def has_filtered(self) -> bool:
+        """Whether a lone filtered stream replays the filtered graphs (`replay_single(filtered=True)`)."""
+        return self.filtered_single_graph is not None
+
+    def last_token(self, j: int, filtered: bool = False) -> torch.Tensor:
         """Where burst j leaves its last token ([1] int64 on the device): the next input."""
-        return self.bursts[1 - j].token if self.bursts_to_host else self.bursts[j].token
+        return self.bursts[1 - j].token if self.bursts_to_host and not filtered else self.bursts[j].token
 
     @contextmanager
     def uploading(self, j: int) -> Iterator[torch.cuda.Stream]:
@@ -267,18 +314,18 @@ class LoneGraphs:
         yield self._upload_stream
         self._uploaded[j].record(self._upload_stream)
 
-    def replay_burst(self, j: int, n: int) -> BurstTokens:
+    def replay_burst(self, j: int, n: int, filtered: bool = False) -> BurstTokens:
         """Replay the graph of burst j of n steps (its inputs filled: uploading); returns its
         tokens, on their way to the host. The kernel writes them into the same pinned memory at
         every replay of a burst j, so the last one's tokens are read first (the engine has
         normally read them already: it reads a burst's tokens before it launches the one after
-        next)."""
+        next). filtered: the filtered graph of burst j (its tokens come from its records)."""
         if self._last_tokens[j] is not None:
             self._last_tokens[j].tolist()
         stream = torch.cuda.current_stream()
         stream.wait_event(self._uploaded[j])
-        self.burst_graphs[n][j].replay()
-        if self.bursts_to_host:
+        (self.filtered_burst_graphs if filtered else self.burst_graphs)[n][j].replay()
+        if self.bursts_to_host and not filtered:
             tokens = BurstTokens(self.burst_tokens[j][:n], in_step_order=True)
         else:  # the records: step i's token in record i + 1, the last one's in record 0
             records = self.bursts[j].records[:n, 0]
@@ -289,8 +336,9 @@ class LoneGraphs:
         self._last_tokens[j] = tokens
         return tokens
 
-    def replay_single(self) -> torch.Tensor:
+    def replay_single(self, filtered: bool = False) -> torch.Tensor:
         """Replay the graph of size 1 over `self.single` (filled by the caller); returns its
-        logits [1, vocab]. The greedy token is in `self.single.token` afterwards."""
-        self.single_graph.replay()
+        logits [1, vocab]. The greedy token (filtered: the filtered sample) is in
+        `self.single.token` afterwards."""
+        (self.filtered_single_graph if filtered else self.single_graph).replay()
         return self.single_logits

@@ -3,8 +3,13 @@
 A lone decoding sequence is latency-bound: its step reads every weight once, and a per-op
 decode graph spends more on its ~250 kernel launches than on those reads. The fast path runs
 such a step as one persistent kernel (decoder.py, kernel.py) replayed in a CUDA graph
-(graphs.py), and a decode burst (several steps of one greedy or plain-temperature sequence,
-`ScheduledSeq.num_steps`) as one graph of them. Everything else takes the runner's own path.
+(graphs.py), and a decode burst (several steps of one sequence, `ScheduledSeq.num_steps`) as
+one graph of them. Greedy and plain-temperature streams are picked by the kernel's LM head; a
+stream with top-k / top-p / min-p takes the filtered graphs, where every logit is stored and
+layers/filtered_sampler.py samples after each step. A seeded stream's noise is keyed by
+sampler.step_seed, as in the runner's sampler, so its tokens depend on its logits alone.
+Penalties, logit biases, banned ids and logprobs take the runner's own path, as does
+everything else.
 
 Interface (ModelRunner is the only caller):
 - `FastPath.build(runner)`: the fast path for this runner's model, or None where it is turned
@@ -30,7 +35,7 @@ import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.fastpath.graphs import BurstTokens, LoneGraphs, SingleDecodeInputs
-from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.layers.sampler import SamplerOutput, step_seed
 from nanovllm.precompile import compile_in_background
 from nanovllm.step_result import Done, PendingOutput, RunnerOutput, StepResult
 from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
@@ -56,11 +61,14 @@ class BurstOutput:
 
 class FastPath:
     def __init__(self, runner: Any, decoder: Any) -> None:
+        from nanovllm.layers.filtered_sampler import FilteredSampler
         from nanovllm.layers.fused_sampler import GreedyRow
 
         self.runner = runner
         self.decoder = decoder
-        self.greedy_row = GreedyRow(runner.model.lm_head.num_embeddings, runner.device)  # the graphs' argmax
+        vocab = runner.model.lm_head.num_embeddings
+        self.greedy_row = GreedyRow(vocab, runner.device)  # the graphs' argmax
+        self.filtered = FilteredSampler(vocab, 1, runner.device)  # the filtered graphs' sampler
         config = runner.config
         self.graphs = LoneGraphs(runner.graph_runner.capture_in_pool, runner.device,
                                  -(-config.max_model_len // runner.block_size), config.max_model_len,
@@ -74,6 +82,9 @@ class FastPath:
         logits = torch.empty((1, greedy.vocab_size), dtype=runner.dtype, device=runner.device)
         device = runner.device
 
+        filtered, s = self.filtered, g.single
+        picked = torch.empty(1, dtype=torch.int64, device=device)
+
         def dry_pass() -> None:
             with torch.cuda.device(device), torch.inference_mode():
                 if decoder.fused_head:
@@ -81,6 +92,8 @@ class FastPath:
                 else:
                     decoder(ids, pos, meta)
                     greedy(logits, ids)
+                # The filtered graphs' kernels, over the views they are captured with.
+                filtered(logits, s.sample_temperatures[0], s.top_ks[0], s.top_ps[0], s.min_ps[0], s.seeds[0], out=picked)
 
         self._dry_pass: Callable[[], None] | None = dry_pass
 
@@ -127,7 +140,8 @@ class FastPath:
         try:
             if not pending.result():
                 raise RuntimeError("this Triton cannot compile in the background")
-            self.graphs.capture(self._lone_step, burst=self._graph_burst, one_launch=self.decoder.multi_step)
+            self.graphs.capture(self._lone_step, burst=self._graph_burst, one_launch=self.decoder.multi_step,
+                                filtered_step=self._lone_filtered_step)
         except Exception as e:  # noqa: BLE001 - an optional fast path: log it and serve without it
             logger.warning("persistent decode off: %s", e)
             self.graphs.single_graph = None
@@ -168,7 +182,7 @@ class FastPath:
             return None
         item = out.seqs[0]
         if item.params.edits_logits:
-            return None  # penalties and logit biases are applied by the runner's sampler only
+            return None  # penalties, logit biases and grammar masks are applied by the runner's sampler only
         if item.num_steps > 1:
             return self._execute_burst(item)
         launched = self._execute_single(item)
@@ -196,6 +210,13 @@ class FastPath:
         self.greedy_row(logits, next_token)
         return logits
 
+    def _lone_filtered_step(self, s: SingleDecodeInputs, i: int, next_token: torch.Tensor) -> None:
+        """Step i of a filtered stream over record i of `s` (its temperature word asks for every
+        logit): the persistent kernel, then the record's top-k / top-p / min-p sample under its
+        seed into next_token (what the filtered graphs capture)."""
+        logits = self._lone_step(s.tokens[i], s.positions[i], s.meta(i), next_token, s.temperatures[i], s.seeds[i])
+        self.filtered(logits, s.sample_temperatures[i], s.top_ks[i], s.top_ps[i], s.min_ps[i], s.seeds[i], out=next_token)
+
     def _execute_burst(self, item: ScheduledSeq) -> StepResult:
         """A decode burst (ScheduledSeq.num_steps steps of one greedy or plain-temperature
         sequence): one replay of a burst graph where they have this size and its steps' tokens
@@ -204,12 +225,14 @@ class FastPath:
         launched back to back (ModelRunner.run_steps)."""
         g = self.graphs
         runner = self.runner
-        if item.num_steps in g.burst_graphs and self._graph_picks_token(item):
+        filtered = self._graph_filters(item)
+        graphs = g.filtered_burst_graphs if filtered else g.burst_graphs
+        if item.num_steps in graphs and (filtered or self._graph_picks_token(item)):
             j, s = g.next_burst()
             with g.uploading(j) as stream:
                 self._upload_lone_inputs(item, steps=item.num_steps, s=s, stream=stream)
-            tokens = g.replay_burst(j, item.num_steps)
-            runner.prev_tokens, runner.prev_rows = g.last_token(j), {item.seq_id: 0}
+            tokens = g.replay_burst(j, item.num_steps, filtered=filtered)
+            runner.prev_tokens, runner.prev_rows = g.last_token(j, filtered), {item.seq_id: 0}
             return BurstOutput(tokens)
         return runner.run_steps(item, self._execute_single)
 
@@ -227,16 +250,21 @@ class FastPath:
         token = item.token_ids[0]
         p = item.params
         picks = self._graph_picks_token(item)
+        filtered = not picks and self._graph_filters(item)
         seeds = None
         temperature = 0.0  # greedy
         all_logits = False
-        if not p.greedy and picks:  # the kernel samples: a seed per step
-            temperature = p.temperature
-            seeds = torch.randint(0, 2**31 - 1, (steps,)).tolist()  # torch.manual_seed governs them
+        if (not p.greedy and picks) or filtered:  # the graph samples: a seed per step
+            temperature = p.temperature if picks else 0.0
+            if item.seed is None:
+                seeds = torch.randint(0, 2**31 - 1, (steps,)).tolist()  # torch.manual_seed governs them
+            else:
+                seeds = [step_seed(item.seed, item.start_pos + i) for i in range(steps)]
         elif item.sample and not picks:  # the sampler needs every logit (a quantized head would not store them)
             all_logits = True
+        filters = (p.temperature, p.top_k, p.top_p, p.min_p) if filtered else None
         s.fill_host(host, token, item.start_pos, item.block_table, runner.block_size, steps, temperature, seeds,
-                    all_logits=all_logits)
+                    all_logits=all_logits, filters=filters)
         if token == PLACEHOLDER_TOKEN:
             row = runner.prev_rows[item.seq_id]
             if not (runner.prev_tokens is s.token and row == 0):
@@ -258,10 +286,11 @@ class FastPath:
         self._upload_lone_inputs(item)
         if not item.sample and runner.prev_tokens is s.token:
             runner.prev_tokens = s.token.clone()  # the replay's argmax overwrites them
-        logits = self.graphs.replay_single()
+        filtered = self._graph_filters(item)
+        logits = self.graphs.replay_single(filtered=filtered)
         if not item.sample:
             return None
-        if self._graph_picks_token(item):
+        if filtered or self._graph_picks_token(item):
             sampled = SamplerOutput(s.token, None, None, None)  # the graph's argmax (or sample)
         else:
             sampled = runner.sample([item], logits)
@@ -272,8 +301,16 @@ class FastPath:
     def _graph_picks_token(self, item: ScheduledSeq) -> bool:
         """Whether the token the lone-sequence graphs leave in SingleDecodeInputs is this step's
         token: a sampling step without logprobs or banned ids that is greedy, or at a plain
-        temperature (no filter, no seed of its own) where the kernel samples (`lone_sampling`)."""
+        temperature (no filter) where the kernel samples (`lone_sampling`)."""
         p = item.params
         if not item.sample or p.logprobs is not None or item.banned_token_ids:
             return False
         return p.greedy or (p.plain_temperature and self.lone_sampling)
+
+    def _graph_filters(self, item: ScheduledSeq) -> bool:
+        """Whether this step takes the filtered graphs: a sampling step without logprobs, banned
+        ids, penalties or biases whose token the kernel's own head does not pick (top-k, top-p
+        or min-p; or any temperature where the kernel has no fused head)."""
+        p = item.params
+        return (self.graphs.has_filtered and item.sample and not p.greedy and p.logprobs is None
+                and not item.banned_token_ids and not p.edits_logits and not self._graph_picks_token(item))

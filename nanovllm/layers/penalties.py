@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.layers.host_copy import to_device
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -46,8 +47,8 @@ class LogitBias:
                     values.append(b)
         if not rows:
             return None
-        index = torch.tensor([rows, tokens], dtype=torch.int64).to(device)
-        return cls(index[0], index[1], torch.tensor(values, dtype=torch.float32).to(device))
+        index = to_device(torch.tensor([rows, tokens], dtype=torch.int64), device)
+        return cls(index[0], index[1], to_device(torch.tensor(values, dtype=torch.float32), device))
 
     def apply_(self, logits: torch.Tensor) -> None:
         """logits [B, V] fp32 += the biases, in place (a token listed twice cannot occur: dict keys)."""
@@ -81,8 +82,9 @@ class Penalties:
                              f"{tuple(output_counts.shape)} and {tuple(seen.shape)}")
         device = output_counts.device
         knobs = torch.tensor([[params[i].presence_penalty for i in rows], [params[i].frequency_penalty for i in rows],
-                              [params[i].repetition_penalty for i in rows]], dtype=torch.float32).to(device)
-        return cls(torch.tensor(rows, dtype=torch.int64).to(device), knobs[0], knobs[1], knobs[2], output_counts, seen,
+                              [params[i].repetition_penalty for i in rows]], dtype=torch.float32)
+        knobs = to_device(knobs, device)
+        return cls(to_device(torch.tensor(rows, dtype=torch.int64), device), knobs[0], knobs[1], knobs[2], output_counts, seen,
                    any_repetition=any(params[i].repetition_penalty != 1.0 for i in rows),
                    any_additive=any(params[i].presence_penalty != 0.0 or params[i].frequency_penalty != 0.0 for i in rows))
 

@@ -3,6 +3,7 @@
 Pipeline per row (all in fp32, whatever the logits' dtype):
   raw logits --> logprobs (optional)
              --> + logit_bias --> penalties (layers/penalties.py; only rows that ask)
+             --> grammar mask (structured/bitmask.py; only rows with structured_outputs)
              --> greedy argmax, or
                  / temperature --> top-k --> top-p --> softmax --> min-p --> exponential race
 
@@ -18,6 +19,11 @@ Design decisions:
   noise row is drawn from it alone, so its tokens do not depend on what else is in the batch or
   where its row sits. Unseeded rows share one batched draw from the global RNG. Seeded rows cost
   one small kernel each, which is why the batched path exists.
+- On CUDA, a batch with a top-k / top-p / min-p filter or a seeded row takes the sort-free
+  kernels of filtered_sampler.py instead (same filters, Gumbel-max draw). Each row's noise is
+  keyed by a step seed (`step_seed(seed, position)` for a seeded row, a draw from the global RNG
+  otherwise), so a seeded request's tokens depend on its logits alone, whether it is sampled
+  here in a batch or by the persistent decode kernel's graphs alone (fastpath/).
 - Top-k and top-p are applied together in sorted order (one stable sort, one scatter back), and
   only when some sampled row uses them; the common batch (temperature only) never sorts. Top-k
   keeps exactly k tokens (ties at the boundary go to the lower token id). Top-p keeps a token when
@@ -34,12 +40,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nanovllm.layers.penalties import LogitBias, Penalties
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # xgrammar is imported only once a request has a grammar
+    from nanovllm.structured.bitmask import TokenBitmask
+
+
+def step_seed(seed: int, position: int) -> int:
+    """The Philox key (31 bits) of a seeded request's Gumbel noise at the step whose input token
+    sits at `position` (the kernels of fused_sampler.py and filtered_sampler.py): splitmix64 of
+    the two, so that neighbouring seeds and positions give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return (z ^ (z >> 31)) >> 33
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -78,6 +98,9 @@ class SamplingTensors:
     max_num_logprobs: int | None
     logit_bias: LogitBias | None = None  # None unless some row has a logit_bias
     penalties: Penalties | None = None  # None unless some row is penalized
+    # [B] int64 Philox keys: the batch takes filtered_sampler's kernels (from_params(step_seeds=)).
+    step_seeds: torch.Tensor | None = None
+    token_mask: TokenBitmask | None = None  # None unless some row has a grammar
 
     @property
     def num_rows(self) -> int:
@@ -91,10 +114,14 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
         token_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+        step_seeds: Sequence[int] | None = None,
     ) -> SamplingTensors:
         """One row per entry of `params`; `generators[i]` is row i's seeded generator or None.
         token_stats: (output counts [P, V] int32, prompt-or-output seen [P, V] bool) of the P
         penalized rows (SamplingParams.penalized), in order; needed when some row is penalized.
+
+        step_seeds: one Philox key per row: the batch is sampled by filtered_sampler's kernels,
+        which take every control of every row (`Sampler.wants_step_seeds` says when).
 
         Each tensor that is needed is one host-to-device copy (pinned and non-blocking on CUDA).
         """
@@ -126,16 +153,19 @@ class SamplingTensors:
         any_top_k = any(top_k[i] < vocab_size for i in sampled)
         any_top_p = any(top_p[i] < 1.0 for i in sampled)
         any_min_p = any(min_p[i] > 0.0 for i in sampled)
+        kernel = step_seeds is not None
+        if kernel and len(step_seeds) != num_rows:
+            raise ValueError(f"SamplingTensors: {len(step_seeds)} step seeds for {num_rows} rows")
         penalties = None
         if any(p.penalized for p in params):
             if token_stats is None:
                 raise ValueError("SamplingTensors: penalized rows need token_stats (output counts, seen)")
             penalties = Penalties.from_params(params, *token_stats)
         return cls(
-            temperature=to_device(temperature, torch.float32) if sampled else None,
-            top_k=to_device(top_k, torch.int64) if any_top_k else None,
-            top_p=to_device(top_p, torch.float32) if any_top_p else None,
-            min_p=to_device(min_p, torch.float32) if any_min_p else None,
+            temperature=to_device(temperature, torch.float32) if sampled or kernel else None,
+            top_k=to_device(top_k, torch.int32 if kernel else torch.int64) if any_top_k or kernel else None,
+            top_p=to_device(top_p, torch.float32) if any_top_p or kernel else None,
+            min_p=to_device(min_p, torch.float32) if any_min_p or kernel else None,
             generators=[None if greedy[i] else g for i, g in enumerate(gens)],
             all_greedy=len(sampled) == 0,
             all_random=len(sampled) == num_rows,
@@ -145,6 +175,7 @@ class SamplingTensors:
             max_num_logprobs=max(asked) if asked else None,
             logit_bias=LogitBias.from_params(params, vocab_size, device),
             penalties=penalties,
+            step_seeds=to_device(list(step_seeds), torch.int64) if kernel else None,
         )
 
 
@@ -170,6 +201,7 @@ class Sampler(nn.Module):
 
             fused = fused_ops_from_env()
         self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
+        self._filtered = None  # filtered_sampler.FilteredSampler, made at the first batch that needs it
 
     # The fused kernel runs one program per row: it pays for large batches that sample (one pass
     # instead of ~6); a small or all-greedy batch is faster as torch's own argmax.
@@ -179,9 +211,24 @@ class Sampler(nn.Module):
         """Temperature sampling only: no filters, penalties or biases, no seeded rows, no
         logprobs, enough rows."""
         return not (st.all_greedy or st.num_rows < self.fast_path_min_rows
-                    or st.logit_bias is not None or st.penalties is not None
+                    or st.logit_bias is not None or st.penalties is not None or st.token_mask is not None
                     or st.any_top_k or st.any_top_p or st.any_min_p or st.max_num_logprobs is not None
                     or any(g is not None for g in st.generators))
+
+    def wants_step_seeds(self, params: Sequence[SamplingParams], device: torch.device) -> bool:
+        """Whether a batch of these rows on `device` takes filtered_sampler's kernels: on CUDA,
+        where some sampled row has a top-k / top-p / min-p filter or a seed of its own. The
+        caller then passes one step seed per row to SamplingTensors.from_params."""
+        return device.type in self.fused_devices and any(p.filters_or_seed for p in params)
+
+    def _filtered_sample(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        from nanovllm.layers.filtered_sampler import FilteredSampler
+
+        rows, vocab = logits.shape
+        f = self._filtered
+        if f is None or f.vocab_size != vocab or f.max_rows < rows or f.cand_val.device != logits.device:
+            f = self._filtered = FilteredSampler(vocab, max(rows, 64), logits.device)
+        return f(logits.contiguous(), st.temperature, st.top_k, st.top_p, st.min_p, st.step_seeds)
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != st.num_rows:
@@ -193,15 +240,19 @@ class Sampler(nn.Module):
             return SamplerOutput(gumbel_argmax(logits.contiguous(), st.temperature, seed), None, None, None)
         # May alias the caller's tensor when it is already fp32: nothing below writes into it.
         logits = raw = logits.float()
-        if st.logit_bias is not None or st.penalties is not None:
+        if st.logit_bias is not None or st.penalties is not None or st.token_mask is not None:
             logits = raw.clone()
             if st.logit_bias is not None:
                 st.logit_bias.apply_(logits)
             if st.penalties is not None:
                 st.penalties.apply_(logits)
+            if st.token_mask is not None:
+                st.token_mask.apply_(logits)
 
         if st.all_greedy:
             token_ids = logits.argmax(dim=-1)
+        elif st.step_seeds is not None:
+            token_ids = self._filtered_sample(logits, st)
         else:
             sampled = self._sample(logits, st)
             if st.all_random:

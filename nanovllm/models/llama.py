@@ -20,7 +20,7 @@ model is built, and stored on the modules (`fused_devices`), never consulted per
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,11 +91,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions, fused: bool) -> None:
+    def __init__(self, config: Any, options: DecoderOptions, fused: bool, intermediate_size: int | None = None) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}")
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=options.mlp_bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=options.mlp_bias)
         self.act_fn = SiluAndMul(fused)
@@ -105,10 +105,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding, fused: bool) -> None:
+    """Attention then an MLP: the dense LlamaMLP, or the `mlp` given (a mixture of experts)."""
+
+    def __init__(
+        self, config: Any, options: DecoderOptions, rotary_emb: RotaryEmbedding, fused: bool, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, options, rotary_emb, fused)
-        self.mlp = LlamaMLP(config, options, fused)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, options, fused)
+        self.mlp_reads_metadata = bool(getattr(self.mlp, "wants_step_metadata", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
@@ -121,18 +126,26 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, meta)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        if self.mlp_reads_metadata:
+            return self.mlp(hidden_states, meta), residual
         return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions) -> None:
+    """build_mlp(layer_index, fused) -> the layer's MLP module, or None for the dense LlamaMLP."""
+
+    def __init__(
+        self, config: Any, options: DecoderOptions, build_mlp: Callable[[int, bool], nn.Module | None] | None = None
+    ) -> None:
         super().__init__()
         self.fused_ops = fused_ops_from_env()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = build_rotary(config, head_dim_of(config), self.fused_ops)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options, rotary_emb, self.fused_ops)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(
+                config, options, rotary_emb, self.fused_ops, build_mlp(i, self.fused_ops) if build_mlp else None
+            )
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.fused_ops)
 
@@ -158,11 +171,20 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "use_sliding_window", False):
             raise ValueError(f"{type(self).__name__}: sliding-window attention is not supported")
         self.config = config
-        self.model = LlamaModel(config, self.options(config))
+        options = self.options(config)
+        self.model = LlamaModel(config, options, lambda i, fused: self.build_mlp(config, options, i, fused))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def build_mlp(self, config: Any, options: DecoderOptions, layer_index: int, fused: bool) -> nn.Module | None:
+        """Layer `layer_index`'s MLP; None: the dense LlamaMLP (mixture-of-experts models override this)."""
+        return None
+
+    # (our name fragment, checkpoint name fragment) pairs where a family's checkpoints name a
+    # module otherwise (Mixtral's MoE block is `block_sparse_moe`, ours `mlp`).
+    CHECKPOINT_RENAMES: tuple[tuple[str, str], ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
@@ -178,10 +200,18 @@ class LlamaForCausalLM(nn.Module):
         expected: dict[str, tuple[str, object]] = {}
         for name, _ in self.named_parameters():  # a tied lm_head is listed once, as the embedding
             module_path, _, leaf = name.rpartition(".")
+            owner = self.get_submodule(module_path) if module_path else self
+            if hasattr(owner, "checkpoint_tensors"):  # packed experts: one checkpoint tensor per expert
+                for relative, (param_leaf, shard_id) in owner.checkpoint_tensors().items():
+                    if param_leaf == leaf:
+                        expected[f"{module_path}.{relative}"] = (name, shard_id)
+                continue
             parent, _, module = module_path.rpartition(".")
             for hf_module, shard_id in unpacked.get(module, [(module, None)]):
                 hf_name = f"{parent}.{hf_module}.{leaf}" if parent else f"{hf_module}.{leaf}"
                 expected[hf_name] = (name, shard_id)
+        for ours, theirs in self.CHECKPOINT_RENAMES:
+            expected = {hf_name.replace(ours, theirs): target for hf_name, target in expected.items()}
         return expected
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -11,6 +11,9 @@ MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("nanovllm.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("nanovllm.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("nanovllm.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("nanovllm.models.moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("nanovllm.models.moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("nanovllm.models.moe", "MixtralForCausalLM"),
 }
 
 

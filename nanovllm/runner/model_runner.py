@@ -20,7 +20,9 @@ from nanovllm.attention.backend import bind_kv_cache, get_backend
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
-from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator
+from nanovllm.layers.host_copy import to_device
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator, step_seed
+from nanovllm.loaders.dummy import init_dummy_weights
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
 from nanovllm.precompile import precompiling
@@ -66,11 +68,17 @@ class ModelRunner:
                 torch.set_default_dtype(default_dtype)
 
         variant = f"{model_cls.__name__}-{str(self.dtype).removeprefix('torch.')}-tp{rank}of{config.tensor_parallel_size}"
-        if self.quantization == "int4":
+        if config.load_format == "dummy":
+            self.model = build()
+            init_dummy_weights(self.model, config.seed)
+            if self.quantization == "int4":
+                self._quantize_int4(self.model, False)
+        elif self.quantization == "int4":
             self.model = source.load_model(build, variant + "-int4", convert=self._quantize_int4)
-            self.model.lm_head.compute_in_fp32()  # the LM head stays dense: layers/linear.py, quantize_int4
         else:
             self.model = source.load_model(build, variant)
+        if self.quantization == "int4":
+            self.model.lm_head.compute_in_fp32()  # the LM head stays dense: layers/linear.py, quantize_int4
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
 
@@ -409,7 +417,7 @@ class ModelRunner:
 
     @property
     def decode_burst(self) -> int:
-        """How many decode steps of a lone greedy or plain-temperature sequence one engine step
+        """How many decode steps of a lone sequence one engine step
         may run (Scheduler.schedule): config.decode_burst where given, else the fast path's
         burst once its graphs are captured (1 before, and without one)."""
         if self.config.decode_burst is not None:
@@ -431,15 +439,23 @@ class ModelRunner:
 
     def sample(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
         """Sample one token per row of `logits` under each row's parameters (and seed); a
-        penalized row's token is added to its sequence's counts (runner/penalty_state.py)."""
+        penalized row's token is added to its sequence's counts (runner/penalty_state.py); a row
+        with a grammar samples only what its bitmask allows (structured/bitmask.py)."""
         banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]
         if banned:
             r, c = zip(*banned)
             logits = logits.float()
-            logits[torch.tensor(r, device=logits.device), torch.tensor(c, device=logits.device)] = float("-inf")
+            index = to_device(torch.tensor([r, c], dtype=torch.int64), logits.device)
+            logits[index[0], index[1]] = float("-inf")
+        params = [s.params for s in rows]
+        step_seeds = None
+        if self.sampler.wants_step_seeds(params, self.device):
+            drawn = torch.randint(0, 2**31 - 1, (len(rows),)).tolist()  # torch.manual_seed governs them
+            step_seeds = [drawn[i] if s.seed is None else step_seed(s.seed, s.start_pos + len(s.token_ids) - 1)
+                          for i, s in enumerate(rows)]
         generators = []
         for s in rows:
-            if s.seed is None:
+            if s.seed is None or step_seeds is not None:
                 generators.append(None)
                 continue
             gen = self.generators.get(s.seq_id)
@@ -449,8 +465,13 @@ class ModelRunner:
         slots = token_stats = None
         if any(s.params.penalized for s in rows):
             slots, *token_stats = self.penalty_state.gather(rows)
-        st = SamplingTensors.from_params([s.params for s in rows], generators, logits.shape[-1], self.device,
-                                         token_stats=token_stats)
+        st = SamplingTensors.from_params(params, generators, logits.shape[-1], self.device, token_stats=token_stats,
+                                         step_seeds=step_seeds)
+        masks = [(i, s.token_bitmask) for i, s in enumerate(rows) if s.token_bitmask is not None]
+        if masks:  # xgrammar is imported only once a request has a grammar
+            from nanovllm.structured.bitmask import TokenBitmask
+
+            st.token_mask = TokenBitmask.from_rows(len(rows), masks, self.device)
         sampled = self.sampler(logits, st)
         if st.penalties is not None:
             self.penalty_state.record(slots, sampled.token_ids[st.penalties.rows])

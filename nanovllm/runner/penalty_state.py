@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from nanovllm.layers.host_copy import to_device
 from nanovllm.step import ScheduledSeq
 
 
@@ -68,15 +69,15 @@ class PenaltyState:
                 raise RuntimeError(f"sequence {s.seq_id} samples with penalties but its first sampling step never came")
             slots.append(self.slots[s.seq_id])
         if starts:
-            index = torch.tensor(starts, dtype=torch.int64).to(self.device)
+            index = to_device(torch.tensor(starts, dtype=torch.int64), self.device)
             self.counts.index_fill_(0, index, 0)
             self.seen.index_fill_(0, index, False)
             lengths = [len(ids) for ids in start_tokens]
             pairs = np.stack([np.repeat(np.asarray(starts, dtype=np.int64), lengths),
                               np.fromiter((t for ids in start_tokens for t in ids), dtype=np.int64, count=sum(lengths))])
-            pairs_dev = torch.from_numpy(pairs).to(self.device)
+            pairs_dev = to_device(torch.from_numpy(pairs), self.device)
             self.seen[pairs_dev[0], pairs_dev[1]] = True
-        slot_index = torch.tensor(slots, dtype=torch.int64).to(self.device)
+        slot_index = to_device(torch.tensor(slots, dtype=torch.int64), self.device)
         # Plain indexing: on the CPU, index_select of long rows is an order of magnitude slower.
         return slot_index, self.counts[slot_index], self.seen[slot_index]
 

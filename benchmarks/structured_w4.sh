@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Structured output under W4: `nanovllm serve` on a free local port, then for each client count
+# the streaming load without a constraint and with every request constrained to one JSON schema
+# (response_format json_schema, benchmarks/structured_schema.json: 20 fields), alternated
+# W4_ROUNDS times; prints each run's JSON summary and the constrained / unconstrained ratio of
+# output tok/s per round. First, the schema's compile time over the model's tokenizer.
+#   benchmarks/structured_w4.sh [MODEL] [extra serve options...]   (no MODEL: the embedded default)
+# W4_CLIENTS (64), W4_ROUNDS (2), W4_INPUT_LEN (128), W4_OUTPUT_LEN (128), W4_SCHEMA change it.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+model=${1:-}
+shift || true
+schema=${W4_SCHEMA:-$here/structured_schema.json}
+python3 "$here/structured_compile.py" ${model:+"$model"} --schema "$schema"
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+log=$(mktemp)
+python3 -m nanovllm serve ${model:+"$model"} --host 127.0.0.1 --port "$port" "$@" >"$log" 2>&1 &
+server=$!
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+  kill -0 $server 2>/dev/null || { cat "$log"; exit 1; }
+  sleep 0.5
+done
+bench() {  # clients, then extra serve_bench options; prints output tok/s, the summary on stderr
+  python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$1" \
+    --num-requests "$(( $1 < 16 ? 8 : 2 * $1 ))" --input-len "${W4_INPUT_LEN:-128}" \
+    --output-len "${W4_OUTPUT_LEN:-128}" --json "${@:2}" | python3 -c \
+    'import json, sys; line = sys.stdin.read(); sys.stderr.write(line); print(json.loads(line)["output_tok_per_s"])'
+}
+bench 4 >/dev/null  # warm-up: the first constrained request builds the tokenizer's tables
+bench 4 --json-schema "$schema" >/dev/null
+for n in ${W4_CLIENTS:-64}; do
+  for round in $(seq "${W4_ROUNDS:-2}"); do
+    plain=$(bench "$n")
+    constrained=$(bench "$n" --json-schema "$schema")
+    python3 -c "print(f'clients $n round $round: unconstrained $plain tok/s, json schema $constrained tok/s, ratio {$constrained / $plain:.3f}')"
+  done
+done

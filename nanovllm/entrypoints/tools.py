@@ -1,0 +1,185 @@
+"""Tool calling and reasoning for /v1/chat/completions: what a request asks for, and the parser
+each of its choices' text goes through.
+
+`ParserConfig` holds the server's flags (vLLM's): `--tool-call-parser`, `--enable-auto-tool-choice`
+and `--reasoning-parser`. `plan_tools` turns a request's `tools` and `tool_choice` into a
+`ToolPlan`:
+- `none`: the tools reach the template (the model sees them), the output is not parsed;
+- `auto` (the default when tools are given; needs --enable-auto-tool-choice): the server's
+  tool parser finds calls in the output;
+- `required`: the output is constrained (structured outputs, a JSON schema) to a JSON array of
+  one or more {"name": one of the tools, "parameters": that tool's arguments} objects, read
+  back as the calls (vLLM's way);
+- a named function: the output is constrained to that function's parameters schema and is
+  the call's arguments.
+
+`ChoiceParser` runs one choice's text through the reasoning parser (when the server has one
+and the output is not constrained), then the tool parser; `finish_reason` says "tool_calls"
+when an `auto` or `required` output that stopped on its own made calls (a named call keeps
+"stop", as with OpenAI and vLLM).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanovllm.chat import check_tools
+from nanovllm.entrypoints.protocol import ChatCompletionRequest, bad_request
+from nanovllm.entrypoints.reasoning import PARSERS as REASONING_PARSERS
+from nanovllm.entrypoints.reasoning import ReasoningParser
+from nanovllm.entrypoints.tool_parsers import (
+    PARSERS as TOOL_PARSERS,
+    NamedCallParser,
+    ParsedDelta,
+    RequiredCallsParser,
+    ToolParser,
+    detect_parser,
+)
+from nanovllm.sampling_params import StructuredOutputsParams
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ParserConfig:
+    """The server's tool and reasoning flags (vLLM's names and values)."""
+
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)} "
+                             f"(got {self.tool_call_parser!r})")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)} "
+                             f"(got {self.reasoning_parser!r})")
+
+    def for_template(self, chat_template: str | None) -> "ParserConfig":
+        """With --enable-auto-tool-choice and no --tool-call-parser: the parser the chat
+        template's tool format calls for; ValueError if it shows none."""
+        if not self.enable_auto_tool_choice or self.tool_call_parser is not None:
+            return self
+        detected = detect_parser(chat_template)
+        if detected is None:
+            raise ValueError("--enable-auto-tool-choice: the chat template shows no known tool-call format; "
+                             f"pass --tool-call-parser ({', '.join(TOOL_PARSERS)})")
+        return ParserConfig(detected, True, self.reasoning_parser)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # "none", "auto", "required" or "named"
+    tools: list[dict[str, Any]] | None  # for the chat template
+    function: str | None = None  # the named function
+    structured_outputs: StructuredOutputsParams | None = None
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    """tool_choice "required": a JSON array of one or more calls, each {"name", "parameters"}
+    matching one tool (vLLM's schema); with parallel_tool_calls false, exactly one."""
+    def one(tool: dict[str, Any]) -> dict[str, Any]:
+        function = tool["function"]
+        return {
+            "properties": {
+                "name": {"type": "string", "enum": [function["name"]]},
+                "parameters": function.get("parameters") or EMPTY_PARAMETERS,
+            },
+            "required": ["name", "parameters"],
+        }
+
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": {"type": "object", "anyOf": [one(t) for t in tools]}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def named_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """A named tool_choice: the function's parameters schema (its arguments are the output)."""
+    return tool["function"].get("parameters") or EMPTY_PARAMETERS
+
+
+def plan_tools(body: ChatCompletionRequest, config: ParserConfig) -> ToolPlan:
+    """The request's tool plan; a 400 naming the field for a malformed tool, a tool_choice that
+    names an unknown function, or one the server is not set up for."""
+    try:
+        tools = check_tools(body.tool_dicts())
+    except (TypeError, ValueError) as exc:
+        raise bad_request(str(exc), param="tools") from None
+    choice = body.tool_choice
+    if tools is None:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools: the request defines none", param="tool_choice")
+        return ToolPlan("none", None)
+    if choice is None:
+        choice = "auto"  # OpenAI's default when tools are given
+    if choice == "none":
+        return ToolPlan("none", tools)
+    if choice == "auto":
+        if not config.enable_auto_tool_choice or config.tool_call_parser is None:
+            raise bad_request('"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                              '(and --tool-call-parser); send tool_choice "required", "none" or a named function',
+                              param="tool_choice")
+        return ToolPlan("auto", tools)
+    if choice == "required":
+        schema = required_schema(tools, body.parallel_tool_calls)
+        return ToolPlan("required", tools, structured_outputs=_structured(schema))
+    name = choice.function.name
+    tool = next((t for t in tools if t["function"]["name"] == name), None)
+    if tool is None:
+        raise bad_request(f"tool_choice names the function {name!r}, which is not in tools "
+                          f"({', '.join(t['function']['name'] for t in tools)})", param="tool_choice")
+    return ToolPlan("named", tools, function=name, structured_outputs=_structured(named_schema(tool)))
+
+
+def _structured(schema: dict[str, Any]) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="tools") from None
+
+
+class ChoiceParser:
+    """One choice's text -> reasoning, content and tool-call deltas."""
+
+    def __init__(self, plan: ToolPlan, config: ParserConfig, prompt_opens_reasoning: bool = False) -> None:
+        self.plan = plan
+        self.reasoning: ReasoningParser | None = None
+        if config.reasoning_parser is not None and plan.mode not in ("required", "named"):  # constrained
+            self.reasoning = ReasoningParser(config.reasoning_parser, prompt_opens_reasoning)
+        self.tools: ToolParser | None = None
+        if plan.mode == "auto":
+            self.tools = TOOL_PARSERS[config.tool_call_parser]()  # type: ignore[index]
+        elif plan.mode == "required":
+            self.tools = RequiredCallsParser()
+        elif plan.mode == "named":
+            self.tools = NamedCallParser(plan.function)  # type: ignore[arg-type]
+
+    def feed(self, text: str) -> ParsedDelta:
+        if self.reasoning is None:
+            return self._content(text)
+        step = self.reasoning.feed(text)
+        return ParsedDelta(reasoning=step.reasoning).extend(self._content(step.content))
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self.reasoning is not None:
+            step = self.reasoning.finish()
+            out.reasoning = step.reasoning
+            out.extend(self._content(step.content))
+        if self.tools is not None:
+            out.extend(self.tools.finish())
+        return out
+
+    def _content(self, text: str) -> ParsedDelta:
+        if self.tools is None:
+            return ParsedDelta(content=text)
+        return self.tools.feed(text) if text else ParsedDelta()
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        called = self.tools is not None and self.tools.called
+        if engine_reason == "stop" and called and self.plan.mode in ("auto", "required"):
+            return "tool_calls"
+        return engine_reason

@@ -1,0 +1,456 @@
+"""The mixture-of-experts MLP on the GPU: routing, grouping by expert and the expert GEMMs in
+Triton, with no host sync (graph-capturable) and every launch through `precompile.launch`.
+
+The steps of `fused_moe(x, router_logits, w13, w2, top_k, renormalize)`, T tokens, E experts,
+S = T * top_k (token, choice) slots:
+
+1. `route`: one program per token: softmax of the router logits in fp32, the top_k largest
+   (ties to the lower expert id, as torch.topk), optionally renormalised to sum to 1. Gives
+   weights [T, top_k] fp32 and expert ids [T, top_k] int32.
+2. `align_by_expert` (vLLM's moe_align_block_size, written here; for S <= 64, instead, `route`
+   gives each slot a block of its own): the S slots grouped by expert,
+   each expert's group padded to a multiple of BLOCK_M, so that every block of BLOCK_M rows
+   belongs to one expert. Three launches: per chunk of slots, each slot's rank within its
+   expert (a one-hot cumsum inside the chunk plus an atomic add of the chunk's counts); one
+   program lays out the blocks (each expert's padded start, each block's expert and its last
+   valid row); per chunk, each slot written to its row. Every size is a bound computed from
+   shapes (S, E, BLOCK_M), never from the routing, so nothing is read back to the host. Rows
+   within an expert come in whatever order the atomics gave; each row of a GEMM is computed on
+   its own, so the results do not depend on it.
+3. `_gate_up_kernel`: per block of rows and of intermediate columns, x[token] @ w13[e].T for the
+   gate and the up halves, then silu(gate) * up, into a [S, I] buffer (rows by slot).
+4. `_down_kernel`: per block, act[slot] @ w2[e].T times the slot's routing weight, into [S, H];
+   `_sum_kernel` adds each token's top_k rows into [T, H].
+
+Padding rows: a CUDA-graph decode batch is padded to the captured size, and a padding row
+routed like a token would make the GEMMs read its experts' weights too (a lone sequence padded to
+8 rows read up to 64 experts per layer instead of 8). Given the step's KV slots, `route` sends
+rows whose slot is negative (padding) to no expert; they come out as zeros.
+
+Numerics follow the torch reference (layers/moe.py, as Hugging Face computes it): gate and up
+rounded to the activation dtype, SiLU rounded, then the product; the down projection rounded
+before the routing weight. fp32 uses IEEE dot products, not TF32.
+
+Block sizes: `MoEKernelConfig`, chosen by `default_config` from the tokens' average rows per
+expert; any call can pass its own (benchmarks/moe_bench.py --sweep measures the choices).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.precompile import launch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ALIGN_CHUNK = 64  # slots per program in the rank and scatter launches
+# Up to this many slots (a decode graph of 8 rows at top-8), each slot takes a block of its own,
+# laid out by the routing launch: the grouping's four launches cost more than the few experts
+# two slots share would save.
+ONE_SLOT_PER_BLOCK_MAX_SLOTS = 64
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    block_m: int = 16  # rows (slots) per block; each expert's rows are padded to a multiple of it
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"MoEKernelConfig.{name} must be a power of two >= 16, got {value}")
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEKernelConfig:
+    """Block sizes by the average rows each expert gets: small blocks for decode, where every
+    expert holds a few rows and the weights' bytes dominate, large ones for prefill. The best of
+    `benchmarks/moe_bench.py --sweep` on an H200 at the Qwen3-30B-A3B shape (docs/benchmarks.md)."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert < 16:
+        return MoEKernelConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if rows_per_expert < 32:
+        return MoEKernelConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if rows_per_expert <= 64:
+        return MoEKernelConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    return MoEKernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Slots grouped by expert in blocks of block_m rows. Row r of block b holds slot
+    sorted_slots[b * block_m + r] when b * block_m + r < block_row_end[b]; block_expert[b] is the
+    block's expert, or E for blocks past the last expert's (they compute nothing)."""
+
+    sorted_slots: torch.Tensor  # [num_blocks * block_m] int32
+    block_expert: torch.Tensor  # [num_blocks] int32
+    block_row_end: torch.Tensor  # [num_blocks] int32
+    block_m: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_expert.numel()
+
+
+# ---- 1. routing ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, slot_ptr, stride_l, E,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    sorted_slots_ptr, block_expert_ptr, block_row_end_ptr, LAYOUT_BLOCK_M: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(valid, p, -1.0)
+    koffs = tl.arange(0, BLOCK_K)
+    values = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
+        values = tl.where(koffs == j, best, values)
+        ids = tl.where(koffs == j, idx, ids)
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORMALIZE:
+        values = values / tl.sum(tl.where(koffs < TOP_K, values, 0.0), axis=0)
+    kmask = koffs < TOP_K
+    if HAS_SLOTS:  # a padding row (KV slot < 0) goes to no expert: id E, weight 0
+        padding = tl.load(slot_ptr + row + koffs * 0) < 0
+        ids = tl.where(padding, E, ids)
+        values = tl.where(padding, 0.0, values)
+    tl.store(weights_ptr + row * TOP_K + koffs, values, mask=kmask)
+    tl.store(ids_ptr + row * TOP_K + koffs, ids, mask=kmask)
+    if LAYOUT_BLOCK_M > 0:  # one block per slot (small batches): no grouping launches
+        slots = row * TOP_K + koffs
+        tl.store(sorted_slots_ptr + slots * LAYOUT_BLOCK_M, slots.to(tl.int32), mask=kmask)
+        tl.store(block_expert_ptr + slots, ids, mask=kmask)
+        tl.store(block_row_end_ptr + slots, (slots * LAYOUT_BLOCK_M + 1).to(tl.int32), mask=kmask)
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] fp32, expert ids [T, top_k] int32) of softmax(router_logits)'s top_k.
+    With slot_mapping [T] (the step's KV slots), rows whose slot is negative are the padding of
+    a CUDA-graph batch: they get expert id E and weight 0, so no expert computes them."""
+    weights, ids, _ = _route(router_logits, top_k, renormalize, slot_mapping, 0)
+    return weights, ids
+
+
+def route_one_slot_per_block(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout]:
+    """`route`, plus the `ExpertLayout` of one block per slot (block s holds slot s alone) from
+    the same launch: what small batches use instead of `align_by_expert`'s grouping."""
+    return _route(router_logits, top_k, renormalize, slot_mapping, block_m)
+
+
+def _route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None,
+    layout_block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout | None]:
+    num_tokens, num_experts = router_logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"route: top_k={top_k} must be in [1, {num_experts}] (the experts)")
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    device = router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    num_slots = num_tokens * top_k
+    layout = None
+    if layout_block_m:
+        layout = ExpertLayout(
+            torch.empty(num_slots * layout_block_m, dtype=torch.int32, device=device),
+            torch.empty(num_slots, dtype=torch.int32, device=device),
+            torch.empty(num_slots, dtype=torch.int32, device=device),
+            layout_block_m,
+        )
+    if num_tokens:
+        launch(
+            _route_kernel, (num_tokens,), router_logits, weights, ids,
+            slot_mapping if slot_mapping is not None else ids, router_logits.stride(0), num_experts,
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_K=triton.next_power_of_2(top_k), HAS_SLOTS=slot_mapping is not None,
+            sorted_slots_ptr=layout.sorted_slots if layout else ids,  # unused without a layout
+            block_expert_ptr=layout.block_expert if layout else ids,
+            block_row_end_ptr=layout.block_row_end if layout else ids, LAYOUT_BLOCK_M=layout_block_m,
+        )
+    return weights, ids, layout
+
+
+# ---- 2. grouping by expert ---------------------------------------------------------------------
+
+
+# Counts that change with the batch are not specialised on (Triton would compile a variant for
+# each divisibility by 16 mid-run); shapes fixed by the model still are.
+@triton.jit(do_not_specialize=["S"])
+def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, S, E, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + offs, mask=offs < S, other=-1)
+    experts = tl.arange(0, E_PAD)
+    onehot = ((ids[:, None] == experts[None, :]) & (experts[None, :] < E)).to(tl.int32)  # [BLOCK, E_PAD]; id E: none
+    before = tl.cumsum(onehot, axis=0) - onehot  # same-expert slots earlier in this chunk
+    rank_in_chunk = tl.sum(before * onehot, axis=1)
+    counts = tl.sum(onehot, axis=0)
+    chunk_base = tl.atomic_add(counts_ptr + experts, counts, mask=experts < E)  # old counts
+    base = tl.sum(onehot * chunk_base[None, :], axis=1)
+    tl.store(rank_ptr + offs, base + rank_in_chunk, mask=offs < S)
+
+
+@triton.jit(do_not_specialize=["num_blocks"])
+def _layout_kernel(
+    counts_ptr, padded_start_ptr, block_expert_ptr, block_row_end_ptr, E, num_blocks,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    experts = tl.arange(0, E_PAD)
+    real = experts < E
+    counts = tl.load(counts_ptr + experts, mask=real, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    tl.store(padded_start_ptr + experts, start, mask=real)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        first_row = blocks * BLOCK_M
+        # A block's expert: how many experts end at or before its first row (E past the last).
+        expert = tl.sum(((end[None, :] <= first_row[:, None]) & real[None, :]).to(tl.int32), axis=1)
+        row_end = tl.sum(tl.where(experts[None, :] == expert[:, None], (start + counts)[None, :], 0), axis=1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
+        tl.store(block_row_end_ptr + blocks, row_end, mask=blocks < num_blocks)
+
+
+@triton.jit(do_not_specialize=["S"])
+def _scatter_kernel(ids_ptr, rank_ptr, padded_start_ptr, sorted_slots_ptr, S, E, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + offs, mask=offs < S, other=E)
+    mask = (offs < S) & (ids < E)
+    rank = tl.load(rank_ptr + offs, mask=mask, other=0)
+    row = tl.load(padded_start_ptr + ids, mask=mask, other=0) + rank
+    tl.store(sorted_slots_ptr + row, offs, mask=mask)
+
+
+def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Blocks the padded grouping can take at most: each non-empty expert wastes under one block."""
+    return triton.cdiv(num_slots, block_m) + min(num_experts, num_slots)
+
+
+def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
+    """Group the slots of `expert_ids` ([T, top_k] int32, slot = token * top_k + choice) by
+    expert; slots of id num_experts (padding rows) are left out."""
+    flat = expert_ids.reshape(-1)
+    num_slots, device = flat.numel(), flat.device
+    num_blocks = max_blocks(num_slots, num_experts, block_m)
+    e_pad = triton.next_power_of_2(num_experts)
+    counts = torch.zeros(e_pad, dtype=torch.int32, device=device)
+    rank = torch.empty(num_slots, dtype=torch.int32, device=device)
+    padded_start = torch.empty(e_pad, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    block_row_end = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    chunks = triton.cdiv(num_slots, ALIGN_CHUNK)
+    if num_slots:
+        launch(_rank_kernel, (chunks,), flat, counts, rank, num_slots, num_experts, BLOCK=ALIGN_CHUNK, E_PAD=e_pad)
+    launch(
+        _layout_kernel, (1,), counts, padded_start, block_expert, block_row_end, num_experts, num_blocks,
+        BLOCK_M=block_m, E_PAD=e_pad, BLOCK_B=max(16, min(128, 4096 // e_pad)),
+    )
+    if num_slots:
+        launch(_scatter_kernel, (chunks,), flat, rank, padded_start, sorted_slots, num_slots, num_experts,
+               BLOCK=ALIGN_CHUNK)
+    return ExpertLayout(sorted_slots, block_expert, block_row_end, block_m)
+
+
+# ---- 3. and 4. the expert GEMMs ----------------------------------------------------------------
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
+    N, K, E, stride_xt, stride_we, stride_wn, stride_ot,
+    TOP_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[slot, n] = silu(x[slot // TOP_K] . w[e, n]) * (x[slot // TOP_K] . w[e, N + n])."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= E:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < tl.load(block_row_end_ptr + pid_m)
+    slots = tl.load(sorted_slots_ptr + rows, mask=valid, other=0)
+    tokens = (slots // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + N * stride_wn
+    n_ok = offs_n < N
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        if IEEE:
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_g.to(dtype).to(tl.float32)
+    up = acc_u.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
+    tl.store(out_ptrs, act.to(dtype), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr, w_ptr, route_w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
+    N, K, E, stride_at, stride_we, stride_wn, stride_ot,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[slot, n] = (a[slot] . w[e, n]) * route_w[slot]."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= E:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < tl.load(block_row_end_ptr + pid_m)
+    slots = tl.load(sorted_slots_ptr + rows, mask=valid, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + slots[:, None] * stride_at + offs_k[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0).to(dtype).to(tl.float32)
+    out = acc.to(dtype).to(tl.float32) * route_w[:, None]
+    tl.store(out_ptr + slots[:, None] * stride_ot + offs_n[None, :], out.to(dtype), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(down_ptr, ids_ptr, out_ptr, H, E, stride_dt, stride_ot, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over j of down[t * TOP_K + j], over the choices that went to an expert."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        routed = tl.load(ids_ptr + token * TOP_K + j + offs * 0) < E
+        acc += tl.load(down_ptr + (token * TOP_K + j) * stride_dt + offs, mask=(offs < H) & routed, other=0.0).to(
+            tl.float32)
+    tl.store(out_ptr + token * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < H)
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    if x.dtype not in SUPPORTED_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"fused_moe: x, w13 and w2 must share one of float32/float16/bfloat16, got "
+                         f"{x.dtype}, {w13.dtype}, {w2.dtype}")
+    num_experts, two_inter, hidden = w13.shape
+    if x.shape[-1] != hidden or tuple(w2.shape) != (num_experts, hidden, two_inter // 2) or two_inter % 2:
+        raise ValueError(f"fused_moe: shapes x {list(x.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)} "
+                         "do not fit ([T, H], [E, 2I, H], [E, H, I])")
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("fused_moe: expert weights need a contiguous last axis")
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    config: MoEKernelConfig | None = None, layout: ExpertLayout | None = None,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token: [T, H] (an id
+    of E, a padding row's, adds nothing)."""
+    _check(x, w13, w2)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    config = config or default_config(num_tokens, num_experts, top_k)
+    if layout is None:
+        layout = align_by_expert(topk_ids, num_experts, config.block_m)
+    elif layout.block_m != config.block_m:
+        raise ValueError(f"fused_experts: layout.block_m={layout.block_m} != config.block_m={config.block_m}")
+    num_slots = num_tokens * top_k
+    act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    ieee = x.dtype == torch.float32
+    # The Triton interpreter multiplies 16-bit tl.dot operands wrongly (3.9); there they are
+    # widened to fp32 first, which leaves the products exact.
+    upcast = os.environ.get("TRITON_INTERPRET") == "1" and not ieee
+    tiles = dict(UPCAST=upcast, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                 num_warps=config.num_warps, num_stages=config.num_stages)
+    launch(
+        _gate_up_kernel, (layout.num_blocks * triton.cdiv(inter, config.block_n),),
+        x, w13, act, layout.sorted_slots, layout.block_expert, layout.block_row_end,
+        inter, hidden, num_experts, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, IEEE=ieee, **tiles,
+    )
+    launch(
+        _down_kernel, (layout.num_blocks * triton.cdiv(hidden, config.block_n),),
+        act, w2, topk_weights.reshape(-1), down, layout.sorted_slots, layout.block_expert, layout.block_row_end,
+        hidden, inter, num_experts, act.stride(0), w2.stride(0), w2.stride(1), down.stride(0),
+        IEEE=ieee, **tiles,
+    )
+    out = torch.empty_like(x)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    launch(_sum_kernel, (num_tokens, triton.cdiv(hidden, block_h)), down, topk_ids, out, hidden, num_experts,
+           down.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h)
+    return out
+
+
+def fused_moe(
+    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+    renormalize: bool, config: MoEKernelConfig | None = None, slot_mapping: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The whole MoE MLP for x [T, H]: route, then `fused_experts`. Padding rows (slot_mapping
+    < 0) give zeros."""
+    num_tokens, num_experts = router_logits.shape
+    config = config or default_config(num_tokens, num_experts, top_k)
+    if num_tokens * top_k <= ONE_SLOT_PER_BLOCK_MAX_SLOTS:
+        weights, ids, layout = route_one_slot_per_block(router_logits, top_k, renormalize, slot_mapping, config.block_m)
+        return fused_experts(x, w13, w2, weights, ids, config, layout)
+    weights, ids = route(router_logits, top_k, renormalize, slot_mapping)
+    return fused_experts(x, w13, w2, weights, ids, config)

@@ -1,0 +1,69 @@
+"""Grammar compilation off the engine loop: a thread pool and a cache keyed by (kind, spec).
+
+Compiling turns a Grammar into xgrammar's CompiledGrammar: the grammar plus, for this
+tokenizer, which tokens each grammar position accepts (the tables that make a per-token mask
+cheap). It takes milliseconds to a few hundred for large schemas, so it runs in worker threads
+(xgrammar releases the GIL) while the engine keeps stepping; the request that asked waits for
+its future. The tokenizer's tables (TokenizerInfo: every token's bytes) are built once, on the
+first constrained request, in the same pool, so an engine that never sees one never pays it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import xgrammar as xgr
+
+from nanovllm.sampling_params import StructuredOutputsParams
+from nanovllm.structured.grammar import build_grammar
+
+# Compiled grammars kept (least recently used dropped first); a JSON schema's is tens of KB to a few MB.
+CACHE_SIZE = 256
+
+
+class GrammarCompiler:
+    """`submit(spec)` -> Future[CompiledGrammar]: checks the spec at once (ValueError naming
+    the field) and compiles in the pool, once per distinct (kind, spec text)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_workers: int | None = None) -> None:
+        if tokenizer is None:
+            raise ValueError("structured_outputs: this model has no tokenizer to build grammars over")
+        if max_workers is None:  # xgrammar compiles one grammar on several threads; the engine loop keeps a core
+            max_workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._compiler: Future = self._pool.submit(self._make_compiler, tokenizer, vocab_size, stop_token_ids, max_workers)
+
+    @staticmethod
+    def _make_compiler(tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int) -> xgr.GrammarCompiler:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+
+    def wait_ready(self) -> None:
+        """Block until the tokenizer's tables are built (the first compile waits for them anyway)."""
+        self._compiler.result()
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        key = (spec.kind, spec.spec)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+        grammar = build_grammar(spec)  # ValueError here: nothing is cached for a bad spec
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._cache[key] = self._pool.submit(self._compile, grammar)
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            return future
+
+    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        return self._compiler.result().compile_grammar(grammar)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

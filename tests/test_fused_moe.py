@@ -1,0 +1,149 @@
+"""The fused MoE kernels (layers/fused_moe.py) against the torch reference (layers/moe.py).
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 (set by conftest.py) at small shapes: odd
+expert counts, top-k of 1 and 8, renormalised or not, sizes that are not multiples of the blocks.
+The grouping by expert is checked against a plain Python grouping of the same ids. The `gpu`
+test runs the Qwen3-30B-A3B layer shape in bf16 at decode and prefill token counts.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not importable; the fused MoE kernels cannot run")
+
+from nanovllm.layers import fused_moe  # noqa: E402
+from nanovllm.layers.moe import experts_reference, moe_reference, route_reference  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+# (tokens, experts, top_k, hidden, intermediate, renormalize)
+SHAPES = [
+    pytest.param(5, 5, 2, 32, 48, False, id="t5-e5-k2-odd-inter"),
+    pytest.param(3, 7, 1, 48, 32, True, id="t3-e7-k1-renorm"),
+    pytest.param(6, 8, 8, 32, 16, True, id="t6-e8-k8-all-experts"),
+    pytest.param(20, 3, 2, 16, 24, False, id="t20-e3-k2-multi-block"),
+]
+
+
+def make_inputs(tokens, experts, top_k, hidden, inter, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    return [t.to(DEVICE, dtype) for t in (x, logits, w13, w2)]
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, renormalize", SHAPES)
+def test_route_matches_softmax_topk(tokens, experts, top_k, hidden, inter, renormalize):
+    _, logits, _, _ = make_inputs(tokens, experts, top_k, hidden, inter, torch.float32)
+    weights, ids = fused_moe.route(logits, top_k, renormalize)
+    want_weights, want_ids = route_reference(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(tokens, device=DEVICE))
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_align_groups_every_slot_once_in_its_experts_blocks(block_m):
+    experts, top_k = 7, 3
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(23)]).int()
+    ids[:10, 0] = 2  # one crowded expert spanning several blocks
+    ids[:10, 1:] = torch.tensor([4, 5], dtype=torch.int32)
+    layout = fused_moe.align_by_expert(ids.to(DEVICE), experts, block_m)
+    flat = ids.reshape(-1).tolist()
+    sorted_slots = layout.sorted_slots.cpu().tolist()
+    block_expert = layout.block_expert.cpu().tolist()
+    row_end = layout.block_row_end.cpu().tolist()
+    assert layout.num_blocks == fused_moe.max_blocks(len(flat), experts, block_m)
+    seen = []
+    expected_blocks = []
+    for e in range(experts):
+        count = flat.count(e)
+        expected_blocks += [e] * (-(-count // block_m))
+    used = [b for b in block_expert if b < experts]
+    assert used == expected_blocks  # blocks in expert order, each expert's count rounded up
+    assert all(b == experts for b in block_expert[len(used):])
+    for b, e in enumerate(block_expert[: len(used)]):
+        rows = range(b * block_m, min((b + 1) * block_m, row_end[b]))
+        for r in rows:
+            assert flat[sorted_slots[r]] == e
+            seen.append(sorted_slots[r])
+    assert sorted(seen) == list(range(len(flat)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, renormalize", SHAPES)
+def test_fused_moe_matches_reference(tokens, experts, top_k, hidden, inter, renormalize, dtype):
+    x, logits, w13, w2 = make_inputs(tokens, experts, top_k, hidden, inter, dtype)
+    got = fused_moe.fused_moe(x, logits, w13, w2, top_k, renormalize)
+    want = moe_reference(x, logits, w13, w2, top_k, renormalize)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_explicit_kernel_config_gives_the_same_result():
+    x, logits, w13, w2 = make_inputs(9, 5, 2, 40, 40, torch.float32)
+    configs = [fused_moe.MoEKernelConfig(16, 16, 16), fused_moe.MoEKernelConfig(32, 32, 64, num_warps=2)]
+    results = [fused_moe.fused_moe(x, logits, w13, w2, 2, True, c) for c in configs]
+    torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[0], moe_reference(x, logits, w13, w2, 2, True), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_raise_value_errors():
+    x, logits, w13, w2 = make_inputs(4, 5, 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe.route(logits, 6, True)
+    with pytest.raises(ValueError, match="shapes"):
+        fused_moe.fused_experts(x[:, :16], w13, w2, *route_reference(logits, 2, True))
+    with pytest.raises(ValueError, match="share"):
+        fused_moe.fused_experts(x.double(), w13, w2, *route_reference(logits, 2, True))
+    with pytest.raises(ValueError, match="block_n"):
+        fused_moe.MoEKernelConfig(block_n=48)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (the 30B-A3B layer shape is too slow interpreted)")
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512, 4096])
+def test_qwen3_30b_layer_shape_bf16(tokens):
+    x, logits, w13, w2 = make_inputs(tokens, 128, 8, 2048, 768, torch.bfloat16)
+    got = fused_moe.fused_moe(x, logits, w13, w2, 8, True)
+    want = experts_reference(x, w13, w2, *route_reference(logits, 8, True))
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_padding_rows_skip_the_experts_and_give_zeros():
+    """Rows whose KV slot is -1 (CUDA-graph padding) are routed to no expert: their output is 0,
+    the other rows' equals the reference, and the grouping holds only the real rows' slots."""
+    tokens, experts, top_k = 6, 5, 2
+    x, logits, w13, w2 = make_inputs(tokens, experts, top_k, 32, 24, torch.float32)
+    slots = torch.tensor([7, 3, 12, -1, -1, -1], device=DEVICE)
+    weights, ids = fused_moe.route(logits, top_k, True, slots)
+    assert (ids[3:] == experts).all() and (weights[3:] == 0).all()
+    layout = fused_moe.align_by_expert(ids, experts, 16)
+    ends = layout.block_row_end.cpu().tolist()
+    real = [s for b, e in enumerate(layout.block_expert.cpu().tolist()) if e < experts
+            for s in layout.sorted_slots.cpu().tolist()[b * 16:ends[b]]]
+    assert sorted(real) == list(range(3 * top_k))
+    got = fused_moe.fused_moe(x, logits, w13, w2, top_k, True, slot_mapping=slots)
+    assert torch.equal(got[3:], torch.zeros_like(got[3:]))
+    torch.testing.assert_close(got[:3], moe_reference(x[:3], logits[:3], w13, w2, top_k, True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, top_k", [(8, 8), (9, 8)], ids=["one-slot-per-block", "grouped"])
+def test_small_and_large_batches_around_the_layout_switch(tokens, top_k):
+    """Up to 64 slots each slot gets its own block from the routing launch; above, the slots are
+    grouped by expert. Both give the reference, padding rows included."""
+    x, logits, w13, w2 = make_inputs(tokens, 11, top_k, 32, 24, torch.float32)
+    slots = torch.arange(tokens, device=DEVICE)
+    slots[-2:] = -1
+    got = fused_moe.fused_moe(x, logits, w13, w2, top_k, False, slot_mapping=slots)
+    assert torch.equal(got[-2:], torch.zeros_like(got[-2:]))
+    want = moe_reference(x[:-2], logits[:-2], w13, w2, top_k, False)
+    torch.testing.assert_close(got[:-2], want, atol=1e-5, rtol=1e-5)

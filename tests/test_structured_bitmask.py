@@ -1,0 +1,63 @@
+"""The grammar mask applied to a batch of logits (structured/bitmask.py) against a plain
+reference: each masked row keeps exactly its allowed tokens, other rows are untouched. The
+Triton kernel (the one CUDA uses) runs on the CPU under TRITON_INTERPRET=1 (set in conftest)."""
+import pytest
+import torch
+
+pytest.importorskip("xgrammar", reason="xgrammar is not installed")
+
+from nanovllm.structured.bitmask import TokenBitmask  # noqa: E402
+
+
+def host_bitmask(allowed: set[int], vocab: int) -> torch.Tensor:
+    """The int32 [1, ceil(vocab / 32)] bitmask of `allowed`, built bit by bit."""
+    words = [0] * ((vocab + 31) // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in words]], dtype=torch.int32)
+
+
+VOCAB, ROWS = 77, 5  # not a multiple of 32: the last word is partial
+ALLOWED = {1: {0, 5, 31, 32, 76}, 3: set(range(40, 77)), 4: {63}}
+
+
+def reference(logits: torch.Tensor) -> torch.Tensor:
+    expected = logits.clone()
+    for r, a in ALLOWED.items():
+        for t in range(VOCAB):
+            if t not in a:
+                expected[r, t] = float("-inf")
+    return expected
+
+
+def batch() -> tuple[torch.Tensor, TokenBitmask]:
+    logits = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(0))
+    return logits, TokenBitmask.from_rows(ROWS, [(r, host_bitmask(a, VOCAB)) for r, a in ALLOWED.items()], "cpu")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch_native"])
+def test_mask_keeps_allowed_tokens_of_constrained_rows_only(backend):
+    logits, mask = batch()
+    expected = reference(logits)
+    mask.backend = backend
+    mask.apply_(logits)
+    assert torch.equal(logits, expected)
+
+
+def test_triton_kernel_matches_reference():
+    """xgrammar's Triton kernel (CUDA's backend), launched as its wrapper does, but on the CPU:
+    the wrapper itself asks torch.cuda for the SM count."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from xgrammar.kernels.apply_token_bitmask_inplace_triton import apply_token_bitmask_inplace_kernel
+
+    logits, mask = batch()
+    expected = reference(logits)
+    indices = torch.tensor(mask.rows, dtype=torch.int32)
+    block = 64
+    apply_token_bitmask_inplace_kernel[(2,)](logits, mask.bitmask, indices, len(mask.rows), VOCAB,
+                                             logits.stride(0), mask.bitmask.stride(0), 2, block)
+    assert torch.equal(logits, expected)
+
+
+def test_no_constrained_row_means_no_mask():
+    assert TokenBitmask.from_rows(3, [], "cpu") is None

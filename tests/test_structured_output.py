@@ -1,0 +1,202 @@
+"""Structured output end to end on the tiny random Qwen3: every output that ends on its own
+("stop") parses and validates against its JSON schema (jsonschema) or fully matches its regex,
+greedy and sampled, batched with unconstrained requests that stay untouched; the same greedy
+tokens with chunked prefill, async scheduling and forced preemption; the same greedy tokens as
+Hugging Face transformers masked by the grammar; clear errors; a request waits for its grammar
+while others run."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+
+pytest.importorskip("xgrammar", reason="xgrammar is not installed")
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
+
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from structured_cases import REGEXES, SCHEMAS  # noqa: E402
+
+SPECS = [StructuredOutputsParams(json=s) for s in SCHEMAS] + [StructuredOutputsParams(regex=r) for r in REGEXES]
+PROMPT = "Paris is the capital of France. Answer in JSON:"
+PLAIN_PROMPTS = ["The quick brown fox", "def main():", "Large language models"]
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_tiny):
+    return LLM(str(qwen3_tiny), device="cpu", max_model_len=512)
+
+
+def check(spec: StructuredOutputsParams, text: str) -> None:
+    if spec.kind == "json":
+        jsonschema.validate(json.loads(text), spec.json)
+    elif spec.kind == "regex":
+        assert re.fullmatch(spec.regex, text), (spec.regex, text)
+    elif spec.kind == "choice":
+        assert text in spec.choice
+    elif spec.kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+
+
+def run_mixed(llm: LLM, temperature: float, specs=SPECS, prompt=PROMPT):
+    """The constrained requests batched with unconstrained ones; (constrained outputs, plain outputs)."""
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=MAX_TOKENS, structured_outputs=s)
+              for i, s in enumerate(specs)]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([prompt] * len(specs) + PLAIN_PROMPTS, params + [plain] * len(PLAIN_PROMPTS), use_tqdm=False)
+    return [o.outputs[0] for o in outs[: len(specs)]], [o.outputs[0] for o in outs[len(specs):]]
+
+
+def assert_valid(specs, outputs) -> None:
+    stopped = [(s, c) for s, c in zip(specs, outputs) if c.finish_reason == "stop"]
+    # A random model's output can run out of tokens inside a value ("length"); most end.
+    assert len(stopped) >= 0.9 * len(specs), [c.text for c in outputs if c.finish_reason != "stop"]
+    for spec, c in stopped:
+        check(spec, c.text)
+
+
+@pytest.fixture(scope="module")
+def greedy_mixed(llm):
+    return run_mixed(llm, 0.0)
+
+
+def test_greedy_outputs_follow_their_schemas_and_plain_rows_are_untouched(llm, greedy_mixed):
+    constrained, plain = greedy_mixed
+    assert len(SPECS) >= 60
+    assert_valid(SPECS, constrained)
+    alone = llm.generate(PLAIN_PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [c.token_ids for c in plain] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_sampled_outputs_follow_their_schemas(llm):
+    constrained, _ = run_mixed(llm, 1.0)
+    assert_valid(SPECS, constrained)
+
+
+def test_chunked_prefill_async_scheduling_and_preemption_give_the_same_tokens(qwen3_tiny, greedy_mixed):
+    """16-token steps chunk the prompt; a pool of 48 blocks of 4 tokens cannot hold the batch,
+    so sequences are preempted and recomputed; the matcher must follow all of it."""
+    small = LLM(str(qwen3_tiny), device="cpu", max_model_len=512, max_num_batched_tokens=16, kvcache_block_size=4,
+                num_kvcache_blocks=48, async_scheduling=True)
+    try:
+        constrained, plain = run_mixed(small, 0.0)
+        engine = small.engine
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert not engine.grammars.matchers and not engine.grammars.waiting
+    finally:
+        small.engine.shutdown()
+    assert [c.token_ids for c in constrained] == [c.token_ids for c in greedy_mixed[0]]
+    assert [c.token_ids for c in plain] == [c.token_ids for c in greedy_mixed[1]]
+
+
+def test_choice_grammar_json_object_and_n(llm):
+    specs = [StructuredOutputsParams(choice=["yes", "no", "maybe not"]),
+             StructuredOutputsParams(grammar='root ::= "(" [1-9] " + " [1-9] ")"'),
+             StructuredOutputsParams(json_object=True)]
+    outs = llm.generate([PROMPT] * 3, [SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=MAX_TOKENS,
+                                                      structured_outputs=s) for s in specs], use_tqdm=False)
+    for spec, out in zip(specs, outs):
+        assert len(out.outputs) == 4
+        for c in out.outputs:
+            if c.finish_reason == "stop" or spec.kind != "json_object":
+                assert c.finish_reason == "stop"
+                check(spec, c.text)
+    assert all(re.fullmatch(r"\([1-9] \+ [1-9]\)", c.text) for c in outs[1].outputs)
+
+
+def test_greedy_matches_transformers_under_the_same_grammar(llm, qwen3_tiny):
+    """Reference: the HF model, its last logits masked to the tokens the grammar's matcher
+    allows (read bit by bit), argmax, until the grammar allows only EOS."""
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(qwen3_tiny), dtype=torch.float32).eval()
+    tokenizer = llm.engine.tokenizer
+    eos = llm.engine.eos_token_ids
+    vocab = llm.engine.vocab_size
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=eos))
+    specs = [SPECS[32], StructuredOutputsParams(regex=r"[a-z]{1,5}@[a-z]{1,5}\.(com|org)")]
+    outs = llm.generate([PROMPT] * len(specs), [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=s)
+                                                for s in specs], use_tqdm=False)
+    for spec, out in zip(specs, outs):
+        compiled = compiler.compile_json_schema(spec.spec, any_whitespace=False) if spec.kind == "json" \
+            else compiler.compile_regex(spec.regex)
+        matcher = xgr.GrammarMatcher(compiled)
+        ids = tokenizer.encode(PROMPT)
+        expected = []
+        bitmask = xgr.allocate_token_bitmask(1, vocab)
+        for _ in range(MAX_TOKENS):
+            matcher.fill_next_token_bitmask(bitmask)
+            words = bitmask[0].tolist()
+            allowed = [t for t in range(vocab) if (words[t // 32] >> (t % 32)) & 1]
+            if matcher.is_completed() and set(allowed) <= set(eos):
+                break
+            with torch.no_grad():
+                logits = model(torch.tensor([ids + expected])).logits[0, -1]
+            token = max(allowed, key=lambda t: (logits[t].item(), -t))
+            if token in eos:
+                break
+            assert matcher.accept_token(token)
+            expected.append(token)
+        assert out.outputs[0].token_ids == expected, spec.spec
+        assert out.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("spec, field", [
+    (StructuredOutputsParams(regex="(ab"), "structured_outputs.regex"),
+    (StructuredOutputsParams(grammar="root ::= missing"), "structured_outputs.grammar"),
+    (StructuredOutputsParams(json={"type": "strng"}), "structured_outputs.json"),
+    (StructuredOutputsParams(json={"$ref": "#/$defs/nothing"}), "structured_outputs.json"),
+    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
+     "structured_outputs.json"),
+    (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}), "structured_outputs.json"),
+    (StructuredOutputsParams(json={"type": "object", "patternProperties": {"^a": {}}}), "structured_outputs.json"),
+])
+def test_bad_grammar_is_a_value_error_naming_the_field_and_harms_nothing(llm, spec, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        llm.generate([PROMPT, "hello"], [SamplingParams(max_tokens=4),
+                                         SamplingParams(max_tokens=4, structured_outputs=spec)], use_tqdm=False)
+    engine = llm.engine
+    assert not engine.has_unfinished_requests() and not engine.grammars.waiting
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_request_waits_for_its_grammar_while_others_run(llm, monkeypatch):
+    from nanovllm.structured.compiler import GrammarCompiler
+
+    release = threading.Event()
+    compile_grammar = GrammarCompiler._compile
+
+    def slow_compile(self, grammar):
+        release.wait(30)
+        return compile_grammar(self, grammar)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow_compile)
+    engine = llm.engine
+    spec = StructuredOutputsParams(regex=r"slow[0-9]{2}")  # not compiled yet: not cached
+    engine.add_request("constrained", PROMPT, SamplingParams(temperature=0, max_tokens=16, structured_outputs=spec))
+    engine.add_request("aborted", PROMPT, SamplingParams(max_tokens=16, structured_outputs=StructuredOutputsParams(
+        regex=r"other[0-9]")))
+    engine.add_request("plain", "hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    finished = {}
+    while "plain" not in finished:
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert "constrained" in engine.grammars.waiting
+    assert engine.requests["constrained"].seqs[0].completion_token_ids == []
+    aborted = engine.abort_request("aborted")
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    release.set()
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    out = finished["constrained"].outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch(r"slow[0-9]{2}", out.text)
+    # The same spec again: the compile cache answers at once, no new compile.
+    assert engine.grammars.submit("again", spec).done()
+    engine.grammars.waiting.pop("again")
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+

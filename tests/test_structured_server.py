@@ -1,0 +1,113 @@
+"""Structured output through the server (engine core in its own process, as `nanovllm serve`
+runs it): response_format json_schema / json_object and vLLM's structured_outputs on both
+endpoints, streamed or not; the official client's `chat.completions.parse` with a pydantic
+model; bad grammars are 400s with OpenAI's body naming the field, and harm nothing."""
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+pytest.importorskip("xgrammar", reason="xgrammar is not installed")
+
+from nanovllm.engine.core import CoreProcess  # noqa: E402
+from nanovllm.engine.core_client import CoreClient  # noqa: E402
+from nanovllm.entrypoints.server import create_app  # noqa: E402
+from test_server import ENGINE_KW, KEY, MODEL, Live, assert_error_body, pool_is_free, serve_in_thread, wait_until  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Where is the Eiffel tower? Answer in JSON."}]
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "floors": {"type": "integer",
+          "minimum": 1, "maximum": 3}}, "required": ["city", "floors"], "additionalProperties": False}
+
+
+class Landmark(BaseModel):
+    city: Literal["Paris", "Rome", "Berlin"]
+    year: int = Field(ge=1800, le=2000)
+    open: bool
+
+
+@pytest.fixture(scope="module")
+def live(qwen3_tiny):
+    core = CoreProcess(str(qwen3_tiny), ENGINE_KW, max_pending=64)
+    try:
+        engine = CoreClient(core.addresses, core.info, core_alive=core.is_alive)
+        try:
+            with serve_in_thread(create_app(engine, MODEL, api_key=KEY)) as url:
+                yield Live(url, engine)
+        finally:
+            engine.shutdown()
+    finally:
+        core.shutdown()
+
+
+def test_chat_json_schema_streamed_or_not(live):
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+    r = live.client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, temperature=0,
+                                            max_completion_tokens=40)
+    assert r.choices[0].finish_reason == "stop"
+    answer = json.loads(r.choices[0].message.content)
+    assert answer["city"] in ("Paris", "Rome") and 1 <= answer["floors"] <= 3 and set(answer) == {"city", "floors"}
+    chunks = live.client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, temperature=0,
+                                                 max_completion_tokens=40, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+
+
+def test_openai_client_parse_returns_the_pydantic_object(live):
+    r = live.client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Landmark, temperature=0.8,
+                                           seed=3, max_completion_tokens=64)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Landmark) and 1800 <= parsed.year <= 2000
+
+
+def test_completions_structured_outputs_and_json_object(live):
+    r = live.client.completions.create(model=MODEL, prompt="Is Paris in France?", max_tokens=20, n=3, seed=1,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert [c.text in ("yes", "no") for c in r.choices] == [True] * 3
+    r = live.client.completions.create(model=MODEL, prompt="A phone number:", max_tokens=20, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = live.client.completions.create(model=MODEL, prompt="JSON:", max_tokens=30, temperature=0,
+                                       extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:
+        assert r.choices[0].text.startswith("{")
+    r = live.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=30, temperature=0,
+                                            extra_body={"structured_outputs": {"json": json.dumps(SCHEMA)}})
+    assert json.loads(r.choices[0].message.content)["city"] in ("Paris", "Rome")
+
+
+@pytest.mark.parametrize("route, extra, param", [
+    ("/v1/completions", {"structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"grammar": "root ::= nothing"}}, "structured_outputs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"not": {}}}}}}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strng"}}}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs"),
+], ids=["bad-regex", "two-kinds", "json-text", "bad-gbnf", "unsupported-keyword", "bad-type", "no-schema",
+        "unknown-type", "both-fields"])
+def test_bad_structured_requests_are_400_naming_the_field(live, route, extra, param):
+    body = {"prompt": "x"} if route == "/v1/completions" else {"messages": MESSAGES}
+    err = assert_error_body(live.http.post(route, json={**body, "max_tokens": 4, **extra}), 400)
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert wait_until(lambda: pool_is_free(live.engine))
+    r = live.client.completions.create(model=MODEL, prompt="fine", max_tokens=2, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+
+
+def test_openai_client_raises_bad_request_for_a_bad_schema(live):
+    with pytest.raises(openai.BadRequestError) as info:
+        live.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}})
+    assert info.value.body["param"] == "response_format" and "uniqueItems" in info.value.body["message"]
