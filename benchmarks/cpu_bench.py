@@ -5,9 +5,10 @@ ignored): 1,024 output tokens; tok/s over the whole set, model load excluded, me
 a warm-up. Also single-stream decode (one prompt, per token after the first).
 Run it on an idle machine: CPU timings are easily skewed by other work.
 
-    python benchmarks/cpu_bench.py [--dtype bfloat16 | --quantization int4]
+    python benchmarks/cpu_bench.py [--dtype float32 | --dtype bfloat16 | --quantization int4]
 
---dtype bfloat16 runs the model in bf16 (its output then differs from the fp32 reference's; worth
+The default runs the file's quantized weights as int4 (the CPU default for a quantized GGUF);
+--dtype float32 runs the dequantized fp32 model (transformers' tokens exactly); --dtype bfloat16 runs the model in bf16 (its output then differs from the fp32 reference's; worth
 it on CPUs with AVX512-BF16 or AMX, see docs/benchmarks.md, W3). --quantization int4 keeps the
 projections' weights as int4 codes (layers/int4_linear.py; the LM head stays dense), also in bf16.
 """
@@ -33,7 +34,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--async-scheduling", action="store_true", help="force async scheduling on (default: off on CPU)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: float32 on the CPU")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: int4 weights for a quantized GGUF, else float32")
     ap.add_argument("--quantization", default=None, choices=["int4"], help="int4 weights, bf16 activations")
     args = ap.parse_args()
     import torch
@@ -68,7 +69,8 @@ def main() -> None:
         single.append(steps / (time.perf_counter() - t))
     print(json.dumps({"batch_tok_per_s": batch, "single_decode_tok_per_s": single,
                       "prompt_tokens": [len(p) for p in prompts], "threads": torch.get_num_threads(),
-                      "dtype": str(llm.engine.executor.runner.dtype), "quantization": args.quantization}))
+                      "dtype": str(llm.engine.executor.runner.dtype),
+                      "quantization": llm.engine.executor.runner.quantization}))
     print(f"W3 batch of 16: median {statistics.median(batch):.1f} tok/s; single-stream decode median "
           f"{statistics.median(single):.1f} tok/s ({1000 / statistics.median(single):.1f} ms/token)")
 

@@ -32,6 +32,10 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     join_timeout_s: float = 300.0
+    # The ranks are torchrun's processes (`torchrun ... -m nanovllm serve`: executor/multinode.py,
+    # torchrun_env): this process is rank 0 and spawns no ranks; every other rank, on this node or
+    # another, joins through the store at master_addr:master_port.
+    torchrun: bool = False
     dtype: str = "auto"
     max_model_len: int = 4096
     max_num_seqs: int = 512
@@ -91,6 +95,9 @@ class EngineConfig:
             raise bad("master_port", "multi-node needs the rendezvous port every node connects to, in [1, 65535]")
         if not isinstance(self.master_port, int) or not 0 <= self.master_port < 65536:
             raise bad("master_port", "must be in [0, 65535] (0 = a free one, single node only)")
+        if self.torchrun and not (self.tensor_parallel_size > 1 and self.master_port >= 1):
+            raise bad("torchrun", "a torchrun launch needs tensor_parallel_size > 1 and master_port (torchrun's "
+                      "WORLD_SIZE and MASTER_PORT)")
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise bad("master_addr", "must be a host name or address of node 0")
         if not isinstance(self.join_timeout_s, (int, float)) or not self.join_timeout_s > 0:

@@ -361,11 +361,13 @@ def test_default_model_path_hint(monkeypatch):
 @needs_smollm2
 def test_default_model_answers_like_transformers(smol, hf_smol, smol_tokenizer):
     """The embedded default model, end to end through our engine (LLM() with no path), greedy
-    fp32 on CPU, gives exactly transformers' tokens for the same GGUF file, and says Paris."""
+    fp32 on CPU (dtype="float32": the dequantized model), gives exactly transformers' tokens for
+    the same GGUF file, and says Paris."""
     from nanovllm import LLM, SamplingParams
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    llm = LLM(device="cpu")
+    llm = LLM(device="cpu", dtype="float32")
+    assert llm.engine.executor.runner.quantization is None
     ours = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     text = smol_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = smol_tokenizer.encode(text, add_special_tokens=False)

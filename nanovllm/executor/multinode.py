@@ -9,6 +9,13 @@ must be valid on every node), starts ranks K*L .. K*L+L-1 (L = tensor_parallel_s
 r on cuda:r mod L), and waits for them. Each rank joins the process group, checks in, builds its
 shard, and runs the steps rank 0 broadcasts over a gloo group until the stop message.
 
+torchrun. `torchrun --nnodes N --nproc-per-node L ... -m nanovllm serve ...` starts every rank
+itself, the same command on every node: `torchrun_env` reads its environment (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 runs the
+engine with `torchrun=True` (it spawns no ranks) and every other rank runs `run_torchrun_rank`,
+which is one rank of the loop above, in torchrun's process. The rendezvous store is the one
+torchrun's agent serves on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), else rank 0 opens it.
+
 Failures. A node that cannot reach node 0 within join_timeout_s exits with an error; node 0
 waits as long for every rank and names the missing ones. A rank that raises writes its
 traceback to the store (node 0 reports it) and exits, which closes its connections and fails
@@ -22,6 +29,7 @@ import os
 import pickle
 import signal
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection, get_context
 
@@ -128,4 +136,65 @@ def run_node(nnodes: int, node_rank: int, master_addr: str, master_port: int, jo
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+    return 0
+
+
+# ---- torchrun ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun tells each process it starts."""
+
+    rank: int
+    local_rank: int
+    world: int
+    local_world: int
+    nnodes: int
+    master_addr: str
+    master_port: int
+
+
+def torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv | None:
+    """The torchrun launch this process is part of, or None when torchrun did not start it (no
+    RANK / WORLD_SIZE / LOCAL_RANK) or started one process in all; ValueError on a bad value."""
+    env = os.environ if environ is None else environ
+    if not all(env.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return None
+
+    def number(name: str, default: str | None = None) -> int:
+        raw = env.get(name) or default
+        if raw is None:
+            raise ValueError(f"torchrun environment: {name} is not set")
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"torchrun environment: {name}={raw!r} is not an integer") from None
+
+    world = number("WORLD_SIZE")
+    if world < 2:
+        return None
+    rank, local_rank = number("RANK"), number("LOCAL_RANK")
+    local_world = number("LOCAL_WORLD_SIZE", str(world))
+    if not (0 <= rank < world and 0 <= local_rank < local_world and world % local_world == 0):
+        raise ValueError(f"torchrun environment: RANK={rank}, LOCAL_RANK={local_rank}, WORLD_SIZE={world}, "
+                         f"LOCAL_WORLD_SIZE={local_world} do not fit together (every node needs as many ranks)")
+    nnodes = world // local_world
+    if number("GROUP_WORLD_SIZE", str(nnodes)) != nnodes:
+        raise ValueError(f"torchrun environment: GROUP_WORLD_SIZE={env['GROUP_WORLD_SIZE']} nodes, but WORLD_SIZE="
+                         f"{world} over LOCAL_WORLD_SIZE={local_world} ranks per node is {nnodes}")
+    port = number("MASTER_PORT")
+    if not 1 <= port < 65536:
+        raise ValueError(f"torchrun environment: MASTER_PORT={port} is not in [1, 65535]")
+    return TorchrunEnv(rank, local_rank, world, local_world, nnodes, env.get("MASTER_ADDR") or "127.0.0.1", port)
+
+
+def run_torchrun_rank(env: TorchrunEnv, join_timeout_s: float) -> int:
+    """Run rank `env.rank` >= 1 of a torchrun launch in this process until rank 0 stops it."""
+    if env.rank == 0:
+        raise ValueError("rank 0 of a torchrun launch runs the engine, not a worker rank")
+    if join_timeout_s <= 0:
+        raise ValueError(f"--join-timeout must be positive, got {join_timeout_s}")
+    num_threads = max(1, (os.cpu_count() or 1) // env.local_world)
+    if os.environ.get("OMP_NUM_THREADS"):  # torchrun sets 1 when it starts several ranks per node
+        num_threads = torch.get_num_threads()
+    _rank_main(env.rank, env.local_rank, env.master_addr, env.master_port, join_timeout_s, num_threads)
     return 0

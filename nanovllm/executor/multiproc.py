@@ -254,13 +254,16 @@ class _Workers:
     the executor alive.
     """
 
-    def __init__(self, backend: str, timeout_s: float, nnodes: int = 1, join_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, backend: str, timeout_s: float, nnodes: int = 1, join_timeout_s: float = DEFAULT_TIMEOUT_S,
+                 torchrun: bool = False) -> None:
         self.backend = backend
         self.timeout_s = timeout_s
         self.nnodes = nnodes
         self.join_timeout_s = join_timeout_s
+        self.torchrun = torchrun  # torchrun started every rank: spawn none
         self.world = 1
         self.local_world = 1
+        self.first_remote = 1  # ranks >= this one have no pipe: they join through the store
         self.step_group: Any = None  # multi-node: the group steps are broadcast on
         self.procs: list[Any] = []  # multiprocessing SpawnProcess, index i = rank i + 1
         self.conns: list[connection.Connection] = []
@@ -282,20 +285,24 @@ class _Workers:
         """Open the rendezvous and spawn this node's ranks 1..local-1 (ranks on other nodes are
         started there, by `nanovllm worker`, and find us through the store)."""
         self.world, self.local_world = world, world // self.nnodes
-        host = HOST if self.nnodes == 1 else config.master_addr
-        # The store only serves the rendezvous, which waits on start-up, not on a step.
+        self.first_remote = 1 if self.torchrun else self.local_world
+        host = HOST if self.nnodes == 1 and not self.torchrun else config.master_addr
+        # The store only serves the rendezvous, which waits on start-up, not on a step. Under
+        # torchrun its agent already serves one on the master port (TORCHELASTIC_USE_AGENT_STORE).
         startup_s = max(self.timeout_s, DEFAULT_TIMEOUT_S)
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=startup_s))
-        if self.nnodes > 1:  # what the other nodes need to build their ranks: published once
+        agent_store = self.torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self.store = dist.TCPStore(host, port, is_master=not agent_store, wait_for_workers=False,
+                                   timeout=timedelta(seconds=startup_s))
+        if self.has_remote_ranks:  # what the other ranks need to build their shards: published once
             self.store.set(SPEC_KEY, _dumps(NodeSpec(config, source, self.backend, world, self.nnodes, self.timeout_s)))
         ctx = get_context("spawn")
         num_threads = max(1, torch.get_num_threads() // self.local_world)
-        for rank in range(1, self.local_world):
+        for rank in range(1, self.first_remote):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
                 args=(rank, rank, world, self.backend, host, self.store.port, self.timeout_s, startup_s, num_threads,
-                      config, source, child, runner_cls, self.nnodes > 1),
+                      config, source, child, runner_cls, self.has_remote_ranks),
                 name=f"nanovllm-tp{rank}",
                 daemon=True,
             )
@@ -309,18 +316,23 @@ class _Workers:
             self.procs.append(proc)
             self.conns.append(parent)
 
+    @property
+    def has_remote_ranks(self) -> bool:
+        """Whether some ranks have no pipe (other nodes, or torchrun's): steps then go by broadcast."""
+        return self.first_remote < self.world
+
     def join_group(self, world: int) -> None:
         """Join as rank 0 once every worker has imported (a worker dying before that is seen at
         once here, instead of as a rendezvous timeout). Spawning and importing torch can take
         a while on a loaded machine, so this wait is not cut short by a small step timeout."""
         self.collect("hello", None, max(self.timeout_s, DEFAULT_TIMEOUT_S))
-        if self.nnodes > 1:
+        if self.has_remote_ranks:
             self._await_other_nodes()
         dist.init_process_group(
             self.backend, store=self.store, rank=0, world_size=world, timeout=timedelta(seconds=self.timeout_s)
         )
         self.group = dist.group.WORLD
-        if self.nnodes > 1:
+        if self.has_remote_ranks:
             self.step_group = make_step_group(self.backend)
         if self.backend == "nccl" and self.procs:
             self._start_watcher()
@@ -328,24 +340,25 @@ class _Workers:
     def _await_other_nodes(self) -> None:
         """Wait up to join_timeout_s for every rank of the other nodes to check in; name the
         missing ones otherwise (init_process_group alone would only say which key timed out)."""
-        store, remote = self.store, range(self.local_world, self.world)
+        store, remote = self.store, range(self.first_remote, self.world)
         try:
             store.wait([joined_key(r) for r in remote], timedelta(seconds=self.join_timeout_s))
         except (RuntimeError, dist.DistError):
             missing = [r for r in remote if not store.check([joined_key(r)])]
             nodes = sorted({r // self.local_world for r in missing})
+            how = ("run the same torchrun command on every node" if self.torchrun else
+                   f"start `nanovllm worker --nnodes {self.nnodes} --node-rank K --master-addr ADDR --master-port "
+                   f"{store.port}` on each other node, with ADDR this node's address as they reach it")
             raise TensorParallelError(
-                f"rank(s) {missing} of node(s) {nodes} did not join within {self.join_timeout_s:g}s: start "
-                f"`nanovllm worker --nnodes {self.nnodes} --node-rank K --master-addr ADDR --master-port "
-                f"{store.port}` on each other node, with ADDR this node's address as they reach it"
+                f"rank(s) {missing} of node(s) {nodes} did not join within {self.join_timeout_s:g}s: {how}"
             ) from None
 
     def remote_errors(self) -> str | None:
         """What ranks on other nodes reported before exiting (they write to the store)."""
-        if self.store is None or self.nnodes == 1:
+        if self.store is None or not self.has_remote_ranks:
             return None
         found = []
-        for r in range(self.local_world, self.world):
+        for r in range(self.first_remote, self.world):
             try:
                 if self.store.check([error_key(r)]):
                     found.append(f"rank {r} (node {r // self.local_world}) raised:\n{self.store.get(error_key(r)).decode()}")
@@ -540,7 +553,7 @@ class MultiprocExecutor:
         if backend == "nccl" and torch.cuda.device_count() < local_world:
             raise ValueError(f"tensor_parallel_size={world} over {config.nnodes} node(s) needs {local_world} GPUs "
                              f"per node; torch sees {torch.cuda.device_count()}")
-        if config.nnodes > 1:
+        if config.nnodes > 1 or config.torchrun:
             port = config.master_port
         if dist.is_initialized():
             gc.collect()  # an engine that was dropped but not yet collected releases its group
@@ -556,7 +569,7 @@ class MultiprocExecutor:
         self.timeout_s = timeout_s
         self._step = 0
         self._failure: str | None = None
-        self._workers = _Workers(backend, timeout_s, config.nnodes, config.join_timeout_s)
+        self._workers = _Workers(backend, timeout_s, config.nnodes, config.join_timeout_s, config.torchrun)
         self._finalizer = weakref.finalize(self, self._workers.close)
         try:
             self._workers.start(world, port, config, source, worker_runner_cls)
@@ -621,9 +634,12 @@ class MultiprocExecutor:
         if wrap:
             why = (self._workers.remote_errors() or self._workers.explain(EXPLAIN_GRACE_S)
                    or f"rank 0 raised {type(exc).__name__}: {exc}")
-            if self._workers.nnodes > 1:
-                lo, hi = self._workers.local_world, self.world_size - 1
-                remote = f"rank {lo} runs on another node" if lo == hi else f"ranks {lo}..{hi} run on other nodes"
+            if self._workers.has_remote_ranks:
+                lo, hi = self._workers.first_remote, self.world_size - 1
+                if self._workers.torchrun:
+                    remote = f"rank {lo} is torchrun's" if lo == hi else f"ranks {lo}..{hi} are torchrun's"
+                else:
+                    remote = f"rank {lo} runs on another node" if lo == hi else f"ranks {lo}..{hi} run on other nodes"
                 why += (f"\n({remote}: a node that died or became unreachable shows up as a peer that closed "
                         "its connection)")
         elif isinstance(exc, Exception):

@@ -52,10 +52,23 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Hidden states -> logits over the full vocabulary (the rows given only)."""
+    """Hidden states -> logits over the full vocabulary (the rows given only).
+
+    `compute_in_fp32()` gives it an fp32 copy of its weight, multiplied in fp32 whatever the
+    activations' dtype: for a bf16 model on a CPU without native bf16 matmuls (the int4 CPU mode,
+    layers/int4_linear.py), where torch's bf16 path for this, the largest matrix, is several times
+    slower than the fp32 one at batched rows."""
+
+    fp32_weight: torch.Tensor | None = None
+
+    def compute_in_fp32(self) -> None:
+        self.fp32_weight = self.weight.detach().float()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden_states, self.weight)
+        if self.fp32_weight is not None:
+            logits = linear(hidden_states.float(), self.fp32_weight)
+        else:
+            logits = linear(hidden_states, self.weight)
         if self.tp_size == 1:
             return logits
         return gather_last_dim(logits)[..., : self.num_embeddings]

@@ -110,6 +110,14 @@ def quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE, dtype: torch.dt
     return Int4Weight(packed, pairs, group_size, weight.shape)
 
 
+def empty_like_quantized(shape: torch.Size, group_size: int = GROUP_SIZE, dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
+    """An Int4Weight of a [out, in] weight with uninitialised codes and scales (to be filled)."""
+    out_features, in_features = shape
+    packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+    pairs = torch.empty(in_features // group_size, out_features, 2, dtype=dtype)
+    return Int4Weight(packed, pairs, group_size, torch.Size(shape))
+
+
 def dequantize(weight: Int4Weight) -> torch.Tensor:
     """The weight an Int4Weight stands for, as the kernel computes it (rounded to the weight's
     dtype, returned as fp32; tests compare it with dense references). Needs the codes, which

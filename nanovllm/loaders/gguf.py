@@ -67,6 +67,8 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _CONSUMED_BY_CONFIG = ("rope_freqs.weight",)
+# Tensor types that hold plain floats; every other one is a quantized block format.
+DENSE_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 # Llama 3.1/3.2/3.3 all use these with only `factor` varying (8 or 32).
 _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, _LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
 
@@ -155,6 +157,10 @@ def load_gguf_config(
     # The file's general.sampling.* values ride on the config, so that a start-up from the
     # converted-file cache (which never opens the file) sees them too (loaders/generation_config.py).
     config.gguf_sampling = sampling_metadata(reader)
+    # Whether the layers' weights are stored quantized (the engine then keeps them quantized on
+    # the CPU by default: runner/device.py, resolve_quantization).
+    config.gguf_quantized = any(t.tensor_type not in DENSE_TYPES for t in reader.tensors
+                                if t.name.startswith("blk.") and len(t.shape) == 2)
     return config
 
 

@@ -16,7 +16,8 @@ other code.
 - `tokenizer-transformers-<version>/`: the tokenizer as `save_pretrained` writes it.
 - `params-<variant>.safetensors` + `.json`: the model's parameters right after `load_weights`
   (fused, sharded and cast as the model holds them; the variant names the model class, dtype
-  and tensor-parallel rank) and the file's digest (a truncated or altered file is rebuilt). A
+  and tensor-parallel rank), or after their conversion to int4 codes and scales (variant
+  `...-int4`: ModelSource.load_model) and the file's digest (a truncated or altered file is rebuilt). A
   warm start maps them instead of dequantizing, and on the CPU uses the mapped pages as the
   parameters: first touches of fresh memory are what loading cost, not the copy. Parameters
   over MAX_CACHED_WEIGHT_BYTES are not cached (the copy would be many times the GGUF file).
@@ -142,6 +143,9 @@ class GGUFCacheEntry:
             logger.warning("could not cache the tokenizer in %s: %s", self.tokenizer_dir, exc)
 
     # ---- loaded parameters ---------------------------------------------------------------
+    def has_params(self, variant: str) -> bool:
+        return self._params_paths(variant)[0].is_file()
+
     def load_params(self, model: torch.nn.Module, variant: str) -> bool:
         """Give `model` the parameters cached for `variant`; False (model untouched) when there
         are none, or they are damaged or do not fit. On the CPU the parameters become views of a
@@ -156,7 +160,7 @@ class GGUFCacheEntry:
             if buffer_digest(mapped) != record["digest"]:
                 raise ValueError("the parameter file does not match its recorded digest")
             tensors = _safetensors_views(mapped)
-            params = dict(model.named_parameters())
+            params = model_tensors(model)
             if sorted(tensors) != sorted(params):
                 raise ValueError("the cached parameters are not the model's")
             for name, param in params.items():
@@ -175,7 +179,7 @@ class GGUFCacheEntry:
 
     def save_params(self, model: torch.nn.Module, variant: str) -> None:
         """Cache `model`'s parameters for `variant` (unless over MAX_CACHED_WEIGHT_BYTES)."""
-        params = dict(model.named_parameters())
+        params = model_tensors(model)
         nbytes = sum(p.numel() * p.element_size() for p in params.values())
         if nbytes > MAX_CACHED_WEIGHT_BYTES:
             logger.info("parameters of %.1f GiB: not cached (over %d GiB)", nbytes / 2**30, MAX_CACHED_WEIGHT_BYTES >> 30)
@@ -207,7 +211,18 @@ class GGUFCacheEntry:
         return True
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a cache entry holds of a model: its parameters and its persistent buffers (int4
+    codes and scales where weights are quantized), by name."""
+    tensors = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                tensors[f"{prefix}.{name}" if prefix else name] = buf
+    return tensors
 
 
 def _safetensors_views(mapped: mmap.mmap) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -50,11 +50,27 @@ class ModelSource:
     def load_into(self, model: torch.nn.Module, variant: str) -> None:
         """`model.load_weights(self.weights())`, or for a cached GGUF file its parameters as
         loaded before under the same `variant` (model class, dtype, shard: see gguf_cache.py)."""
-        if self.cache is not None and self.cache.load_params(model, variant):
-            return
+        self.load_model(lambda: model, variant)
+
+    def load_model(self, build: Callable[[], torch.nn.Module], variant: str,
+                   convert: Callable[[torch.nn.Module, bool], None] | None = None) -> torch.nn.Module:
+        """A model from `build()` holding this source's weights. `convert(model, layout_only)`
+        turns loaded weights into the form the engine runs (int4 codes: layers/linear.py), or with
+        layout_only=True gives the model that form's empty tensors; a cached GGUF file keeps the
+        converted form, so a warm start neither reads the file nor converts again."""
+        if self.cache is not None and self.cache.has_params(variant):
+            model = build()
+            if convert is not None:
+                convert(model, True)
+            if self.cache.load_params(model, variant):
+                return model
+        model = build()
         model.load_weights(self.weights())
+        if convert is not None:
+            convert(model, False)
         if self.cache is not None:
             self.cache.save_params(model, variant)
+        return model
 
     def tokenizer(self):
         if self.kind == "gguf":

@@ -23,3 +23,19 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     if isinstance(config_dtype, str):
         config_dtype = _DTYPES.get(config_dtype)
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def resolve_quantization(config, hf_config, device: torch.device) -> str | None:
+    """The weight quantization an engine runs: `config.quantization` where given; else "int4" for a
+    GGUF file whose projections are quantized (Q4_0, Q4_1, Q8_0, K-quants...: `gguf_quantized` on
+    its config, loaders/gguf.py) on the CPU, one rank, dtype "auto": the file's 4-bit codes are
+    kept (layers/int4_linear.py) instead of being widened to fp32, which reads 8x the bytes per
+    token. dtype="float32" keeps the dequantized fp32 model, which matches transformers."""
+    if config.quantization is not None:
+        return config.quantization
+    if (device.type == "cpu" and config.dtype == "auto" and config.tensor_parallel_size == 1
+            and getattr(hf_config, "gguf_quantized", False)):
+        from nanovllm.layers import int4_linear
+
+        return "int4" if int4_linear.available() else None
+    return None

@@ -26,7 +26,7 @@ from nanovllm.loaders.dummy import init_dummy_weights
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
 from nanovllm.precompile import precompiling
-from nanovllm.runner.device import resolve_device, resolve_dtype
+from nanovllm.runner.device import resolve_device, resolve_dtype, resolve_quantization
 from nanovllm.runner.host_staging import HostStaging
 from nanovllm.runner.penalty_state import PenaltyState
 from nanovllm.step_result import Done, PendingOutput, RunnerOutput, StepResult
@@ -50,27 +50,36 @@ class ModelRunner:
         if config.quantization == "int4" and self.device.type != "cpu":
             raise ValueError("LLM(quantization='int4') runs on the CPU only (torch's int4 CPU kernel); "
                              f"this machine resolved device={config.device!r} to {self.device}: pass device='cpu'")
-        self.dtype = resolve_dtype("bfloat16" if config.quantization == "int4" else config.dtype, source.hf_config, self.device)
+        self.quantization = resolve_quantization(config, source.hf_config, self.device)
+        self.dtype = resolve_dtype("bfloat16" if self.quantization == "int4" else config.dtype, source.hf_config, self.device)
         self.block_size = config.kvcache_block_size
         torch.manual_seed(config.seed)
 
         t0 = time.perf_counter()
         model_cls = get_model_class(source.hf_config)
-        default_dtype = torch.get_default_dtype()
-        try:
-            torch.set_default_dtype(self.dtype)
-            with torch.device(self.device):
-                self.model = model_cls(source.hf_config)
-        finally:
-            torch.set_default_dtype(default_dtype)
+
+        def build() -> torch.nn.Module:
+            default_dtype = torch.get_default_dtype()
+            try:
+                torch.set_default_dtype(self.dtype)
+                with torch.device(self.device):
+                    return model_cls(source.hf_config)
+            finally:
+                torch.set_default_dtype(default_dtype)
+
         variant = f"{model_cls.__name__}-{str(self.dtype).removeprefix('torch.')}-tp{rank}of{config.tensor_parallel_size}"
         if config.load_format == "dummy":
+            self.model = build()
             init_dummy_weights(self.model, config.seed)
+            if self.quantization == "int4":
+                self._quantize_int4(self.model, False)
+        elif self.quantization == "int4":
+            self.model = source.load_model(build, variant + "-int4", convert=self._quantize_int4)
         else:
-            source.load_into(self.model, variant)
+            self.model = source.load_model(build, variant)
+        if self.quantization == "int4":
+            self.model.lm_head.compute_in_fp32()  # the LM head stays dense: layers/linear.py, quantize_int4
         self.model.eval()
-        if config.quantization == "int4":
-            self._quantize_int4()
         self.load_seconds = time.perf_counter() - t0
 
         self.backend = get_backend(config.attention_backend, self.device)
@@ -139,15 +148,16 @@ class ModelRunner:
             self.backend.name, self.num_kvcache_blocks, self.block_size,
         )
 
-    def _quantize_int4(self) -> None:
+    @staticmethod
+    def _quantize_int4(model: torch.nn.Module, layout_only: bool) -> None:
         from nanovllm.layers import int4_linear
         from nanovllm.layers.linear import quantize_int4
 
         if not int4_linear.available():
             raise ValueError(f"LLM(quantization='int4') needs torch's CPU int4 kernels, which torch {torch.__version__} lacks")
-        done, kept = quantize_int4(self.model)
-        logger.info("int4 weights: %d layers quantized, %d kept dense (in-features not a multiple of %d)",
-                    done, kept, int4_linear.GROUP_SIZE)
+        done, kept = quantize_int4(model, layout_only=layout_only)
+        logger.info("int4 weights: %d layers %s, %d kept dense (in-features not a multiple of %d)",
+                    done, "laid out" if layout_only else "quantized", kept, int4_linear.GROUP_SIZE)
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (later decodes run eagerly). Called before a process group that
