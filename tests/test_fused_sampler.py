@@ -47,7 +47,7 @@ def test_temperature_sampling_matches_softmax():
     temperature = 0.7
     rows = 4000 if DEV == "cuda" else 400  # the interpreter runs programs one by one
     counts = torch.zeros(6)
-    for _ in range(5):  # each call draws a new seed from torch's RNG
+    for _ in range(5 if DEV == "cuda" else 3):  # each call draws a new seed from torch's RNG
         st = SamplingTensors.from_params([SamplingParams(temperature=temperature)] * rows, None, 6, DEV)
         out = fused_sampler_on()(base.expand(rows, 6).contiguous(), st)
         counts += torch.bincount(out.token_ids.cpu(), minlength=6).float()
@@ -55,7 +55,7 @@ def test_temperature_sampling_matches_softmax():
     chi2 = (((counts - expected) ** 2) / expected).sum().item()
     assert chi2 < 25.0  # 5 degrees of freedom: p < 1e-4 for a correct sampler
     wrong = torch.softmax(base.cpu(), -1) * counts.sum()  # ignoring the temperature is caught
-    assert (((counts - wrong) ** 2) / wrong).sum().item() > 50
+    assert (((counts - wrong) ** 2) / wrong).sum().item() > 50  # expected ~109 at 1,200 draws
 
 
 def test_only_plain_batches_take_the_fast_path(monkeypatch):
