@@ -244,6 +244,20 @@ def test_decode_burst_inputs_fill_one_record_per_step():
                 all_logits=True)  # a step whose sampler needs every logit
     s.buffer.copy_(torch.from_numpy(host))
     assert s.temperatures[0].item() < 0 and s.seeds[0].item() == 0
+    # A filtered stream: every logit for the kernel, and the sampler's settings and a seed per
+    # step in the bytes the kernel does not read; the kernel's own fields keep their values.
+    s.fill_host(host, token=42, position=15, block_table=[9, 4, 7], block_size=8, steps=3,
+                seeds=[7, 8, 9], filters=(0.6, 20, 0.95, 0.05))
+    s.buffer.copy_(torch.from_numpy(host))
+    assert all(v.item() < 0 for v in s.temperatures) and [v.item() for v in s.seeds] == [7, 8, 9]
+    assert [round(v.item(), 6) for v in s.sample_temperatures] == [0.6] * 3
+    assert [v.item() for v in s.top_ks] == [20] * 3
+    assert [round(v.item(), 6) for v in s.top_ps] == [0.95] * 3 and [round(v.item(), 6) for v in s.min_ps] == [0.05] * 3
+    assert [p.item() for p in s.positions] == [15, 16, 17] and [v.item() for v in s.seq_lens] == [16, 17, 18]
+    kernel_fields = {s.TOKEN, s.POSITION, s.SLOT, s.SEQ_LEN, s.TEMPERATURE, s.SEED}
+    sampler_fields = {s.SAMPLE_TEMPERATURE, s.TOP_K, s.TOP_P, s.MIN_P}
+    assert not kernel_fields & sampler_fields and all(
+        not (k <= f < k + 8) for f in sampler_fields for k in kernel_fields if k not in (s.SEQ_LEN, s.TEMPERATURE))
     for i, t in enumerate((101, 102, 103)):  # what the burst graph leaves: step i's token in record i + 1
         s.tokens[(i + 1) % 3].fill_(t)
     assert s.records[:, 0].tolist() == [103, 101, 102]
