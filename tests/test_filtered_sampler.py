@@ -153,6 +153,16 @@ def test_seed_decides_the_token_whatever_the_row():
     assert alone == [whole[4].item(), whole[1].item()]
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on an all-NaN row
+def test_a_row_of_nan_logits_still_gives_a_token_id():
+    """No score is finite, so nothing is kept: the token is still inside the vocabulary (the next
+    step embeds it), and the other rows are sampled as usual."""
+    logits = torch.randn(2, 700, device=DEV)
+    logits[0] = float("nan")
+    got = sample(FilteredSampler(700, 2, DEV), logits, [(0.8, 20, 0.9, 0.0, 1), (0.0, 20, 0.9, 0.0, 2)]).cpu()
+    assert 0 <= got[0].item() < 700 and got[1].item() == int(logits[1].argmax())
+
+
 def test_bad_shapes_raise():
     sampler = FilteredSampler(100, 2, "cpu")
     with pytest.raises(ValueError, match="logits must be"):

@@ -294,6 +294,9 @@ def _pick_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, 
         greedy = t <= 0.0
         token = _pick_from_row(row_ptr, t, tl.where(greedy, 0, k), tl.where(greedy, 1.0, top_p),
                                tl.where(greedy, 0.0, min_p), seed, big, z, vocab_size, WIDE, SAMPLE_BLOCK, FAST)
+    # Nothing is kept only where the row has no finite score (NaN logits): still a token id the
+    # embedding can read, so a broken row cannot take the device down with it.
+    token = tl.minimum(token, vocab_size - 1)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
