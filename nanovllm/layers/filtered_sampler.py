@@ -183,29 +183,16 @@ def _count_mass_at_least(row_ptr, t, vocab_size, key, big, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bisect_count(row_ptr, t, vocab_size, big, k, BLOCK: tl.constexpr):
-    """The ordered key of the k-th largest entry: the largest key with >= k entries at or above."""
-    lo = tl.full((), -_INT_MAX - 1, tl.int64)  # every entry is at or above: count = V >= k
-    hi = _ordered(big).to(tl.int64) + 1  # none is
+def _bisect(row_ptr, t, vocab_size, big, floor_key, target, BY_MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """The largest ordered key >= floor_key whose entries at or above number >= target (BY_MASS:
+    hold exp(x - big) mass >= target). With a count target k from the lowest key, the key of the
+    k-th largest entry."""
+    lo = floor_key.to(tl.int64)  # the caller's floor satisfies the target
+    hi = _ordered(big).to(tl.int64) + 1  # no entry is at or above
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
-        c, _ = _count_mass_at_least(row_ptr, t, vocab_size, mid.to(tl.int32), big, BLOCK)
-        if c >= k:
-            lo = mid
-        else:
-            hi = mid
-    return lo.to(tl.int32)
-
-
-@triton.jit
-def _bisect_mass(row_ptr, t, vocab_size, big, floor_key, target, BLOCK: tl.constexpr):
-    """The largest ordered key >= floor_key whose entries at or above hold mass >= target."""
-    lo = floor_key.to(tl.int64)
-    hi = _ordered(big).to(tl.int64) + 1
-    while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        _, m = _count_mass_at_least(row_ptr, t, vocab_size, mid.to(tl.int32), big, BLOCK)
-        if m >= target:
+        count, mass = _count_mass_at_least(row_ptr, t, vocab_size, mid.to(tl.int32), big, BLOCK)
+        if (mass if BY_MASS else count) >= target:
             lo = mid
         else:
             hi = mid
@@ -223,14 +210,14 @@ def _pick_from_row(row_ptr, t, k, top_p, min_p, seed, big, z, vocab_size, BLOCK:
     ties = tl.full((), 0, tl.int32) + vocab_size
     norm = z
     if k_on:
-        cut_key = _bisect_count(row_ptr, t, vocab_size, big, k, BLOCK)
+        cut_key = _bisect(row_ptr, t, vocab_size, big, cut_key, k, False, BLOCK)
         above, mass_above = _count_mass_at_least(row_ptr, t, vocab_size, cut_key + 1, big, BLOCK)
         ties = k - above
         cut_x = tl.exp(tl.where(cut_key >= 0, cut_key, cut_key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True) - big)
         norm = mass_above + ties * cut_x
     if top_p < 1.0:
         target = top_p * norm
-        p_key = _bisect_mass(row_ptr, t, vocab_size, big, cut_key, target, BLOCK)
+        p_key = _bisect(row_ptr, t, vocab_size, big, cut_key, target, True, BLOCK)
         if p_key > cut_key:
             cut_key = p_key
             ties = vocab_size
