@@ -14,10 +14,7 @@ from pydantic import BaseModel, Field
 
 pytest.importorskip("xgrammar", reason="xgrammar is not installed")
 
-from nanovllm.engine.core import CoreProcess  # noqa: E402
-from nanovllm.engine.core_client import CoreClient  # noqa: E402
-from nanovllm.entrypoints.server import create_app  # noqa: E402
-from test_server import ENGINE_KW, KEY, MODEL, Live, assert_error_body, pool_is_free, serve_in_thread, wait_until  # noqa: E402
+from test_server import MODEL, assert_error_body, live, pool_is_free, wait_until  # noqa: E402,F401 (live: the fixture)
 
 MESSAGES = [{"role": "user", "content": "Where is the Eiffel tower? Answer in JSON."}]
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "floors": {"type": "integer",
@@ -28,20 +25,6 @@ class Landmark(BaseModel):
     city: Literal["Paris", "Rome", "Berlin"]
     year: int = Field(ge=1800, le=2000)
     open: bool
-
-
-@pytest.fixture(scope="module")
-def live(qwen3_tiny):
-    core = CoreProcess(str(qwen3_tiny), ENGINE_KW, max_pending=64)
-    try:
-        engine = CoreClient(core.addresses, core.info, core_alive=core.is_alive)
-        try:
-            with serve_in_thread(create_app(engine, MODEL, api_key=KEY)) as url:
-                yield Live(url, engine)
-        finally:
-            engine.shutdown()
-    finally:
-        core.shutdown()
 
 
 def test_chat_json_schema_streamed_or_not(live):
