@@ -7,7 +7,7 @@ set -euo pipefail
 n=$1; shift
 model=${1:-}
 shift || true
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+. "$(dirname "$0")/serve_lib.sh"
 read -r -a cpus <<< "${REPLICA_CPUS:-}"
 pids=(); urls=()
 trap 'kill ${pids[*]} 2>/dev/null; wait 2>/dev/null || true' EXIT
@@ -20,12 +20,12 @@ for i in $(seq 0 $((n - 1))); do
   pids+=($!); urls+=("http://127.0.0.1:$port")
 done
 for url in "${urls[@]}"; do
-  for _ in $(seq 600); do curl -sf "$url/health" >/dev/null 2>&1 && break; sleep 0.5; done
+  wait_healthy "$url"
 done
 rport=$(free_port)
 vllm-router --host 127.0.0.1 --port "$rport" --worker-urls "${urls[@]}" --policy round_robin >/tmp/router.log 2>&1 &
 pids+=($!)
-for _ in $(seq 120); do curl -sf "http://127.0.0.1:$rport/health" >/dev/null 2>&1 && break; sleep 0.5; done
+wait_healthy "http://127.0.0.1:$rport" 120
 clients=${W4_CLIENTS:-16}
 python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$rport" --served-model m --num-clients "$clients" \
   --num-requests "${W4_REQUESTS:-$((2 * clients))}" --input-len "${W4_INPUT_LEN:-128}" --output-len "${W4_OUTPUT_LEN:-128}" --json

@@ -5,16 +5,15 @@
 set -euo pipefail
 model=${1:-}
 shift || true
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+. "$(dirname "$0")/serve_lib.sh"
 port=$(free_port); rport=$(free_port)
 python3 -m nanovllm serve ${model:+"$model"} --host 127.0.0.1 --port "$port" --served-model-name m "$@" >/tmp/replica.log 2>&1 &
 server=$!
 trap 'kill $server ${router:-} 2>/dev/null; wait 2>/dev/null || true' EXIT
-for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-  kill -0 $server 2>/dev/null || { cat /tmp/replica.log; exit 1; }; sleep 0.5; done
+wait_healthy "http://127.0.0.1:$port" 600 $server /tmp/replica.log
 vllm-router --host 127.0.0.1 --port "$rport" --worker-urls "http://127.0.0.1:$port" --policy round_robin >/tmp/router.log 2>&1 &
 router=$!
-for _ in $(seq 120); do curl -sf "http://127.0.0.1:$rport/health" >/dev/null 2>&1 && break; sleep 0.5; done
+wait_healthy "http://127.0.0.1:$rport" 120
 clients=${W4_CLIENTS:-64}
 load() {  # $1: label, $2: port
   echo -n "$1 "

@@ -7,7 +7,8 @@
 set -euo pipefail
 model=${1:-}
 shift || true
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+. "$(dirname "$0")/serve_lib.sh"
+port=$(free_port)
 log=$(mktemp)
 # (run from that tree: `python -m` puts the working directory first on sys.path)
 tree=${W4_SERVER_PYTHONPATH:-}
@@ -15,11 +16,7 @@ tree=${W4_SERVER_PYTHONPATH:-}
    --port "$port" "$@") >"$log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-  kill -0 $server 2>/dev/null || { cat "$log"; exit 1; }
-  sleep 0.5
-done
+wait_healthy "http://127.0.0.1:$port" 600 $server "$log"
 for n in ${W4_CLIENTS:-1 16 64 256}; do
   python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$n" \
     --num-requests "$(( n < 16 ? 8 : 2 * n ))" --input-len "${W4_INPUT_LEN:-128}" --output-len "${W4_OUTPUT_LEN:-128}" --json

@@ -12,16 +12,13 @@ model=${1:-}
 shift || true
 schema=${W4_SCHEMA:-$here/structured_schema.json}
 python3 "$here/structured_compile.py" ${model:+"$model"} --schema "$schema"
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+. "$here/serve_lib.sh"
+port=$(free_port)
 log=$(mktemp)
 python3 -m nanovllm serve ${model:+"$model"} --host 127.0.0.1 --port "$port" "$@" >"$log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-  kill -0 $server 2>/dev/null || { cat "$log"; exit 1; }
-  sleep 0.5
-done
+wait_healthy "http://127.0.0.1:$port" 600 $server "$log"
 bench() {  # clients, then extra serve_bench options; prints output tok/s, the summary on stderr
   python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$1" \
     --num-requests "$(( $1 < 16 ? 8 : 2 * $1 ))" --input-len "${W4_INPUT_LEN:-128}" \
