@@ -244,13 +244,17 @@ class ModelRunner:
         rows, vocab = logits.shape
         every_control = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=5)
         mixed = [SamplingParams(temperature=0.0) if i % 2 else every_control for i in range(rows)]
-        self.sampler(logits, SamplingTensors.from_params(mixed, None, vocab, self.device))
+        # On CUDA such a batch takes the filtered sampler's kernels: compiled here, not mid-run.
+        seeds = [0] * rows if self.sampler.wants_step_seeds(mixed, self.device) else None
+        self.sampler(logits, SamplingTensors.from_params(mixed, None, vocab, self.device, step_seeds=seeds))
         # Penalties and a logit bias on every row: their [rows, vocab] temporaries.
         edits = [SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
                                 repetition_penalty=1.1, logit_bias={0: 1.0})] * rows
         stats = (torch.zeros((rows, vocab), dtype=torch.int32, device=self.device),
                  torch.zeros((rows, vocab), dtype=torch.bool, device=self.device))
-        self.sampler(logits, SamplingTensors.from_params(edits, None, vocab, self.device, token_stats=stats))
+        seeds = [0] * rows if self.sampler.wants_step_seeds(edits, self.device) else None
+        self.sampler(logits, SamplingTensors.from_params(edits, None, vocab, self.device, token_stats=stats,
+                                                         step_seeds=seeds))
         plain = [SamplingParams(temperature=1.0)] * rows  # the fused path, when the batch is large enough
         self.sampler(logits, SamplingTensors.from_params(plain, None, vocab, self.device))
 
