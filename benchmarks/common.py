@@ -1,8 +1,9 @@
-"""Benchmark helpers: the Qwen3-0.6B-shaped checkpoint with random weights (BENCHMARKS.md).
+"""Benchmark helpers: checkpoints of real models' shapes with random weights (BENCHMARKS.md).
 
 No model hub is reachable, so benchmarks use the real Qwen3-0.6B shape with random bf16
 weights (std 0.02, norms 1), exactly as nano-vllm's bench.py measures speed: the numbers depend
-on shapes, not on weight values. A small trained BPE tokenizer is saved beside the weights so
+on shapes, not on weight values. SmolLM2-135M's shape stands in for the embedded model where
+its package is not installed (the CPU replica benchmark on another machine). A small trained BPE tokenizer is saved beside the weights so
 string prompts (nano-vllm's bench.py warm-up) work too. Also: GPU time per call from CUDA-graph
 replays (`graph_time_us`, `replay_us`), for the kernel benchmarks.
 """
@@ -22,33 +23,51 @@ QWEN3_06B = dict(
     max_position_embeddings=40960, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16",
     bos_token_id=151643, eos_token_id=151645,
 )
+SMOLLM2_135M = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=8192,
+    hidden_act="silu", torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+)
 
 
 def make_qwen3_06b(path: str | os.PathLike, seed: int = 0) -> Path:
     """Write config.json, random bf16 safetensors and a small tokenizer to `path` (once)."""
+    return make_random_checkpoint(path, QWEN3_06B, seed)
+
+
+def make_smollm2_135m(path: str | os.PathLike, seed: int = 0) -> Path:
+    """SmolLM2-135M's shape (the embedded model's) with random weights, as make_qwen3_06b."""
+    return make_random_checkpoint(path, SMOLLM2_135M, seed)
+
+
+def make_random_checkpoint(path: str | os.PathLike, shape: dict, seed: int = 0) -> Path:
+    """Write config.json for `shape` (a config dict with architectures and model_type), random
+    bf16 safetensors and a small tokenizer to `path` (once)."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     if (path / "model.safetensors").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
-    config = Qwen3Config(**{k: v for k, v in QWEN3_06B.items() if k not in ("architectures", "model_type")})
-    config.architectures = ["Qwen3ForCausalLM"]
+    fields = {k: v for k, v in shape.items() if k not in ("architectures", "model_type")}
+    config = AutoConfig.for_model(shape["model_type"], **fields)
+    config.architectures = list(shape["architectures"])
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in shapes.items():
+    for name, size in shapes.items():
         if name == "lm_head.weight":
             continue  # tied
         if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            tensors[name] = torch.ones(size, dtype=torch.bfloat16)
         else:
-            tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+            tensors[name] = (torch.randn(size, generator=gen) * 0.02).to(torch.bfloat16)
     save_file(tensors, path / "model.safetensors")
     config.save_pretrained(path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": QWEN3_06B["eos_token_id"]}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": shape["eos_token_id"]}))
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from checkpoints import make_tokenizer_dir
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # W4 load through vllm-router in front of N `nanovllm serve` replicas on this machine.
 #   benchmarks/replicas_router.sh N [MODEL] [extra serve options...]   (no MODEL: the embedded default)
-# REPLICA_CPUS="0 1" pins replica i to the i-th CPU list (taskset) with one torch thread each;
+# REPLICA_CPUS="0 1" (or "0-3 4-7") pins replica i to the i-th CPU list (taskset), with as many
+# torch threads as the list has CPUs;
 # W4_CLIENTS (default 16), W4_REQUESTS (default 2 x clients), W4_INPUT_LEN / W4_OUTPUT_LEN (128).
 set -euo pipefail
 n=$1; shift
@@ -14,7 +15,10 @@ trap 'kill ${pids[*]} 2>/dev/null; wait 2>/dev/null || true' EXIT
 for i in $(seq 0 $((n - 1))); do
   port=$(free_port)
   pin=()
-  if [ ${#cpus[@]} -gt 0 ]; then pin=(taskset -c "${cpus[$i]}"); export OMP_NUM_THREADS=1; fi
+  if [ ${#cpus[@]} -gt 0 ]; then
+    pin=(taskset -c "${cpus[$i]}")
+    OMP_NUM_THREADS=$(taskset -c "${cpus[$i]}" nproc); export OMP_NUM_THREADS
+  fi
   "${pin[@]}" python3 -m nanovllm serve ${model:+"$model"} --host 127.0.0.1 --port "$port" --served-model-name m "$@" \
     >"/tmp/replica$i.log" 2>&1 &
   pids+=($!); urls+=("http://127.0.0.1:$port")

@@ -77,8 +77,8 @@ ROWS = [  # (temperature, top_k, top_p, min_p): each path and filter
 ]
 
 
-@pytest.mark.parametrize("cap", [None, 1], ids=["candidates", "whole-row"])
-def test_token_is_the_gumbel_max_of_the_reference_kept_set(monkeypatch, cap):
+@pytest.mark.parametrize("whole_row", [False, True], ids=["candidates", "whole-row"])
+def test_token_is_the_gumbel_max_of_the_reference_kept_set(monkeypatch, whole_row):
     vocab = 5000  # 10 tiles
     torch.manual_seed(0)
     flat = torch.randn(len(ROWS), vocab) * 0.5
@@ -87,9 +87,9 @@ def test_token_is_the_gumbel_max_of_the_reference_kept_set(monkeypatch, cap):
     logits = torch.cat([flat, peaked]).to(torch.bfloat16).to(DEV)
     rows = [(*r, 1000 + i) for i, r in enumerate(ROWS + ROWS)]
     attempts = 2 if DEV == "cuda" else 1  # a second launch: the candidate counter was reset by the first
-    if cap is not None:  # one candidate at most: every row that needs more takes the whole-row search
-        monkeypatch.setattr(filtered_sampler, "CAP", cap)
-        monkeypatch.setattr(filtered_sampler, "SMALL_CAP", cap)
+    if whole_row:  # the candidates are the top tile's largest entries: every row that needs
+        # more than that (all but some top-k rows) takes the whole-row search
+        monkeypatch.setattr(filtered_sampler, "CANDIDATE_TILES", 1)
         if DEV == "cpu":  # the interpreter runs that search slowly: half the rows, once
             logits, rows, attempts = logits[::2], rows[::2], 1
     sampler = FilteredSampler(vocab, len(rows), DEV)
@@ -112,15 +112,14 @@ LOGITS8 = [1.0, -0.5, 2.0, 0.3, -2.0, 1.7, 0.0, -1.0]
 @pytest.mark.skipif(DEV == "cpu", reason="100k draws per case need a CUDA device (the interpreter runs a few per second); "
                     "on the CPU the exact test above checks each token against the reference's kept set")
 @pytest.mark.parametrize("row", DRAW_ROWS)
-@pytest.mark.parametrize("cap", [None, 1], ids=["candidates", "whole-row"])
-def test_draws_follow_the_filtered_softmax(monkeypatch, row, cap):
+@pytest.mark.parametrize("whole_row", [False, True], ids=["candidates", "whole-row"])
+def test_draws_follow_the_filtered_softmax(monkeypatch, row, whole_row):
     """Rows that differ only in their seed sample the reference's renormalised distribution
     (100k draws per case). Eight finite logits, one per tile of a 1,024-token row (the rest
-    -inf), so the tile maxima let the candidate list decide; with one candidate at most, the
-    whole-row search decides."""
-    if cap is not None:
-        monkeypatch.setattr(filtered_sampler, "CAP", cap)
-        monkeypatch.setattr(filtered_sampler, "SMALL_CAP", cap)
+    -inf), so the tile maxima let the candidate list decide; with the top tile's entries as the
+    only candidates, the whole-row search decides the rows without top-k."""
+    if whole_row:
+        monkeypatch.setattr(filtered_sampler, "CANDIDATE_TILES", 1)
     monkeypatch.setattr(filtered_sampler, "TILE", 128)
     vocab, n = 1024, 100_000
     cols = torch.arange(8) * 128 + 3

@@ -43,6 +43,9 @@ PAIR_BLOCK = 32
 # candidates, enough for a typical top-p nucleus or min-p set.
 CANDIDATE_TILES = 128
 WIDE_BLOCK = 2048
+# The threshold kernel ranks the tile maxima in a block of at least this many (padded with
+# -inf): a block smaller than the program's threads gives wrong ranks on the GPU.
+MIN_TILES_BLOCK = 128
 _INT_MAX = tl.constexpr(2**31 - 1)
 
 
@@ -334,7 +337,8 @@ class FilteredSampler:
         launch(_tile_stats_kernel, grid, logits, logits.stride(0), temperature, self.tile_max, self.tile_sum, vocab,
                self.num_tiles, tiles_per_prog, TILE_=TILE, num_warps=4)
         launch(_threshold_kernel, (rows,), self.tile_max, self.tile_sum, top_k, self.tau, self.row_max, self.z, vocab,
-               self.num_tiles, TILES_P2=triton.next_power_of_2(self.num_tiles), CANDIDATE_TILES_=CANDIDATE_TILES,
+               self.num_tiles, TILES_P2=max(MIN_TILES_BLOCK, triton.next_power_of_2(self.num_tiles)),
+               CANDIDATE_TILES_=CANDIDATE_TILES,
                num_warps=4)
         launch(_candidates_kernel, grid, logits, logits.stride(0), temperature, self.tau, self.count, self.cand_val,
                self.cand_idx, vocab, self.num_tiles, tiles_per_prog, TILE_=TILE, CAP_=CAP, num_warps=4)
