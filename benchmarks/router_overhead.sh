@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What vllm-router costs in front of one replica: W4 at W4_CLIENTS (default 64) clients, straight
-# to the replica and through the router, alternated ROUNDS times (default 2) against one server.
+# to the replica and through the router, alternated ROUNDS times (default 3) against one server;
+# W4_REQUESTS requests per run (default 8 per client).
 #   benchmarks/router_overhead.sh [MODEL] [extra serve options...]   (no MODEL: the embedded default)
 set -euo pipefail
 model=${1:-}
@@ -18,7 +19,7 @@ clients=${W4_CLIENTS:-64}
 load() {  # $1: label, $2: port
   echo -n "$1 "
   python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$2" --served-model m --num-clients "$clients" \
-    --num-requests "$((2 * clients))" --input-len "${W4_INPUT_LEN:-128}" --output-len "${W4_OUTPUT_LEN:-128}" --json
+    --num-requests "${W4_REQUESTS:-$((8 * clients))}" --input-len "${W4_INPUT_LEN:-128}" --output-len "${W4_OUTPUT_LEN:-128}" --json
 }
 load warmup "$port" >/dev/null
-for _ in $(seq "${ROUNDS:-2}"); do load replica "$port"; load router "$rport"; done
+for _ in $(seq "${ROUNDS:-3}"); do load replica "$port"; load router "$rport"; done

@@ -89,11 +89,15 @@ def main() -> None:
         times.append(time.perf_counter() - t)
     print(f"xgrammar   cached           {1e3 * statistics.median(times):8.3f} ms")
     matcher = SequenceMatcher(compiled, eos)
+    mask = matcher.new_mask()
     t = time.perf_counter()
     for token in ids:
+        matcher.fill(mask)
         if not matcher.accept(token):
             raise SystemExit(f"the document does not follow the schema at token {token}")
-    print(f"xgrammar   mask + advance   {1e6 * (time.perf_counter() - t) / len(ids):8.1f} us/token (done: {matcher.done})")
+    matcher.fill(mask)
+    print(f"xgrammar   mask + advance   {1e6 * (time.perf_counter() - t) / len(ids):8.1f} us/token "
+          f"(done: {matcher.done(mask)})")
     compiler.shutdown()
 
     if args.llguidance:

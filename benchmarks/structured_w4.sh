@@ -5,7 +5,8 @@
 # W4_ROUNDS times; prints each run's JSON summary and the constrained / unconstrained ratio of
 # output tok/s per round. First, the schema's compile time over the model's tokenizer.
 #   benchmarks/structured_w4.sh [MODEL] [extra serve options...]   (no MODEL: the embedded default)
-# W4_CLIENTS (64), W4_ROUNDS (2), W4_INPUT_LEN (128), W4_OUTPUT_LEN (128), W4_SCHEMA change it.
+# W4_CLIENTS (64), W4_ROUNDS (2), W4_REQUESTS (8 per client), W4_INPUT_LEN (128), W4_OUTPUT_LEN (128),
+# W4_SCHEMA change it.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 model=${1:-}
@@ -21,12 +22,12 @@ trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 wait_healthy "http://127.0.0.1:$port" 600 $server "$log"
 bench() {  # clients, then extra serve_bench options; prints output tok/s, the summary on stderr
   python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$1" \
-    --num-requests "$(( $1 < 16 ? 8 : 2 * $1 ))" --input-len "${W4_INPUT_LEN:-128}" \
+    --num-requests "${W4_REQUESTS:-$(( $1 < 16 ? 8 : 8 * $1 ))}" --input-len "${W4_INPUT_LEN:-128}" \
     --output-len "${W4_OUTPUT_LEN:-128}" --json "${@:2}" | python3 -c \
     'import json, sys; line = sys.stdin.read(); sys.stderr.write(line); print(json.loads(line)["output_tok_per_s"])'
 }
-bench 4 >/dev/null  # warm-up: the first constrained request builds the tokenizer's tables
-bench 4 --json-schema "$schema" >/dev/null
+W4_REQUESTS=8 bench 4 >/dev/null  # warm-up: the first constrained request builds the tokenizer's tables
+W4_REQUESTS=8 bench 4 --json-schema "$schema" >/dev/null
 for n in ${W4_CLIENTS:-64}; do
   for round in $(seq "${W4_ROUNDS:-2}"); do
     plain=$(bench "$n")

@@ -3,10 +3,12 @@ per constrained sequence.
 
 A constrained request is checked when it is added (a ValueError naming the field), and its
 grammar compiles in a thread pool (structured/compiler.py); until then its sequences stay out
-of the scheduler, and other requests run. Once a sequence runs, its matcher gives the
-bitmask of each step's sampling row and is advanced by every token the engine appends; the
-sequence ends ("stop") when the grammar is complete and allows only a stop token. Preemption
-(recompute) keeps the output tokens, so the matcher stays where it is.
+of the scheduler, and other requests run. Once a sequence runs, every token the engine appends
+advances its matcher (`accept`); before a step samples, `refresh` fills the masks of the step's
+constrained rows in one call on several threads (xgrammar's BatchGrammarMatcher) into a table
+of one row per sequence, and names the sequences whose grammar is complete and allows only a
+stop token next (the engine ends them, "stop"). Preemption (recompute) keeps the output
+tokens, so the matcher stays where it is.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import concurrent.futures
 import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
+
+import torch
 
 from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.step import SchedulerOutput
@@ -31,8 +35,13 @@ class Grammars:
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: GrammarCompiler | None = None  # built on the first constrained request
+        self._batch = None  # xgrammar's BatchGrammarMatcher, with the first matcher
         self.waiting: dict[str, Future] = {}  # request id -> its grammar's compile
         self.matchers: dict[int, SequenceMatcher] = {}  # seq id -> its matcher
+        # The mask table: row self._rows[seq id] holds that sequence's next-token mask.
+        self._masks: torch.Tensor | None = None
+        self._rows: dict[int, int] = {}
+        self._free_rows: list[int] = []
 
     def submit(self, request_id: str, spec: StructuredOutputsParams) -> Future:
         """Check spec and start compiling it (ValueError naming the field; nothing is kept then)."""
@@ -61,35 +70,66 @@ class Grammars:
     def start(self, seq_id: int, compiled) -> None:
         from nanovllm.structured.matcher import SequenceMatcher
 
-        self.matchers[seq_id] = SequenceMatcher(compiled, self._stop_token_ids)
+        matcher = SequenceMatcher(compiled, self._stop_token_ids)
+        if not self._free_rows:
+            self._grow(matcher)
+        self.matchers[seq_id] = matcher
+        self._rows[seq_id] = self._free_rows.pop()
+
+    def _grow(self, matcher: SequenceMatcher) -> None:
+        """Twice the rows (16 at first); the rows in use keep their place."""
+        import xgrammar as xgr
+
+        old = self._masks
+        rows = 16 if old is None else 2 * old.shape[0]
+        table = matcher.new_mask().expand(rows, -1).contiguous()
+        if old is None:
+            self._batch = xgr.BatchGrammarMatcher()
+        else:
+            table[: old.shape[0]] = old
+        self._free_rows.extend(range(rows - 1, (0 if old is None else old.shape[0]) - 1, -1))
+        self._masks = table
 
     def samples_constrained(self, sched: SchedulerOutput) -> bool:
         """Whether a step samples some sequence with a grammar (whose next mask needs its token)."""
         return bool(self.matchers) and any(item.sample and item.seq_id in self.matchers for item in sched.seqs)
 
-    def attach_masks(self, sched: SchedulerOutput) -> None:
-        """Give each constrained sampling row of the step its sequence's current bitmask."""
+    def refresh(self, sched: SchedulerOutput) -> list[int]:
+        """Fill the masks of the step's constrained sampling rows for their matchers' current
+        state (every token before the step's accepted), attach them to the rows
+        (ScheduledSeq.token_bitmask), and return the seq ids among them whose output is
+        complete (SequenceMatcher.done): the caller ends those, and drops their rows' tokens."""
         if not self.matchers:
-            return
-        for item in sched.seqs:
-            matcher = self.matchers.get(item.seq_id)
-            if item.sample and matcher is not None:
-                item.token_bitmask = matcher.bitmask
+            return []
+        items = [item for item in sched.seqs if item.sample and item.seq_id in self.matchers]
+        live = [item.seq_id for item in items if not self.matchers[item.seq_id].terminated]
+        if live:
+            self._batch.batch_fill_next_token_bitmask([self.matchers[i].xgr_matcher for i in live], self._masks,
+                                                      indices=[self._rows[i] for i in live])
+        done = []
+        for item in items:
+            row = self._rows[item.seq_id]
+            item.token_bitmask = self._masks[row : row + 1]
+            if self.matchers[item.seq_id].done(item.token_bitmask):
+                done.append(item.seq_id)
+        return done
 
     def accept(self, seq_id: int, token: int) -> str | None:
-        """Advance seq_id's matcher by token: "stop" when the output is complete, "abort" if the
-        grammar refuses the token (never expected: the mask allowed it), None otherwise."""
+        """Advance seq_id's matcher by token: "stop" when it was a stop token the grammar
+        accepts, "abort" if the grammar refuses the token (never expected: the mask allowed
+        it), None otherwise."""
         matcher = self.matchers.get(seq_id)
         if matcher is None:
             return None
         if not matcher.accept(token):
             logger.error("sequence %d sampled token %d that its grammar does not allow; it is aborted", seq_id, token)
             return "abort"
-        return "stop" if matcher.done else None
+        return "stop" if matcher.terminated else None
 
     def drop(self, seq_ids) -> None:
         for seq_id in seq_ids:
-            self.matchers.pop(seq_id, None)
+            if self.matchers.pop(seq_id, None) is not None:
+                self._free_rows.append(self._rows.pop(seq_id))
 
     def shutdown(self) -> None:
         if self._compiler is not None:

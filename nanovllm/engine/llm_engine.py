@@ -21,6 +21,7 @@ from nanovllm.engine.grammars import Grammars
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.executor.executor import make_executor
+from nanovllm.runner.model_runner import DeferredSample
 from nanovllm.layers.rotary import context_length
 from nanovllm.loaders.generation_config import read_generation_defaults
 from nanovllm.loaders.source import resolve_model
@@ -285,29 +286,63 @@ class LLMEngine:
             if not self.scheduler.has_unfinished() and self._in_flight is None:
                 self.grammars.wait(timeout=0.05)  # nothing else to do
             outputs += self._admit_compiled()
-        if self._in_flight is not None and self.grammars.samples_constrained(self._in_flight[0]):
+        deferred = self.async_scheduling and self.executor.defers_sampling
+        if self._in_flight is not None and not deferred and self.grammars.samples_constrained(self._in_flight[0]):
             # A grammar's next mask needs the token in flight: take it before scheduling.
             outputs += self._process(self._in_flight[0], self._in_flight[1].result())
             self._in_flight = None
         sched = self.scheduler.schedule(self.executor.decode_burst)
-        self.grammars.attach_masks(sched)
         decode_tokens = sched.num_decode_tokens
         self.last_step = StepStats(sched.num_batched_tokens - decode_tokens, decode_tokens, 0.0)
         if not self.async_scheduling:
+            complete = self.grammars.refresh(sched)
             result = self.executor.execute(sched)
             self.scheduler.advance(sched, self.seqs)
+            outputs += self._end_complete(complete)
             outputs += self._process(sched, result)
+        elif deferred and not sched.is_empty and self.grammars.samples_constrained(sched):
+            # The forward pass runs while the host takes the step in flight and fills this
+            # step's grammar masks from its tokens; then the sampling is launched.
+            forward = self.executor.launch_forward(sched)
+            self.scheduler.advance(sched, self.seqs)
+            outputs += self._take_in_flight()
+            outputs += self._end_complete(self.grammars.refresh(sched))
+            self._in_flight = (sched, forward.sample() if isinstance(forward, DeferredSample) else forward)
         else:
+            complete = self.grammars.refresh(sched)
             launched = self.executor.execute_async(sched)
             self.scheduler.advance(sched, self.seqs)
-            previous, self._in_flight = self._in_flight, (sched, launched)
-            if previous is not None:
-                prev_sched, prev_launched = previous
-                outputs += self._process(prev_sched, prev_launched.result())
+            outputs += self._end_complete(complete)
+            outputs += self._take_in_flight()
+            self._in_flight = (sched, launched)
             if sched.is_empty:  # nothing was launched: drain now instead of on the next call
-                outputs += self._process(sched, launched.result())
-                self._in_flight = None
+                outputs += self._take_in_flight()
         self.last_step.seconds = time.perf_counter() - t0
+        return outputs
+
+    def _take_in_flight(self) -> list[RequestOutput]:
+        """Wait for the step in flight, if any, and process its tokens."""
+        if self._in_flight is None:
+            return []
+        (sched, launched), self._in_flight = self._in_flight, None
+        return self._process(sched, launched.result())
+
+    def _end_complete(self, seq_ids: list[int]) -> list[RequestOutput]:
+        """End the sequences whose grammar is complete and allows only a stop token next
+        (Grammars.refresh), "stop"; a step's token for them is dropped."""
+        outputs = []
+        for seq_id in seq_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.is_finished:
+                continue
+            self.scheduler.finish(seq, "stop")
+            request = self.requests[seq.request_id]
+            if request.detokenizers[0] is not None:
+                request.detokenizers[request.seqs.index(seq)].flush()
+            if request.finished:
+                outputs.append(self._finish_request(request))
+            elif request.stream:
+                outputs.append(self._make_output(request))
         return outputs
 
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:

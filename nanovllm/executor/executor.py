@@ -12,8 +12,8 @@ from typing import Protocol
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
 from nanovllm.loaders.source import ModelSource
-from nanovllm.runner.model_runner import ModelRunner, RunnerOutput
-from nanovllm.step_result import StepResult
+from nanovllm.runner.model_runner import DeferredSample, ModelRunner, RunnerOutput
+from nanovllm.step_result import Done, StepResult
 from nanovllm.step import SchedulerOutput
 
 
@@ -22,6 +22,8 @@ class Executor(Protocol):
     decode_burst: int  # decode steps a lone greedy or plain-temperature sequence may run per step
     device_type: str  # "cuda" or "cpu": where the steps run
     supports_async: bool  # execute_async launches a step without waiting for it
+    # launch_forward launches a step's forward pass and leaves its sampling for later
+    defers_sampling: bool
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
@@ -30,11 +32,17 @@ class Executor(Protocol):
         where supports_async)."""
         ...
 
+    def launch_forward(self, out: SchedulerOutput) -> DeferredSample | Done:
+        """Launch the step's forward pass; `.sample()` on the return value launches its
+        sampling and returns what execute_async would (only where defers_sampling)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
 class InProcessExecutor:
     supports_async = True
+    defers_sampling = True
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         if tp_size() != 1:
@@ -58,6 +66,9 @@ class InProcessExecutor:
 
     def execute_async(self, out: SchedulerOutput) -> StepResult:
         return self.runner.execute_async(out)
+
+    def launch_forward(self, out: SchedulerOutput) -> DeferredSample | Done:
+        return self.runner.launch_forward(out)
 
     def shutdown(self) -> None:
         pass

@@ -530,6 +530,7 @@ class MultiprocExecutor:
     """
 
     supports_async = False
+    defers_sampling = False
 
     def __init__(
         self,

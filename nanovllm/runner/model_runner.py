@@ -397,9 +397,41 @@ class ModelRunner:
             return Done(RunnerOutput([]))
         return PendingOutput(*launched, self.device)
 
+    @torch.inference_mode()
+    def launch_forward(self, out: SchedulerOutput) -> DeferredSample | Done:
+        """Launch the forward pass of an ordinary step (no fast path, no burst) and leave its
+        sampling to the result's `.sample()`, so the host can prepare what the sampling reads
+        (the rows' grammar masks, ScheduledSeq.token_bitmask) while the device runs the
+        forward. Nothing else may launch on this runner in between."""
+        if any(s.num_steps > 1 for s in out.seqs):
+            raise ValueError("launch_forward: a decode burst samples inside its launch")
+        for seq_id in out.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        self.penalty_state.release(out.finished_seq_ids)
+        forward = None if out.is_empty else self._forward(out)
+        if forward is None:
+            return Done(RunnerOutput([]))
+        return DeferredSample(self, *forward)
+
     def _launch(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], SamplerOutput] | None:
         """Launch one ordinary step; returns (sampling rows, SamplerOutput), or None where this
         rank samples nothing."""
+        forward = self._forward(out)
+        if forward is None:
+            return None
+        rows, logits = forward
+        return rows, self.sample_rows(rows, logits)
+
+    def sample_rows(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
+        """`sample`, and its tokens become the next step's inputs (prev_tokens)."""
+        sampled = self.sample(rows, logits)
+        self.prev_tokens = sampled.token_ids
+        self.prev_rows = {s.seq_id: i for i, s in enumerate(rows)}
+        return sampled
+
+    def _forward(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor] | None:
+        """The forward pass and LM head of one ordinary step: (sampling rows, their logits), or
+        None where this rank samples nothing."""
         input_ids, positions, meta, logits_indices = self.prepare(out)
         if self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
             hidden = self.graph_runner.run(input_ids, positions, meta)
@@ -413,11 +445,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._to_device(logits_indices)])
         if self.rank != 0:
             return None
-        rows = [s for s in out.seqs if s.sample]
-        sampled = self.sample(rows, logits)
-        self.prev_tokens = sampled.token_ids
-        self.prev_rows = {s.seq_id: i for i, s in enumerate(rows)}
-        return rows, sampled
+        return [s for s in out.seqs if s.sample], logits
 
     @property
     def decode_burst(self) -> int:
@@ -480,3 +508,18 @@ class ModelRunner:
         if st.penalties is not None:
             self.penalty_state.record(slots, sampled.token_ids[st.penalties.rows])
         return sampled
+
+
+class DeferredSample:
+    """A step whose forward pass is launched and whose sampling is not yet
+    (ModelRunner.launch_forward): `sample()` launches it and returns the step's result."""
+
+    def __init__(self, runner: ModelRunner, rows: list[ScheduledSeq], logits: torch.Tensor) -> None:
+        self._runner = runner
+        self._rows = rows
+        self._logits = logits
+
+    def sample(self) -> StepResult:
+        with torch.inference_mode():
+            sampled = self._runner.sample_rows(self._rows, self._logits)
+        return PendingOutput(self._rows, sampled, self._runner.device)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from nanovllm.layers.host_copy import to_device
+
 
 @dataclass
 class TokenBitmask:
@@ -30,7 +32,7 @@ class TokenBitmask:
         host = torch.full((num_rows, masks[0][1].shape[-1]), -1, dtype=torch.int32)
         rows = [r for r, _ in masks]
         host[rows] = torch.cat([m for _, m in masks])
-        return cls(host.to(device), rows)
+        return cls(to_device(host, device), rows)
 
     def apply_(self, logits: torch.Tensor) -> None:
         """Disallowed tokens' logits to -inf, in place (logits [B, V], fp32)."""
