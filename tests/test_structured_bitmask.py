@@ -61,3 +61,22 @@ def test_triton_kernel_matches_reference():
 
 def test_no_constrained_row_means_no_mask():
     assert TokenBitmask.from_rows(3, [], "cpu") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="BitmaskStaging builds masks on a CUDA device")
+def test_staging_builds_the_batch_mask_step_after_step():
+    """Through its reused pinned buffers, each step's mask keeps exactly that step's allowed
+    tokens (a larger batch grows the buffers; a later step's rows replace the earlier ones)."""
+    from nanovllm.structured.bitmask import BitmaskStaging
+
+    staging = BitmaskStaging("cuda")
+    steps = [ALLOWED, {0: {3, 4}, 2: {70}}, {r: {r % VOCAB, (3 * r) % VOCAB} for r in range(0, 200, 2)}]
+    for allowed in steps:
+        rows = max(allowed) + 1
+        logits = torch.randn(rows, VOCAB, device="cuda")
+        expected = logits.clone()
+        for r, a in allowed.items():
+            expected[r, [t for t in range(VOCAB) if t not in a]] = float("-inf")
+        staging.build(rows, [(r, host_bitmask(a, VOCAB)) for r, a in allowed.items()]).apply_(logits)
+        assert torch.equal(logits, expected)

@@ -86,6 +86,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         self.penalty_state = PenaltyState(source.hf_config.vocab_size, self.device)
+        self.bitmask_staging = None  # structured/bitmask.BitmaskStaging, at the first grammar mask on CUDA
         # The last step's sampled ids stay on the device: with async scheduling the next step's
         # decode inputs are PLACEHOLDER_TOKEN on the host and are gathered from here.
         self.prev_tokens: torch.Tensor | None = None
@@ -469,6 +470,16 @@ class ModelRunner:
             tokens.append(sampled.token_ids.clone())  # the lone-sequence graph writes its argmax in place
         return PendingOutput([item], SamplerOutput(torch.cat(tokens), None, None, None), self.device)
 
+    def _token_bitmask(self, num_rows: int, masks: list[tuple[int, torch.Tensor]]):
+        """The step's grammar masks on this runner's device (structured/bitmask.py)."""
+        from nanovllm.structured.bitmask import BitmaskStaging, TokenBitmask
+
+        if self.device.type != "cuda":
+            return TokenBitmask.from_rows(num_rows, masks, self.device)
+        if self.bitmask_staging is None:
+            self.bitmask_staging = BitmaskStaging(self.device)
+        return self.bitmask_staging.build(num_rows, masks)
+
     def sample(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
         """Sample one token per row of `logits` under each row's parameters (and seed); a
         penalized row's token is added to its sequence's counts (runner/penalty_state.py); a row
@@ -501,9 +512,7 @@ class ModelRunner:
                                          step_seeds=step_seeds)
         masks = [(i, s.token_bitmask) for i, s in enumerate(rows) if s.token_bitmask is not None]
         if masks:  # xgrammar is imported only once a request has a grammar
-            from nanovllm.structured.bitmask import TokenBitmask
-
-            st.token_mask = TokenBitmask.from_rows(len(rows), masks, self.device)
+            st.token_mask = self._token_bitmask(len(rows), masks)
         sampled = self.sampler(logits, st)
         if st.penalties is not None:
             self.penalty_state.record(slots, sampled.token_ids[st.penalties.rows])

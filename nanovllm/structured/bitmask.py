@@ -11,8 +11,6 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
-from nanovllm.layers.host_copy import to_device
-
 
 @dataclass
 class TokenBitmask:
@@ -26,15 +24,50 @@ class TokenBitmask:
     def from_rows(cls, num_rows: int, masks: list[tuple[int, torch.Tensor]],
                   device: torch.device | str) -> TokenBitmask | None:
         """(batch row, host bitmask [1, W]) for each constrained row of a batch of num_rows ->
-        one device tensor, in one copy; None when no row has a grammar."""
+        one tensor on `device`; None when no row has a grammar. (BitmaskStaging does the same
+        through buffers it keeps, for a CUDA device every step.)"""
         if not masks:
             return None
         host = torch.full((num_rows, masks[0][1].shape[-1]), -1, dtype=torch.int32)
         rows = [r for r, _ in masks]
         host[rows] = torch.cat([m for _, m in masks])
-        return cls(to_device(host, device), rows)
+        return cls(host.to(device), rows)
 
     def apply_(self, logits: torch.Tensor) -> None:
         """Disallowed tokens' logits to -inf, in place (logits [B, V], fp32)."""
         xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=logits.shape[-1],
                                         indices=self.rows, backend=self.backend)
+
+
+class BitmaskStaging:
+    """TokenBitmask.from_rows for a CUDA device, without allocating host memory each step: the
+    constrained rows' masks are gathered into one pinned buffer, copied without a host wait,
+    and scattered into an all-ones device tensor there. The buffer is reused once the last
+    step's copy has run (an event marks it)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._masks: torch.Tensor | None = None  # pinned [capacity, W] int32
+        self._rows: torch.Tensor | None = None  # pinned [capacity] int64
+        self._copied: torch.cuda.Event | None = None
+
+    def build(self, num_rows: int, masks: list[tuple[int, torch.Tensor]]) -> TokenBitmask | None:
+        if not masks:
+            return None
+        k, width = len(masks), masks[0][1].shape[-1]
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._masks is None or self._masks.shape[0] < k or self._masks.shape[1] != width:
+            capacity = max(k, 64 if self._masks is None else 2 * self._masks.shape[0])
+            self._masks = torch.empty((capacity, width), dtype=torch.int32, pin_memory=True)
+            self._rows = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        rows = [r for r, _ in masks]
+        torch.cat([m for _, m in masks], out=self._masks[:k])
+        self._rows[:k] = torch.tensor(rows, dtype=torch.int64)
+        staged = self._masks[:k].to(self.device, non_blocking=True)
+        index = self._rows[:k].to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        bitmask = torch.full((num_rows, width), -1, dtype=torch.int32, device=self.device)
+        bitmask.index_copy_(0, index, staged)
+        return TokenBitmask(bitmask, rows)
