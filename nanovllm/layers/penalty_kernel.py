@@ -37,7 +37,7 @@ def _penalize_kernel(logits_ptr, out_ptr, knobs_ptr, bias_ptr, counts_ptr, seen_
     x = x + tl.load(bias_ptr + cols, mask=live, other=0.0)
     seen = tl.load(seen_ptr + cols, mask=live, other=0) != 0
     r = tl.where(seen, repetition, 1.0)
-    x = tl.where(x > 0, tl.div_rn(x, r), x * r)
+    x = tl.where(x > 0, tl.math.div_rn(x, r), x * r)
     counts = tl.load(counts_ptr + cols, mask=live, other=0)
     x = x - (frequency * counts.to(tl.float32) + presence * (counts > 0).to(tl.float32))
     tl.store(out_ptr + cols, x, mask=live)
