@@ -224,8 +224,9 @@ class LoneGraphs:
         inputs, so they are first made to store nothing and attend to nothing cached.
 
         filtered_step(inputs, i, next_token): step i of a filtered stream over record i of
-        `inputs` (logit bias and penalties included), its token into next_token; captured the same way as the filtered graphs (one
-        launch per step; a burst's tokens stay in its records)."""
+        `inputs` (logit bias and penalties included), its token into next_token; captured the
+        same way as the filtered graphs (one launch per step; a burst's tokens stay in its
+        records)."""
         t0 = time.perf_counter()
         if burst > 1 and (not self.bursts or burst > self.bursts[0].steps):
             raise ValueError(f"a decode burst of {burst} steps needs as many input records, there are "
