@@ -223,7 +223,8 @@ class SamplingParams:
     @property
     def edits_logits(self) -> bool:
         """Whether a penalty, a logit bias or a grammar's token mask changes the logits before
-        sampling: such a request takes the per-op sampler, never a fused kernel or decode burst."""
+        sampling: such a request never takes the fused temperature kernels; a lone stream of one
+        without a grammar takes the fast path's filtered graphs and decode bursts."""
         return self.penalized or self.logit_bias is not None or self.structured_outputs is not None
 
     @property

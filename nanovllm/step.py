@@ -37,7 +37,7 @@ class ScheduledSeq:
     params: SamplingParams
     seed: int | None
     banned_token_ids: list[int] | None  # not samplable yet (min_tokens)
-    # A decode burst (no penalty, bias or logprobs; one token in): K steps back to back, the K/V
+    # A decode burst (no grammar, banned ids or logprobs; one token in): K steps back to back, the K/V
     # of token_ids[0] and of the first K-1 tokens sampled, and K tokens sampled. 1: an ordinary
     # step.
     num_steps: int = 1

@@ -366,3 +366,53 @@ def test_seeded_filtered_stream_alone_equals_its_tokens_in_a_batch(checkpoint_fa
     batch = llm.generate(ps + others, [sp, sp] + [SamplingParams(temperature=1.0, max_tokens=40)] * 3, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in batch[:2]] == outs[None]
     assert len(set(map(tuple, outs[None]))) == 2 and all(len(t) == 40 for t in outs[None])
+
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={5: 1.0, 6: -100.0})
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.6, top_p=0.95, top_k=20), dict(temperature=0)],
+                         ids=["chat", "greedy"])
+def test_seeded_penalized_stream_alone_equals_its_tokens_in_a_batch(checkpoint_factory, params):
+    """A seeded stream with presence, frequency and repetition penalties and a logit bias
+    decoding alone takes the filtered graphs (the penalty kernel edits the stored logits and
+    counts each sampled token on the device: fastpath/penalties.py), in bursts and in one step
+    per replay alike; its tokens equal those of the same request sampled by the runner's per-op
+    penalties in a batch (fp32), also where it moves from the fast path to a batch and back
+    (its token counts written back and loaded again), and the penalties change them."""
+    path = checkpoint_factory("qwen3", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    sp = SamplingParams(**params, **PENALTIES, seed=11, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for burst in (1, None):
+        llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3,
+                  decode_burst=burst)
+        runner = llm.engine.executor.runner
+        runner.finish_background_compile()
+        g = runner.fastpath.graphs
+        assert g.has_filtered
+        counted = CountedBursts(g, filtered=True)
+        single = g.filtered_single_graph = CountedGraph(g.filtered_single_graph)
+        ps = prompts(llm.engine.vocab_size, [5, 60], seed=3)
+        outs[burst] = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+        assert counted.replays > 0 if burst is None else (counted.replays == 0 and single.replays >= 2 * 30)
+    assert outs[None] == outs[1] and all(len(t) == 40 for t in outs[None])
+    others = prompts(llm.engine.vocab_size, [9, 30, 70], seed=4)
+    plain = SamplingParams(temperature=1.0, max_tokens=40)
+    batch = llm.generate(ps + others, [sp, sp] + [plain] * 3, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batch[:2]] == outs[None]
+    # Alone (fast path, bursts), then in a batch (per-op) while another request runs, then alone again.
+    engine = llm.engine
+    before = counted.replays
+    engine.add_request("lone", ps[0], sp)
+    for _ in range(3):  # its prefill and a burst or two
+        engine.step()
+    engine.add_request("guest", others[0], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    assert final["lone"] == outs[None][0] and len(final["guest"]) == 12 and counted.replays > before
+    unpenalized = llm.generate([ps[0]], SamplingParams(**params, seed=11, max_tokens=40, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].token_ids
+    assert unpenalized != outs[None][0]

@@ -271,18 +271,55 @@ def test_the_prompt_goes_down_with_the_first_sampling_step_only():
     assert seq.num_preemptions == 1
 
 
-@pytest.mark.parametrize("kw", [dict(presence_penalty=1.0), dict(frequency_penalty=-1.0), dict(repetition_penalty=1.1),
-                                dict(logit_bias={3: -100})])
-def test_the_fast_path_declines_logit_edits(kw):
-    """The lone-sequence fast path (CUDA) leaves such a step to the runner's sampler; checked here
-    with its graphs faked as captured: taking the step would need them for real."""
+def faked_fast_path(has_filtered: bool):
+    """A FastPath with its graphs faked as captured (taking a step would need them for real)."""
     from types import SimpleNamespace
 
+    from nanovllm.fastpath.penalties import LonePenalties
     from nanovllm.fastpath.seam import FastPath
-    from nanovllm.step import SchedulerOutput
 
     fast = object.__new__(FastPath)
     fast._pending = fast._dry_pass = None
-    fast.graphs = SimpleNamespace(has_single=True)
+    fast.graphs = SimpleNamespace(has_single=True, has_filtered=has_filtered)
+    fast.runner = SimpleNamespace(penalty_state=PenaltyState(8, torch.device("cpu")))
+    fast.penalties = LonePenalties(8, torch.device("cpu"))
+    fast.penalties_match = True
+    return fast
+
+
+EDITS = [dict(presence_penalty=1.0), dict(frequency_penalty=-1.0), dict(repetition_penalty=1.1), dict(logit_bias={3: -100})]
+
+
+@pytest.mark.parametrize("kw", EDITS)
+def test_the_fast_path_leaves_logit_edits_to_the_runner_without_its_filtered_graphs(kw):
+    """The lone-sequence fast path (CUDA) applies penalties and biases in its filtered graphs
+    only: where they are not captured, such a step is the runner's."""
+    from nanovllm.step import SchedulerOutput
+
+    fast = faked_fast_path(has_filtered=False)
     step = ScheduledSeq(0, [1], 3, [0], True, SamplingParams(temperature=0, **kw), None, None)
     assert fast.take(SchedulerOutput([step], 1, 1)) is None
+
+
+@pytest.mark.parametrize("kw", EDITS)
+def test_the_filtered_graphs_take_logit_edits_but_not_grammars_logprobs_or_bans(kw):
+    """With its filtered graphs, the fast path takes a penalized or biased lone step (greedy or
+    sampled), but not one with a grammar, logprobs or banned ids."""
+    from nanovllm.sampling_params import StructuredOutputsParams
+    from nanovllm.step import SchedulerOutput
+
+    fast = faked_fast_path(has_filtered=True)
+
+    def step(banned=None, **more):
+        return ScheduledSeq(0, [1], 3, [0], True, SamplingParams(**kw, **more), None, banned)
+
+    for temperature in (0, 0.6):
+        assert fast._graph_filters(step(temperature=temperature))
+        assert not fast._graph_picks_token(step(temperature=temperature))
+        assert not fast._graph_filters(step(temperature=temperature, logprobs=1))
+        assert not fast._graph_filters(step(banned=[2], temperature=temperature))
+    grammar = step(temperature=0, structured_outputs=StructuredOutputsParams(regex="a+"))
+    assert not fast._graph_filters(grammar)
+    assert fast.take(SchedulerOutput([grammar], 1, 1)) is None
+    fast.penalties_match = False  # the runner counts tokens over another vocabulary
+    assert fast._graph_filters(step(temperature=0)) == ("logit_bias" in kw)

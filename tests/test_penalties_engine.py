@@ -1,6 +1,6 @@
 """Penalties and logit biases end to end on a tiny checkpoint: greedy output equals a plain
 reference loop (transformers' logits, the penalties applied token by token), alone, batched
-with plain requests, under chunked prefill, preemption and async scheduling."""
+with plain requests, under chunked prefill, preemption, async scheduling and decode bursts."""
 from __future__ import annotations
 
 import random
@@ -72,7 +72,9 @@ def case(qwen3_tiny):
     dict(kvcache_block_size=4, num_kvcache_blocks=24, max_num_batched_tokens=16),
     dict(async_scheduling=True, kvcache_block_size=4, num_kvcache_blocks=24, max_num_batched_tokens=16),
     dict(max_num_seqs=1),
-], ids=["batched", "chunked", "preempted", "async-preempted", "one-at-a-time"])
+    dict(max_num_seqs=1, decode_burst=4),  # lone streams decode in bursts, penalized ones too
+    dict(max_num_seqs=1, decode_burst=4, async_scheduling=True),
+], ids=["batched", "chunked", "preempted", "async-preempted", "one-at-a-time", "bursts", "async-bursts"])
 def test_penalized_greedy_equals_the_reference(qwen3_tiny, case, extra):
     prompts, params, expected = case
     llm = engine(qwen3_tiny, **extra)

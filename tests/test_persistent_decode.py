@@ -254,10 +254,22 @@ def test_decode_burst_inputs_fill_one_record_per_step():
     assert [v.item() for v in s.top_ks] == [20] * 3
     assert [round(v.item(), 6) for v in s.top_ps] == [0.95] * 3 and [round(v.item(), 6) for v in s.min_ps] == [0.05] * 3
     assert [p.item() for p in s.positions] == [15, 16, 17] and [v.item() for v in s.seq_lens] == [16, 17, 18]
+    assert all(v.tolist() == [0.0, 0.0, 1.0] for v in s.penalty_knobs)  # no penalties
+    # Its penalties (presence, frequency, repetition), read by the filtered graphs' penalty kernel.
+    s.fill_host(host, token=42, position=15, block_table=[9, 4, 7], block_size=8, steps=3,
+                seeds=[7, 8, 9], filters=(0.6, 20, 0.95, 0.05), penalties=(0.5, -0.25, 1.5))
+    s.buffer.copy_(torch.from_numpy(host))
+    assert all(v.tolist() == [0.5, -0.25, 1.5] for v in s.penalty_knobs)
+    assert [v.item() for v in s.top_ks] == [20] * 3 and [v.item() for v in s.seq_lens] == [16, 17, 18]
+    assert [round(v.item(), 6) for v in s.sample_temperatures] == [0.6] * 3 and all(v.item() < 0 for v in s.temperatures)
     kernel_fields = {s.TOKEN, s.POSITION, s.SLOT, s.SEQ_LEN, s.TEMPERATURE, s.SEED}
     sampler_fields = {s.SAMPLE_TEMPERATURE, s.TOP_K, s.TOP_P, s.MIN_P}
     assert not kernel_fields & sampler_fields and all(
         not (k <= f < k + 8) for f in sampler_fields for k in kernel_fields if k not in (s.SEQ_LEN, s.TEMPERATURE))
+    widths = {s.TOKEN: 8, s.POSITION: 8, s.SLOT: 8, s.SEQ_LEN: 4, s.TEMPERATURE: 4, s.SEED: 8, s.SAMPLE_TEMPERATURE: 4,
+              s.TOP_K: 4, s.TOP_P: 4, s.MIN_P: 4, s.PENALTY_KNOBS: 12}
+    spans = sorted((f, f + w) for f, w in widths.items())
+    assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:])) and spans[-1][1] <= s.RECORD
     for i, t in enumerate((101, 102, 103)):  # what the burst graph leaves: step i's token in record i + 1
         s.tokens[(i + 1) % 3].fill_(t)
     assert s.records[:, 0].tolist() == [103, 101, 102]
@@ -347,15 +359,47 @@ class EagerReplay:
         self.graphs.single_logits = self.step(s.token, s.position, s.meta(), s.token, s.temperatures[0], s.seeds[0])
 
 
+class EagerFilteredReplay:
+    """Stands in for the filtered graph of one step: runs FastPath._lone_filtered_step eagerly
+    over the single inputs, its token into their own token."""
+
+    def __init__(self, graphs, filtered_step) -> None:
+        self.graphs, self.filtered_step = graphs, filtered_step
+
+    def replay(self) -> None:
+        self.filtered_step(self.graphs.single, 0, self.graphs.single.token)
+
+
+def eager_fast_path(model, config, k_caches, v_caches):
+    """A FastPath on the CPU over a runner reduced to what it uses, the stepwise kernel for the
+    persistent one; no graph captured yet."""
+    from nanovllm.fastpath.seam import FastPath
+    from nanovllm.layers.sampler import Sampler
+    from nanovllm.runner.model_runner import ModelRunner
+    from nanovllm.runner.penalty_state import PenaltyState
+
+    runner = SimpleNamespace(
+        model=model, device=DEVICE, dtype=torch.float32, block_size=BLOCK_SIZE, rank=0,
+        config=SimpleNamespace(decode_burst=1, max_model_len=NUM_BLOCKS * BLOCK_SIZE),
+        staging=EagerStaging(), graph_runner=SimpleNamespace(capture_in_pool=None),
+        prev_tokens=None, prev_rows={}, generators={}, sampler=Sampler(),
+        penalty_state=PenaltyState(config.vocab_size, DEVICE),
+    )
+    runner.sample = lambda rows, logits: ModelRunner.sample(runner, rows, logits)
+    runner.run_steps = lambda item, launch: ModelRunner.run_steps(runner, item, launch)
+    decoder = PersistentDecoder(model, num_programs=3, persistent=False)
+    decoder.bind(k_caches, v_caches)
+    fast = FastPath(runner, decoder)
+    fast._dry_pass = None  # no background compile: the "graph" runs eagerly
+    return fast
+
+
 def test_fast_path_takes_lone_decodes_through_the_seam(checkpoint_factory):
     """FastPath.take end to end on the CPU, its graph replaced by an eager call of the same step
     (the stepwise kernel, then GreedyRow): a lone greedy decode's token, then a decode burst with
     no burst graph (one lone step per token, each input the token the last left in place), then
     a step that wants logprobs (the runner's sampler, from the step's logits) give the model's
     own greedy tokens; a batch of two is left to the runner."""
-    from nanovllm.fastpath.seam import FastPath
-    from nanovllm.layers.sampler import Sampler
-    from nanovllm.runner.model_runner import ModelRunner
     from nanovllm.sampling_params import SamplingParams
     from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
 
@@ -374,18 +418,7 @@ def test_fast_path_takes_lone_decodes_through_the_seam(checkpoint_factory):
         for c, c0 in zip(k_caches + v_caches, saved):
             c.copy_(c0)
 
-    runner = SimpleNamespace(
-        model=model, device=DEVICE, dtype=torch.float32, block_size=BLOCK_SIZE, rank=0,
-        config=SimpleNamespace(decode_burst=1, max_model_len=NUM_BLOCKS * BLOCK_SIZE),
-        staging=EagerStaging(), graph_runner=SimpleNamespace(capture_in_pool=None),
-        prev_tokens=None, prev_rows={}, generators={}, sampler=Sampler(),
-    )
-    runner.sample = lambda rows, logits: ModelRunner.sample(runner, rows, logits)
-    runner.run_steps = lambda item, launch: ModelRunner.run_steps(runner, item, launch)
-    decoder = PersistentDecoder(model, num_programs=3, persistent=False)
-    decoder.bind(k_caches, v_caches)
-    fast = FastPath(runner, decoder)
-    fast._dry_pass = None  # no background compile: the "graph" runs eagerly
+    fast = eager_fast_path(model, config, k_caches, v_caches)
     item = ScheduledSeq(7, [prompt[-1].item()], context - 1, table.tolist(), True, SamplingParams(temperature=0), None, None)
     with torch.inference_mode():
         assert fast.take(SchedulerOutput([item], 1, 1)) is None  # nothing captured yet
@@ -400,6 +433,78 @@ def test_fast_path_takes_lone_decodes_through_the_seam(checkpoint_factory):
         out = fast.take(SchedulerOutput([wants_logprobs], 1, 1)).result()
     assert got + out.token_ids == expected
     assert out.logprobs[0] is not None and len(out.logprobs[0][1]) == 2
+
+
+def test_fast_path_takes_a_penalized_lone_stream_through_the_filtered_graph(checkpoint_factory):
+    """FastPath.take end to end on the CPU with its filtered graph replaced by an eager call of
+    the same step (the stepwise kernel, the penalty kernel, the filtered sampler's argmax, the
+    count): a greedy stream with presence, frequency and repetition penalties and a logit bias
+    decodes the tokens of a plain torch loop over the model's logits, through lone steps, a decode
+    burst, a step in a batch (the runner's per-op penalties, after the fast path wrote its counts
+    back) and lone steps again (its counts loaded again)."""
+    from collections import Counter
+
+    from nanovllm.sampling_params import SamplingParams
+    from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
+
+    model, config, k_caches, v_caches = build(checkpoint_factory("qwen3"))
+    gen = torch.Generator().manual_seed(1)
+    context = 9
+    table = torch.randperm(NUM_BLOCKS, generator=gen)[:6].to(torch.int32)
+    prompt = torch.randint(config.vocab_size, (context,), generator=gen)
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                            logit_bias={int(prompt[0]): 0.5, 3: -100.0})
+    steps = 7
+
+    def edited(logits: torch.Tensor, output: list[int]) -> torch.Tensor:
+        x = logits[0].clone()
+        for t, b in params.logit_bias.items():
+            x[t] += b
+        counts = Counter(output)
+        for t in set(prompt.tolist()) | set(output):
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+            x[t] -= params.frequency_penalty * counts[t] + params.presence_penalty * (counts[t] > 0)
+        return x
+
+    expected, token = [], prompt[-1:]
+    with torch.inference_mode():
+        model(prompt[:-1], torch.arange(context - 1), meta_for(table, 0, context - 1, 0))
+        saved = [c.clone() for c in k_caches + v_caches]
+        for pos in range(context - 1, context - 1 + steps):  # the penalized greedy decode
+            logits = model.compute_logits(model(token, torch.tensor([pos]), meta_for(table, pos, 1, 1)))
+            token = edited(logits, expected).argmax(-1, keepdim=True)
+            expected.append(token.item())
+        for c, c0 in zip(k_caches + v_caches, saved):
+            c.copy_(c0)
+
+    fast = eager_fast_path(model, config, k_caches, v_caches)
+    runner, state = fast.runner, fast.runner.penalty_state
+    g = fast.graphs
+    g.single_graph = EagerReplay(g, fast._lone_step)
+    g.filtered_single_graph = EagerFilteredReplay(g, fast._lone_filtered_step)
+
+    def lone(pos: int, num_steps: int = 1, prompt_ids=None) -> list[int]:
+        item = ScheduledSeq(7, [prompt[-1].item()] if pos == context - 1 else [PLACEHOLDER_TOKEN], pos, table.tolist(),
+                            True, params, None, None, num_steps=num_steps, penalty_prompt_ids=prompt_ids)
+        return fast.take(SchedulerOutput([item], 1, num_steps)).result().token_ids
+
+    with torch.inference_mode():
+        got = lone(context - 1, prompt_ids=prompt.tolist())  # its first sampling step: counts from the prompt
+        got += lone(context, num_steps=2)  # no burst graph: two filtered lone steps
+        assert fast.penalties.owner == 7
+        # A batch step: the fast path declines it and writes the counts back; the runner samples
+        # from its row with the per-op penalties (one row of the batch here).
+        pos = context + 2
+        item = ScheduledSeq(7, [got[-1]], pos, table.tolist(), True, params, None, None)
+        assert fast.take(SchedulerOutput([item, item], 2, 2)) is None and fast.penalties.owner is None
+        logits = model.compute_logits(model(torch.tensor(got[-1:]), torch.tensor([pos]), meta_for(table, pos, 1, 1)))
+        got += runner.sample([item], logits).token_ids.tolist()
+        runner.prev_tokens, runner.prev_rows = torch.tensor(got[-1:]), {7: 0}
+        got += lone(pos + 1, num_steps=3)  # alone again: the counts come back with the batch's token
+    assert got == expected
+    counts = Counter(expected)
+    row = state.counts[state.slots[7]] if fast.penalties.owner is None else fast.penalties.counts
+    assert {t: row[t].item() for t in counts} == dict(counts) and row.sum().item() == steps
 
 
 # ---- CUDA ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.step import burst_sizes
 from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class FakeEngine:
@@ -291,9 +291,9 @@ def test_burst_sizes_halve_down_to_two():
 
 
 def test_burst_only_where_eligible():
-    """Bursts need one decode alone with nothing waiting, no penalty or logit bias, no logprobs
-    and no min_tokens ban (any temperature, filter or seed); otherwise the step is an ordinary
-    one. Near max_tokens the burst is shorter."""
+    """Bursts need one decode alone with nothing waiting, no grammar, no logprobs and no
+    min_tokens ban (any temperature, filter, seed, penalty or logit bias); otherwise the step is
+    an ordinary one. Near max_tokens the burst is shorter."""
     bm = BlockManager(64, 4, True)
     sched = Scheduler(bm, 4, 64)
 
@@ -319,8 +319,11 @@ def test_burst_only_where_eligible():
     assert decode_after_prefill(SamplingParams(temperature=0, logprobs=1))[0] == 1
     assert decode_after_prefill(SamplingParams(temperature=0, min_tokens=5))[0] == 1
     for kw in (dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(repetition_penalty=1.2),
-               dict(logit_bias={3: 1.0})):  # logit edits take the per-op sampler
-        assert decode_after_prefill(SamplingParams(temperature=0, **kw))[0] == 1, kw
+               dict(logit_bias={3: 1.0})):  # the fast path's filtered graphs apply them on the device
+        assert decode_after_prefill(SamplingParams(temperature=0, **kw))[0] == 4, kw
+        assert decode_after_prefill(SamplingParams(temperature=0.6, top_k=20, **kw))[0] == 4, kw
+    grammar = StructuredOutputsParams(regex="a+")  # its mask is the host's, step by step
+    assert decode_after_prefill(SamplingParams(temperature=0, structured_outputs=grammar))[0] == 1
     # Near max_tokens, a shorter burst (burst_sizes: halves of 4 down to 2)
     assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=4)[:2] == (2, 2)  # 1 sampled: room for 3
     assert decode_after_prefill(SamplingParams(temperature=0), max_tokens=2)[0] == 1

@@ -20,8 +20,8 @@ each sampling sequence a PLACEHOLDER_TOKEN, so the next step can be scheduled (i
 is gathered on the device) before the sampled ids reach the host; `resolve` later writes the
 real ids in. A synchronous engine calls both back to back.
 
-Multi-step decode (`schedule(decode_burst=K)`): a sequence decoding alone, without penalties,
-logit biases or logprobs, with nothing waiting, is given K decode steps at once
+Multi-step decode (`schedule(decode_burst=K)`): a sequence decoding alone, without a grammar,
+banned ids or logprobs, with nothing waiting, is given K decode steps at once
 (`ScheduledSeq.num_steps`; fewer near its max_tokens: `step.burst_sizes`), which the runner runs
 back to back on the device, each step's token feeding the next. Its blocks are allocated for
 the K positions up front; the K tokens come back together, and the engine drops those after a
@@ -98,16 +98,16 @@ class Scheduler:
 
     def _burst_steps(self, decode_burst: int) -> int:
         """How many steps the lone running sequence may decode at once where it decodes alone
-        (nothing waiting) and needs no penalty, logit bias, banned ids or logprobs (any
-        temperature, filter or seed): the longest of burst_sizes that it has room for under
-        max_tokens; 1 otherwise."""
+        (nothing waiting) and needs no grammar, banned ids or logprobs (any temperature,
+        filter, seed, penalty or logit bias): the longest of burst_sizes that it has room for
+        under max_tokens; 1 otherwise."""
         if decode_burst <= 1 or self.waiting or len(self.running) != 1:
             return 1
         seq = self.running[0]
         p = seq.params
         eligible = (
             seq.num_tokens - seq.num_computed_tokens == 1
-            and not p.edits_logits and p.logprobs is None
+            and p.structured_outputs is None and p.logprobs is None
             and decode_burst <= self.max_num_batched_tokens
             and self._banned_ids(seq) is None
         )

@@ -55,6 +55,9 @@ class SingleDecodeInputs:
     # A filtered stream's sampling controls (the filtered graphs' FilteredSampler reads them;
     # the kernel reads only the fields above).
     SAMPLE_TEMPERATURE, TOP_K, TOP_P, MIN_P = 68, 72, 76, 88
+    # Its penalties, three float32 (presence, frequency, repetition; (0, 0, 1): none), which the
+    # filtered graphs' penalty kernel reads (fastpath/penalties.py).
+    PENALTY_KNOBS = 52
     RECORD = 96
 
     def __init__(self, max_blocks: int, max_model_len: int, device: torch.device, steps: int = 1) -> None:
@@ -75,6 +78,7 @@ class SingleDecodeInputs:
         self.top_ks = [b[o + self.TOP_K : o + self.TOP_K + 4].view(torch.int32) for o in r]
         self.top_ps = [b[o + self.TOP_P : o + self.TOP_P + 4].view(torch.float32) for o in r]
         self.min_ps = [b[o + self.MIN_P : o + self.MIN_P + 4].view(torch.float32) for o in r]
+        self.penalty_knobs = [b[o + self.PENALTY_KNOBS : o + self.PENALTY_KNOBS + 12].view(torch.float32) for o in r]
         # [steps, 12] int64: column 0 holds each record's token (a burst's outputs, see above)
         self.records = b[: self.BLOCK_TABLE].view(torch.int64).view(steps, self.RECORD // 8)
         self.token, self.position, self.slot, self.seq_len = self.tokens[0], self.positions[0], self.slots[0], self.seq_lens[0]
@@ -99,13 +103,15 @@ class SingleDecodeInputs:
 
     def fill_host(self, host: np.ndarray, token: int, position: int, block_table: list[int], block_size: int,
                   steps: int = 1, temperature: float = 0.0, seeds: list[int] | None = None,
-                  all_logits: bool = False, filters: tuple[float, int, float, float] | None = None) -> None:
+                  all_logits: bool = False, filters: tuple[float, int, float, float] | None = None,
+                  penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)) -> None:
         """Write the inputs of `steps` decode steps from `position` on into `host` (nbytes uint8,
         the device buffer's layout); only the first step's token is known. temperature > 0: the
         steps sample at it, step i under seeds[i] (else greedy). all_logits: the steps store
         every logit and pick their argmax (the temperature is then ignored). filters:
         (temperature, top_k, top_p, min_p) of a filtered stream, sampled by the filtered graphs
-        under seeds[i] from every logit (stored as all_logits stores them)."""
+        under seeds[i] from every logit (stored as all_logits stores them), after the logit bias
+        and `penalties` (presence, frequency, repetition) of fastpath/penalties.py."""
         floats = host[: self.BLOCK_TABLE].view(np.float32)
         ints32 = host[: self.BLOCK_TABLE].view(np.int32)
         if filters is not None:
@@ -116,6 +122,7 @@ class SingleDecodeInputs:
                 ints32[(r + self.TOP_K) // 4] = filters[1]
                 floats[(r + self.TOP_P) // 4] = filters[2]
                 floats[(r + self.MIN_P) // 4] = filters[3]
+                floats[(r + self.PENALTY_KNOBS) // 4 : (r + self.PENALTY_KNOBS) // 4 + 3] = penalties
         if all_logits:
             temperature = ALL_LOGITS_TEMPERATURE
         ints = host[: self.BLOCK_TABLE].view(np.int64)
@@ -217,8 +224,9 @@ class LoneGraphs:
         inputs, so they are first made to store nothing and attend to nothing cached.
 
         filtered_step(inputs, i, next_token): step i of a filtered stream over record i of
-        `inputs`, its token into next_token; captured the same way as the filtered graphs (one
-        launch per step; a burst's tokens stay in its records)."""
+        `inputs` (logit bias and penalties included), its token into next_token; captured the
+        same way as the filtered graphs (one launch per step; a burst's tokens stay in its
+        records)."""
         t0 = time.perf_counter()
         if burst > 1 and (not self.bursts or burst > self.bursts[0].steps):
             raise ValueError(f"a decode burst of {burst} steps needs as many input records, there are "

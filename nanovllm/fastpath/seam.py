@@ -5,11 +5,12 @@ decode graph spends more on its ~250 kernel launches than on those reads. The fa
 such a step as one persistent kernel (decoder.py, kernel.py) replayed in a CUDA graph
 (graphs.py), and a decode burst (several steps of one sequence, `ScheduledSeq.num_steps`) as
 one graph of them. Greedy and plain-temperature streams are picked by the kernel's LM head; a
-stream with top-k / top-p / min-p takes the filtered graphs, where every logit is stored and
+stream with top-k / top-p / min-p, or with penalties or a logit bias, takes the filtered
+graphs, where every logit is stored, its logit bias and penalties are applied on the device
+(fastpath/penalties.py keeps the stream's token counts at fixed addresses) and
 layers/filtered_sampler.py samples after each step. A seeded stream's noise is keyed by
 sampler.step_seed, as in the runner's sampler, so its tokens depend on its logits alone.
-Penalties, logit biases, banned ids and logprobs take the runner's own path, as does
-everything else.
+Grammars, banned ids and logprobs take the runner's own path, as does everything else.
 
 Interface (ModelRunner is the only caller):
 - `FastPath.build(runner)`: the fast path for this runner's model, or None where it is turned
@@ -22,8 +23,8 @@ Interface (ModelRunner is the only caller):
 
 What it uses of the runner: `model`, `device`, `dtype`, `config`, `block_size`, `staging` (the
 pinned host buffers), `graph_runner` (its memory pool), `sample(rows, logits)`,
-`run_steps(item, launch)` and the device-side ids of the last step's samples, `prev_tokens`
-and `prev_rows`.
+`run_steps(item, launch)`, `penalty_state` (its penalized sequences' token counts) and the
+device-side ids of the last step's samples, `prev_tokens` and `prev_rows`.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.fastpath.graphs import BurstTokens, LoneGraphs, SingleDecodeInputs
+from nanovllm.fastpath.penalties import LonePenalties
 from nanovllm.layers.sampler import SamplerOutput, step_seed
 from nanovllm.precompile import compile_in_background
 from nanovllm.step_result import Done, PendingOutput, RunnerOutput, StepResult
@@ -69,6 +71,10 @@ class FastPath:
         vocab = runner.model.lm_head.num_embeddings
         self.greedy_row = GreedyRow(vocab, runner.device)  # the graphs' argmax
         self.filtered = FilteredSampler(vocab, 1, runner.device)  # the filtered graphs' sampler
+        # The filtered graphs' logit bias and token counts; penalized streams take them where
+        # the runner counts tokens over the same vocabulary.
+        self.penalties = LonePenalties(vocab, runner.device)
+        self.penalties_match = runner.penalty_state.vocab_size == vocab
         config = runner.config
         self.graphs = LoneGraphs(runner.graph_runner.capture_in_pool, runner.device,
                                  -(-config.max_model_len // runner.block_size), config.max_model_len,
@@ -82,7 +88,7 @@ class FastPath:
         logits = torch.empty((1, greedy.vocab_size), dtype=runner.dtype, device=runner.device)
         device = runner.device
 
-        filtered, s = self.filtered, g.single
+        filtered, penalties, s = self.filtered, self.penalties, g.single
         picked = torch.empty(1, dtype=torch.int64, device=device)
 
         def dry_pass() -> None:
@@ -92,8 +98,11 @@ class FastPath:
                 else:
                     decoder(ids, pos, meta)
                     greedy(logits, ids)
-                # The filtered graphs' kernels, over the views they are captured with.
-                filtered(logits, s.sample_temperatures[0], s.top_ks[0], s.top_ps[0], s.min_ps[0], s.seeds[0], out=picked)
+                # The filtered graphs' kernels, over the views they are captured with (the
+                # counts are nobody's yet).
+                edited = penalties.apply(logits, s.penalty_knobs[0])
+                filtered(edited, s.sample_temperatures[0], s.top_ks[0], s.top_ps[0], s.min_ps[0], s.seeds[0], out=picked)
+                penalties.count(picked)
 
         self._dry_pass: Callable[[], None] | None = dry_pass
 
@@ -148,7 +157,9 @@ class FastPath:
             self.decoder = None
 
     def release(self) -> None:
-        """Drop the graphs (see CudaGraphRunner.release); later lone decodes take the runner's path."""
+        """Drop the graphs (see CudaGraphRunner.release); later lone decodes take the runner's
+        path, from the token counts written back here."""
+        self.penalties.flush(self.runner.penalty_state)
         self.graphs.release()
 
     @property
@@ -178,11 +189,15 @@ class FastPath:
             self._adopt()
         elif self._dry_pass is not None and out.num_decodes:
             self._start_background_compile()  # the first decode step: every first token is out
-        if not self.graphs.has_single or len(out.seqs) != 1 or out.num_decodes != 1:
-            return None
-        item = out.seqs[0]
-        if item.params.edits_logits:
-            return None  # penalties, logit biases and grammar masks are applied by the runner's sampler only
+        lone = self.graphs.has_single and len(out.seqs) == 1 and out.num_decodes == 1
+        item = out.seqs[0] if lone else None
+        filtered = item is not None and self._graph_filters(item)
+        if filtered:
+            self.penalties.load(item, self.runner.penalty_state)
+        else:  # the runner may use the token counts of the stream the filtered graphs counted
+            self.penalties.flush(self.runner.penalty_state)
+        if item is None or (item.params.edits_logits and not filtered):
+            return None  # grammar masks (and edits without the filtered graphs) take the runner's sampler
         if item.num_steps > 1:
             return self._execute_burst(item)
         launched = self._execute_single(item)
@@ -212,10 +227,13 @@ class FastPath:
 
     def _lone_filtered_step(self, s: SingleDecodeInputs, i: int, next_token: torch.Tensor) -> None:
         """Step i of a filtered stream over record i of `s` (its temperature word asks for every
-        logit): the persistent kernel, then the record's top-k / top-p / min-p sample under its
-        seed into next_token (what the filtered graphs capture)."""
+        logit): the persistent kernel, the logit bias and the record's penalties, then its
+        top-k / top-p / min-p sample under its seed into next_token, counted (what the filtered
+        graphs capture)."""
         logits = self._lone_step(s.tokens[i], s.positions[i], s.meta(i), next_token, s.temperatures[i], s.seeds[i])
-        self.filtered(logits, s.sample_temperatures[i], s.top_ks[i], s.top_ps[i], s.min_ps[i], s.seeds[i], out=next_token)
+        edited = self.penalties.apply(logits, s.penalty_knobs[i])
+        self.filtered(edited, s.sample_temperatures[i], s.top_ks[i], s.top_ps[i], s.min_ps[i], s.seeds[i], out=next_token)
+        self.penalties.count(next_token)
 
     def _execute_burst(self, item: ScheduledSeq) -> StepResult:
         """A decode burst (ScheduledSeq.num_steps steps of one greedy or plain-temperature
@@ -254,7 +272,9 @@ class FastPath:
         seeds = None
         temperature = 0.0  # greedy
         all_logits = False
-        if (not p.greedy and picks) or filtered:  # the graph samples: a seed per step
+        if filtered and p.greedy:  # a greedy stream with logit edits: the filtered graphs' argmax
+            seeds = [0] * steps
+        elif (not p.greedy and picks) or filtered:  # the graph samples: a seed per step
             temperature = p.temperature if picks else 0.0
             if item.seed is None:
                 seeds = torch.randint(0, 2**31 - 1, (steps,)).tolist()  # torch.manual_seed governs them
@@ -262,9 +282,10 @@ class FastPath:
                 seeds = [step_seed(item.seed, item.start_pos + i) for i in range(steps)]
         elif item.sample and not picks:  # the sampler needs every logit (a quantized head would not store them)
             all_logits = True
-        filters = (p.temperature, p.top_k, p.top_p, p.min_p) if filtered else None
+        filters = ((0.0, -1, 1.0, 0.0) if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p)) if filtered else None
         s.fill_host(host, token, item.start_pos, item.block_table, runner.block_size, steps, temperature, seeds,
-                    all_logits=all_logits, filters=filters)
+                    all_logits=all_logits, filters=filters,
+                    penalties=(p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
         if token == PLACEHOLDER_TOKEN:
             row = runner.prev_rows[item.seq_id]
             if not (runner.prev_tokens is s.token and row == 0):
@@ -300,17 +321,21 @@ class FastPath:
 
     def _graph_picks_token(self, item: ScheduledSeq) -> bool:
         """Whether the token the lone-sequence graphs leave in SingleDecodeInputs is this step's
-        token: a sampling step without logprobs or banned ids that is greedy, or at a plain
-        temperature (no filter) where the kernel samples (`lone_sampling`)."""
+        token: a sampling step without logprobs, banned ids or logit edits that is greedy, or at a
+        plain temperature (no filter) where the kernel samples (`lone_sampling`)."""
         p = item.params
-        if not item.sample or p.logprobs is not None or item.banned_token_ids:
+        if not item.sample or p.logprobs is not None or item.banned_token_ids or p.edits_logits:
             return False
         return p.greedy or (p.plain_temperature and self.lone_sampling)
 
     def _graph_filters(self, item: ScheduledSeq) -> bool:
         """Whether this step takes the filtered graphs: a sampling step without logprobs, banned
-        ids, penalties or biases whose token the kernel's own head does not pick (top-k, top-p
-        or min-p; or any temperature where the kernel has no fused head)."""
+        ids or a grammar that has penalties or a logit bias (greedy too: the filtered sampler's
+        argmax), or whose token the kernel's own head does not pick (top-k, top-p or min-p; or
+        any temperature where the kernel has no fused head)."""
         p = item.params
-        return (self.graphs.has_filtered and item.sample and not p.greedy and p.logprobs is None
-                and not item.banned_token_ids and not p.edits_logits and not self._graph_picks_token(item))
+        if not self.graphs.has_filtered or not item.sample or p.logprobs is not None or item.banned_token_ids:
+            return False
+        if p.edits_logits:
+            return p.structured_outputs is None and (self.penalties_match or not p.penalized)
+        return not p.greedy and not self._graph_picks_token(item)

@@ -465,7 +465,8 @@ class ModelRunner:
         tokens = []
         for i in range(item.num_steps):
             step = ScheduledSeq(item.seq_id, item.token_ids if i == 0 else [PLACEHOLDER_TOKEN], item.start_pos + i,
-                                item.block_table, True, item.params, item.seed, None)
+                                item.block_table, True, item.params, item.seed, None,
+                                penalty_prompt_ids=item.penalty_prompt_ids if i == 0 else None)
             _, sampled = launch(step)
             tokens.append(sampled.token_ids.clone())  # the lone-sequence graph writes its argmax in place
         return PendingOutput([item], SamplerOutput(torch.cat(tokens), None, None, None), self.device)
