@@ -44,6 +44,8 @@ def test_mask_keeps_allowed_tokens_of_constrained_rows_only(backend):
     assert torch.equal(logits, expected)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernel on CPU tensors under TRITON_INTERPRET=1; "
+                    "with a CUDA device, test_staging_builds_the_batch_mask_step_after_step runs it there")
 def test_triton_kernel_matches_reference():
     """xgrammar's Triton kernel (CUDA's backend), launched as its wrapper does, but on the CPU:
     the wrapper itself asks torch.cuda for the SM count."""
