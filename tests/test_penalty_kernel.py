@@ -11,6 +11,7 @@ from nanovllm.layers.penalty_kernel import count_token, penalize
 from nanovllm.sampling_params import SamplingParams
 
 VOCAB = 1500  # two blocks of the penalty kernel, the second one partial
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run where the fast path does
 
 
 def reference(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
@@ -64,8 +65,10 @@ def test_penalize_equals_the_reference_and_the_per_op_penalties(case, dtype):
     params = CASES[case]
     logits, counts, seen = statistics(case)
     logits = logits.to(dtype)
-    out = torch.full((1, VOCAB), float("nan"))
-    penalize(logits.unsqueeze(0), knobs_of(params), dense_bias(params), counts, seen, out)
+    out = torch.full((1, VOCAB), float("nan"), device=DEV)
+    penalize(logits.unsqueeze(0).to(DEV), knobs_of(params).to(DEV), dense_bias(params).to(DEV), counts.to(DEV),
+             seen.to(DEV), out)
+    out = out.cpu()
     want = reference(logits.float(), params, counts, seen)
     assert torch.equal(out[0], want)
     # The runner's per-op path (sampler.py: bias, then penalties) on the same row.
@@ -80,11 +83,12 @@ def test_penalize_equals_the_reference_and_the_per_op_penalties(case, dtype):
 
 
 def test_count_token_adds_the_sampled_token():
-    counts = torch.zeros(VOCAB, dtype=torch.int32)
-    seen = torch.zeros(VOCAB, dtype=torch.bool)
+    counts = torch.zeros(VOCAB, dtype=torch.int32, device=DEV)
+    seen = torch.zeros(VOCAB, dtype=torch.bool, device=DEV)
     seen[10] = True  # a prompt token
     for t in (7, 7, VOCAB - 1, 0, 7):
-        count_token(torch.tensor([t]), counts, seen)
+        count_token(torch.tensor([t], device=DEV), counts, seen)
+    counts, seen = counts.cpu(), seen.cpu()
     want = torch.zeros(VOCAB, dtype=torch.int32)
     want[7], want[VOCAB - 1], want[0] = 3, 1, 1
     assert torch.equal(counts, want)
