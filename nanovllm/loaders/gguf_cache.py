@@ -125,6 +125,11 @@ class GGUFCacheEntry:
         if not path.is_dir():
             return None
         try:
+            from nanovllm.loaders.light_tokenizer import load_light_tokenizer
+
+            tokenizer = load_light_tokenizer(path)
+            if tokenizer is not None:
+                return tokenizer
             import transformers
 
             with open(path / "tokenizer_config.json", encoding="utf-8") as f:

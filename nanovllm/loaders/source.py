@@ -82,6 +82,8 @@ class ModelSource:
             tokenizer = load_gguf_tokenizer(self.path, reader=self.gguf_reader())
             if self.cache is not None:
                 self.cache.save_tokenizer(tokenizer)
+                # The saved copy, as every later start loads it (the same class, cold or warm).
+                return self.cache.load_tokenizer() or tokenizer
             return tokenizer
         from transformers import AutoTokenizer
 
