@@ -322,10 +322,13 @@ def test_lazy_zeros(dtype):
     tensors = lazy_zeros(4, (3, 5, 7), dtype)
     assert len(tensors) == 4
     for t in tensors:
-        assert t.shape == (3, 5, 7) and t.dtype == dtype and t.is_contiguous()
-        assert t.data_ptr() % 64 == 0 and not t.any()
+        assert t.shape == (3, 5, 7) and t.dtype == dtype and t[0].is_contiguous()
+        assert all(t[b].data_ptr() % 64 == 0 for b in range(3)) and not t.any()
     tensors[1].fill_(1)
     assert not tensors[0].any() and not tensors[2].any() and int(tensors[1].sum()) == 105
+    # Block b of every tensor lies together: the tensors interleave block by block.
+    ptrs = sorted((t[b].data_ptr(), b, i) for i, t in enumerate(tensors) for b in range(3))
+    assert [(b, i) for _, b, i in ptrs] == [(b, i) for b in range(3) for i in range(4)]
 
 
 def test_startup_rows():
