@@ -176,8 +176,11 @@ def _sampling_params(args: argparse.Namespace, model_defaults: dict):
 
 # ---- generate --------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
-    from nanovllm import LLM
-    from nanovllm.entrypoints.startup_report import format_rows, process_age, startup_rows
+    from nanovllm.gc_pause import collections_paused
+
+    with collections_paused():  # importing torch: see gc_pause.py
+        from nanovllm import LLM
+        from nanovllm.entrypoints.startup_report import format_rows, process_age, startup_rows
 
     import_s = process_age()
     t0 = time.perf_counter()
@@ -304,8 +307,11 @@ def _run_frontends(cfg, count: int, core) -> int:
 
 # ---- chat ------------------------------------------------------------------------------------
 def cmd_chat(args: argparse.Namespace) -> int:
-    from nanovllm import LLM
-    from nanovllm.chat import chat_prompt_ids
+    from nanovllm.gc_pause import collections_paused
+
+    with collections_paused():  # importing torch: see gc_pause.py
+        from nanovllm import LLM
+        from nanovllm.chat import chat_prompt_ids
 
     llm = LLM(_model_arg(args), **engine_kwargs(args))
     params = _sampling_params(args, llm.engine.generation_defaults)
