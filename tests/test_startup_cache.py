@@ -371,3 +371,27 @@ def test_generate_verbose_prints_the_table_and_the_answer(cache_root, tiny_gguf)
         assert parts == ["start-up", "import", "config", "tokenizer", "weights", "KV", "other", "first",
                          "generation", "total"]
     assert (GGUFCacheEntry.for_file(tiny_gguf).root / "config.json").is_file()
+
+
+def test_a_command_parses_without_the_other_commands_modules():
+    """`generate` builds its own options only: the serve and bench options' modules (tool-call
+    and reasoning parsers, the serving benchmark and asyncio) are not imported; `serve` gets
+    its options in full."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from nanovllm.entrypoints.cli import build_parser\n"
+        "args = build_parser('generate').parse_args(['generate', '--chat', 'hi'])\n"
+        "assert args.chat and args.prompt == ['hi']\n"
+        "heavy = ('torch', 'asyncio', 'nanovllm.entrypoints.serve_bench', 'nanovllm.entrypoints.tool_parsers',"
+        " 'nanovllm.entrypoints.limits')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+        "args = build_parser('serve').parse_args(['serve', '--tool-call-parser', 'hermes'])\n"
+        "print(args.tool_call_parser)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "hermes"]
