@@ -320,6 +320,21 @@ def test_synthetic_tokenizer(tmp_path, checkpoint_factory, tokenizer_dir):
     )
 
 
+@pytest.mark.parametrize("arch,shape", [("llama", {}), ("qwen2", {"head_dim": 16}), ("qwen3", {})])
+def test_tokenizer_is_the_one_auto_tokenizer_builds(tmp_path, checkpoint_factory, arch, shape):
+    """load_gguf_tokenizer picks the tokenizer class without AutoTokenizer: the same class and
+    the same tokens as AutoTokenizer(gguf_file=...)."""
+    from transformers import AutoTokenizer
+
+    write_gguf(tmp_path / "m.gguf", checkpoint_factory(arch, tie_word_embeddings=False, **shape), Q.F32)
+    ours = load_gguf_tokenizer(tmp_path / "m.gguf")
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    assert type(ours) is type(reference)
+    text = "Paris is the capital of France. héllo wörld 日本語 🙂 <|im_end|>"
+    assert ours.encode(text) == reference.encode(text)
+    assert ours.decode(reference.encode(text)) == reference.decode(reference.encode(text))
+
+
 # ---------------------------------------------------------------- errors
 
 

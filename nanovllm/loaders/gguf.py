@@ -25,8 +25,9 @@ it came from llama.cpp. The decisions:
   halves are interleaved so GGML's adjacent-pair RoPE works). HF applies `rotate_half` to the
   halves, so for the `llama` architecture the permutation is undone (q with num_attention_heads,
   k with num_key_value_heads). Qwen2/Qwen3 are converted unpermuted and are passed through.
-- Tokenizer: built by transformers from the GGUF vocabulary (`AutoTokenizer(gguf_file=...)`, a
-  public entry point), then the chat template, EOS and add_bos/add_eos are set from the metadata
+- Tokenizer: built by transformers from the GGUF vocabulary (`from_pretrained(gguf_file=...)`, a
+  public entry point, of the class AutoTokenizer would pick, named directly: AutoTokenizer parses
+  the whole file once more to choose it), then the chat template, EOS and add_bos/add_eos are set from the metadata
   explicitly so they do not depend on what a given transformers release copies over (5.17 drops
   `add_bos_token`, which Llama 3 files set).
 
@@ -286,7 +287,8 @@ def load_gguf_tokenizer(
     """The transformers tokenizer of a GGUF file, with its chat template and EOS from the metadata."""
     path = Path(path)
     reader = reader if reader is not None else open_gguf(path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer_class = _tokenizer_class(reader)
+    tokenizer = tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name)
     template = _meta(reader, "tokenizer.chat_template")
     if template:
         tokenizer.chat_template = template
@@ -298,3 +300,23 @@ def load_gguf_tokenizer(
         if value is not None and hasattr(tokenizer, attr) and getattr(tokenizer, attr) != bool(value):
             setattr(tokenizer, attr, bool(value))  # rebuilds the post-processor
     return tokenizer
+
+
+def _tokenizer_class(reader: gguf.GGUFReader):
+    """The class AutoTokenizer picks for this file (the architecture's registered tokenizer, else
+    TokenizersBackend), found without AutoTokenizer, which first parses the whole file again (4 s
+    for the embedded model's vocabulary) to build the config it picks by. AutoTokenizer itself
+    where the mapping is not a class name (other transformers releases) or the file is a Mistral
+    one (transformers reads those as another architecture)."""
+    arch = _meta(reader, "general.architecture")
+    name = _meta(reader, "general.name") or ""
+    backend = getattr(transformers, "TokenizersBackend", None)
+    if arch not in GGUF_ARCHITECTURES or "mistral" in str(name).lower() or backend is None:
+        return transformers.AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    registered = TOKENIZER_MAPPING_NAMES.get(arch)
+    if registered is None:
+        return backend
+    found = getattr(transformers, registered, None) if isinstance(registered, str) else None
+    return found or transformers.AutoTokenizer
