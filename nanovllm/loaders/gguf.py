@@ -31,8 +31,9 @@ it came from llama.cpp. The decisions:
   explicitly so they do not depend on what a given transformers release copies over (5.17 drops
   `add_bos_token`, which Llama 3 files set).
 
-Parsing a GGUF header with a large vocabulary takes seconds (the gguf reader walks every token
-string), so each function accepts `reader=` to reuse one `open_gguf(path)` across the three calls.
+The header is read by `loaders/gguf_header.py` (gguf-py's GGUFReader takes seconds over a large
+vocabulary, which this loader does not read); each function accepts `reader=` to reuse one
+`open_gguf(path)` across the three calls.
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ import gguf
 import numpy as np
 import torch
 import transformers
+
+from nanovllm.loaders.gguf_header import GGUFHeader
 
 GGUF_ARCHITECTURES = {  # general.architecture -> (config class, HF architecture)
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -74,34 +77,33 @@ DENSE_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, ggu
 _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, _LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
 
 
-def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+def open_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
     """Open (memory-map) a GGUF file; FileNotFoundError / ValueError with the path on failure."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        return gguf.GGUFReader(path)
+        return GGUFHeader(path)
     # A truncated or corrupt header surfaces from the reader's parsing as any of these.
     except (ValueError, IndexError, KeyError, struct.error, OverflowError, MemoryError) as e:
         raise ValueError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from e
 
 
-def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    """A scalar or string metadata value (decoded by hand: `ReaderField.contents` needs gguf>=0.11)."""
-    field = reader.fields.get(key)
-    if field is None:
+def _meta(reader: GGUFHeader, key: str, default: Any = None) -> Any:
+    """A scalar or string metadata value."""
+    kind = reader.types.get(key)
+    if kind is None:
         return default
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
+    if kind == gguf.GGUFValueType.ARRAY:
         raise ValueError(f"GGUF metadata key {key!r} is an array; expected a single value")
-    value = field.parts[field.data[0]]
-    return bytes(value).decode("utf-8") if field.types[0] == gguf.GGUFValueType.STRING else value.item()
+    return reader.values[key]
 
 
-def metadata_value(reader: gguf.GGUFReader, key: str) -> Any:
+def metadata_value(reader: GGUFHeader, key: str) -> Any:
     """A scalar or string metadata value, None where the key is absent; ValueError for an array."""
     return _meta(reader, key)
 
 
-def _require(reader: gguf.GGUFReader, key: str) -> Any:
+def _require(reader: GGUFHeader, key: str) -> Any:
     value = _meta(reader, key)
     if value is None:
         raise ValueError(f"GGUF metadata key {key!r} is missing")
@@ -114,7 +116,7 @@ def _decimal(x: float) -> float:
 
 
 def load_gguf_config(
-    path: str | os.PathLike[str], *, reader: gguf.GGUFReader | None = None
+    path: str | os.PathLike[str], *, reader: GGUFHeader | None = None
 ) -> transformers.PretrainedConfig:
     """A transformers config (LlamaConfig, Qwen2Config or Qwen3Config) from the GGUF metadata."""
     reader = reader if reader is not None else open_gguf(path)
@@ -165,10 +167,10 @@ def load_gguf_config(
     return config
 
 
-def sampling_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+def sampling_metadata(reader: GGUFHeader) -> dict[str, Any]:
     """The file's `general.sampling.*` scalars (f32 values as their shortest decimal)."""
     out = {}
-    for key in reader.fields:
+    for key in reader.values:
         if key.startswith("general.sampling."):
             try:
                 value = _meta(reader, key)
@@ -179,7 +181,7 @@ def sampling_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 
 def _rope_scaling(
-    reader: gguf.GGUFReader, arch: str, theta: float, head_dim: int, tensors: dict
+    reader: GGUFHeader, arch: str, theta: float, head_dim: int, tensors: dict
 ) -> dict[str, Any] | None:
     """HF `rope_scaling` (None for plain RoPE) from the metadata or Llama 3's rope_freqs tensor."""
     scaling = _meta(reader, f"{arch}.rope.scaling.type", "none")
@@ -260,7 +262,7 @@ def iter_gguf_weights(
     path: str | os.PathLike[str],
     hf_config: transformers.PretrainedConfig,
     *,
-    reader: gguf.GGUFReader | None = None,
+    reader: GGUFHeader | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF tensor name, fp32 tensor) for every weight, one dequantized tensor at a time."""
     reader = reader if reader is not None else open_gguf(path)  # fail now, not at the first next()
@@ -282,7 +284,7 @@ def iter_gguf_weights(
 
 
 def load_gguf_tokenizer(
-    path: str | os.PathLike[str], *, reader: gguf.GGUFReader | None = None
+    path: str | os.PathLike[str], *, reader: GGUFHeader | None = None
 ) -> transformers.PreTrainedTokenizerBase:
     """The transformers tokenizer of a GGUF file, with its chat template and EOS from the metadata."""
     path = Path(path)
@@ -302,7 +304,7 @@ def load_gguf_tokenizer(
     return tokenizer
 
 
-def _tokenizer_class(reader: gguf.GGUFReader):
+def _tokenizer_class(reader: GGUFHeader):
     """The class AutoTokenizer picks for this file (the architecture's registered tokenizer, else
     TokenizersBackend), found without AutoTokenizer, which first parses the whole file again (4 s
     for the embedded model's vocabulary) to build the config it picks by. AutoTokenizer itself

@@ -31,7 +31,7 @@ class ModelSource:
         return {**self.__dict__, "_reader": None}
 
     def gguf_reader(self):
-        """The file's GGUFReader, opened once (parsing the header of a large vocabulary takes seconds)."""
+        """The file's GGUFHeader (loaders/gguf_header.py), opened once."""
         if self._reader is None:
             from nanovllm.loaders.gguf import open_gguf
 
