@@ -395,3 +395,20 @@ def test_a_command_parses_without_the_other_commands_modules():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["[]", "hermes"]
+
+
+def test_command_threads(monkeypatch):
+    """One-shot commands take the cores the load average leaves free; --threads and
+    OMP_NUM_THREADS choose instead."""
+    from nanovllm.entrypoints.cpu_threads import command_threads, free_cores
+
+    assert [free_cores(2, load) for load in (0.0, 0.4, 0.6, 1.2, 2.7, 9.0)] == [2, 2, 1, 1, 1, 1]
+    assert free_cores(16, 3.2) == 13 and free_cores(4, -1.0) == 4
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.7, 2.0, 1.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert command_threads(None) == 1 and command_threads(3) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert command_threads(None) is None
+    with pytest.raises(ValueError, match="--threads"):
+        command_threads(0)

@@ -174,6 +174,23 @@ def _sampling_params(args: argparse.Namespace, model_defaults: dict):
     return SamplingParams(**kwargs, seed=args.sample_seed, ignore_eos=args.ignore_eos)
 
 
+def _set_threads(args: argparse.Namespace) -> None:
+    """torch's CPU threads for a one-shot command (entrypoints/cpu_threads.py)."""
+    from nanovllm.entrypoints.cpu_threads import command_threads
+
+    threads = command_threads(args.threads)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's CPU threads (default: OMP_NUM_THREADS, else the cores the 1-minute load "
+                             "average leaves free, at least 1)")
+
+
 # ---- generate --------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanovllm.gc_pause import collections_paused
@@ -182,6 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from nanovllm import LLM
         from nanovllm.entrypoints.startup_report import format_rows, process_age, startup_rows
 
+    _set_threads(args)
     import_s = process_age()
     t0 = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
@@ -313,6 +331,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         from nanovllm import LLM
         from nanovllm.chat import chat_prompt_ids
 
+    _set_threads(args)
     llm = LLM(_model_arg(args), **engine_kwargs(args))
     params = _sampling_params(args, llm.engine.generation_defaults)
     tok = llm.tokenizer
@@ -420,6 +439,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.add_argument("--verbose", action="store_true", help="print where the time went (start-up table) to stderr")
+    _add_threads_arg(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -435,6 +455,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                           "Type /exit (or Ctrl-D) to quit, /reset to start over.")
     chat.add_argument("model_pos", nargs="?", metavar="MODEL", help="model path (or use --model)")
     chat.add_argument("--system", default=None, help="system prompt")
+    _add_threads_arg(chat)
     _add_sampling_args(chat, max_tokens=512)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
