@@ -49,7 +49,9 @@ class GGUFHeader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        # A plain array over the map: slices of an np.memmap are memmaps, whose per-slice
+        # bookkeeping dominates dequantizing (gguf.quants slices every tensor into row groups).
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r").view(np.ndarray)
         self._buf = memoryview(self._map)
         self.values: dict[str, Any] = {}
         self.types: dict[str, GGUFValueType] = {}
