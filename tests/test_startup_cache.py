@@ -402,8 +402,8 @@ def test_command_threads(monkeypatch):
     OMP_NUM_THREADS choose instead."""
     from nanovllm.entrypoints.cpu_threads import command_threads, free_cores
 
-    assert [free_cores(2, load) for load in (0.0, 0.4, 0.6, 1.2, 2.7, 9.0)] == [2, 2, 1, 1, 1, 1]
-    assert free_cores(16, 3.2) == 13 and free_cores(4, -1.0) == 4
+    assert [free_cores(2, load) for load in (0.0, 0.6, 1.2, 1.6, 2.7, 9.0)] == [2, 2, 2, 1, 1, 1]
+    assert free_cores(16, 3.2) == 14 and free_cores(4, -1.0) == 4
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (2.7, 2.0, 1.0))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)

@@ -188,7 +188,7 @@ def _set_threads(args: argparse.Namespace) -> None:
 def _add_threads_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's CPU threads (default: OMP_NUM_THREADS, else the cores the 1-minute load "
-                             "average leaves free, at least 1)")
+                             "average leaves free, less one, at least 1)")
 
 
 # ---- generate --------------------------------------------------------------------------------
