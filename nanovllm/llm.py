@@ -17,6 +17,7 @@ from nanovllm.chat import chat_prompt_ids, check_messages, render
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
+from nanovllm.gc_pause import collections_paused
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.text import check_text
 
@@ -28,7 +29,8 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model, **kwargs)
-        self.engine = LLMEngine(self.config)
+        with collections_paused():
+            self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         # Time to first token of the last generate() call, seconds: {"avg", "min", "max"} (nano-vllm's bench.py reads it).
         self.last_ttft_stats: dict[str, float] | None = None

@@ -320,6 +320,21 @@ def test_synthetic_tokenizer(tmp_path, checkpoint_factory, tokenizer_dir):
     )
 
 
+@pytest.mark.parametrize("arch,shape", [("llama", {}), ("qwen2", {"head_dim": 16}), ("qwen3", {})])
+def test_tokenizer_is_the_one_auto_tokenizer_builds(tmp_path, checkpoint_factory, arch, shape):
+    """load_gguf_tokenizer picks the tokenizer class without AutoTokenizer: the same class and
+    the same tokens as AutoTokenizer(gguf_file=...)."""
+    from transformers import AutoTokenizer
+
+    write_gguf(tmp_path / "m.gguf", checkpoint_factory(arch, tie_word_embeddings=False, **shape), Q.F32)
+    ours = load_gguf_tokenizer(tmp_path / "m.gguf")
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    assert type(ours) is type(reference)
+    text = "Paris is the capital of France. héllo wörld 日本語 🙂 <|im_end|>"
+    assert ours.encode(text) == reference.encode(text)
+    assert ours.decode(reference.encode(text)) == reference.decode(reference.encode(text))
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -332,6 +347,36 @@ def write_one_tensor_gguf(path: Path, arch: str, array: np.ndarray) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_1])
+def test_header_reads_what_gguf_py_reads(tmp_path, checkpoint_factory, qtype):
+    """loaders/gguf_header.py against gguf-py's GGUFReader: every scalar and string value, every
+    tensor's type, dims and bytes (arrays are skipped: the loader reads none)."""
+    write_gguf(tmp_path / "m.gguf", checkpoint_factory("llama", tie_word_embeddings=False), qtype)
+    ours, reference = open_gguf(tmp_path / "m.gguf"), gguf.GGUFReader(tmp_path / "m.gguf")
+    for key, field in reference.fields.items():
+        if key.startswith("GGUF."):  # the reader's own entries for the header counts
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert ours.types[key] == gguf.GGUFValueType.ARRAY and ours.values[key] is None
+            continue
+        part = field.parts[field.data[0]]
+        value = bytes(part).decode() if field.types[0] == gguf.GGUFValueType.STRING else part.item()
+        assert ours.values[key] == value and type(ours.values[key]) is type(value), key
+    assert [t.name for t in ours.tensors] == [t.name for t in reference.tensors]
+    for a, b in zip(ours.tensors, reference.tensors):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data)
+
+
+def test_damaged_header_is_refused(tmp_path, checkpoint_factory):
+    write_gguf(tmp_path / "m.gguf", checkpoint_factory("llama", tie_word_embeddings=False), Q.Q8_0)
+    data = (tmp_path / "m.gguf").read_bytes()
+    for name, damaged in (("cut.gguf", data[:3000]), ("magic.gguf", b"GGUX" + data[4:]), ("empty.gguf", b"")):
+        (tmp_path / name).write_bytes(damaged)
+        with pytest.raises(ValueError, match=name):
+            open_gguf(tmp_path / name)
 
 
 def test_unsupported_tensor_type(tmp_path):

@@ -40,6 +40,7 @@ RANKS = {
     "nanovllm.outputs": 0,
     "nanovllm.distributed": 0,
     "nanovllm.precompile": 0,
+    "nanovllm.gc_pause": 0,
     "nanovllm.loaders": 0,
 }
 # Below the device layers: nothing here may import runner, executor, engine or entrypoints.

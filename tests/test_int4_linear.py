@@ -228,3 +228,17 @@ def test_int4_default_agrees_with_fp32_on_teacher_forced_text():
     print(f"top-1 agreement int4 vs fp32 over {len(pairs)} positions: {agreement:.1%}")
     assert len(pairs) >= 100
     assert agreement >= 0.95
+
+
+def test_codes_by_chunks_of_rows_equal_the_whole(monkeypatch):
+    """Quantizing a matrix CHUNK_ROWS rows at a time gives the codes, scales and zeros of the
+    whole matrix at once (every step is per row)."""
+    torch.manual_seed(0)
+    weight = torch.randn(70, 4 * GROUP_SIZE)
+    weight[3, :GROUP_SIZE] = 0.25  # a constant group
+    monkeypatch.setattr(int4_linear, "CHUNK_ROWS", 1 << 20)
+    whole = _codes(weight, GROUP_SIZE)
+    monkeypatch.setattr(int4_linear, "CHUNK_ROWS", 16)
+    chunked = _codes(weight, GROUP_SIZE)
+    for a, b in zip(whole, chunked):
+        assert a.dtype == b.dtype and torch.equal(a, b)

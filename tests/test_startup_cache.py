@@ -322,10 +322,13 @@ def test_lazy_zeros(dtype):
     tensors = lazy_zeros(4, (3, 5, 7), dtype)
     assert len(tensors) == 4
     for t in tensors:
-        assert t.shape == (3, 5, 7) and t.dtype == dtype and t.is_contiguous()
-        assert t.data_ptr() % 64 == 0 and not t.any()
+        assert t.shape == (3, 5, 7) and t.dtype == dtype and t[0].is_contiguous()
+        assert all(t[b].data_ptr() % 64 == 0 for b in range(3)) and not t.any()
     tensors[1].fill_(1)
     assert not tensors[0].any() and not tensors[2].any() and int(tensors[1].sum()) == 105
+    # Block b of every tensor lies together: the tensors interleave block by block.
+    ptrs = sorted((t[b].data_ptr(), b, i) for i, t in enumerate(tensors) for b in range(3))
+    assert [(b, i) for _, b, i in ptrs] == [(b, i) for b in range(3) for i in range(4)]
 
 
 def test_startup_rows():
@@ -368,3 +371,44 @@ def test_generate_verbose_prints_the_table_and_the_answer(cache_root, tiny_gguf)
         assert parts == ["start-up", "import", "config", "tokenizer", "weights", "KV", "other", "first",
                          "generation", "total"]
     assert (GGUFCacheEntry.for_file(tiny_gguf).root / "config.json").is_file()
+
+
+def test_a_command_parses_without_the_other_commands_modules():
+    """`generate` builds its own options only: the serve and bench options' modules (tool-call
+    and reasoning parsers, the serving benchmark and asyncio) are not imported; `serve` gets
+    its options in full."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from nanovllm.entrypoints.cli import build_parser\n"
+        "args = build_parser('generate').parse_args(['generate', '--chat', 'hi'])\n"
+        "assert args.chat and args.prompt == ['hi']\n"
+        "heavy = ('torch', 'asyncio', 'nanovllm.entrypoints.serve_bench', 'nanovllm.entrypoints.tool_parsers',"
+        " 'nanovllm.entrypoints.limits')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+        "args = build_parser('serve').parse_args(['serve', '--tool-call-parser', 'hermes'])\n"
+        "print(args.tool_call_parser)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "hermes"]
+
+
+def test_command_threads(monkeypatch):
+    """One-shot commands take the cores the load average leaves free; --threads and
+    OMP_NUM_THREADS choose instead."""
+    from nanovllm.entrypoints.cpu_threads import command_threads, free_cores
+
+    assert [free_cores(2, load) for load in (0.0, 0.6, 1.2, 1.6, 2.7, 9.0)] == [2, 2, 2, 1, 1, 1]
+    assert free_cores(16, 3.2) == 14 and free_cores(4, -1.0) == 4
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.7, 2.0, 1.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert command_threads(None) == 1 and command_threads(3) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert command_threads(None) is None
+    with pytest.raises(ValueError, match="--threads"):
+        command_threads(0)

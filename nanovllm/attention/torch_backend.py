@@ -30,8 +30,14 @@ def store_kv(
     if not all_valid:
         valid = slot_mapping >= 0
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return
+    # Caches whose blocks are apart (the CPU pool interleaves layers: runner/host_memory.py).
+    block, offset = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
+    k_cache.index_put_((block, offset), k.to(k_cache.dtype))
+    v_cache.index_put_((block, offset), v.to(v_cache.dtype))
 
 
 def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -174,11 +174,32 @@ def _sampling_params(args: argparse.Namespace, model_defaults: dict):
     return SamplingParams(**kwargs, seed=args.sample_seed, ignore_eos=args.ignore_eos)
 
 
+def _set_threads(args: argparse.Namespace) -> None:
+    """torch's CPU threads for a one-shot command (entrypoints/cpu_threads.py)."""
+    from nanovllm.entrypoints.cpu_threads import command_threads
+
+    threads = command_threads(args.threads)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's CPU threads (default: OMP_NUM_THREADS, else the cores the 1-minute load "
+                             "average leaves free, less one, at least 1)")
+
+
 # ---- generate --------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
-    from nanovllm import LLM
-    from nanovllm.entrypoints.startup_report import format_rows, process_age, startup_rows
+    from nanovllm.gc_pause import collections_paused
 
+    with collections_paused():  # importing torch: see gc_pause.py
+        from nanovllm import LLM
+        from nanovllm.entrypoints.startup_report import format_rows, process_age, startup_rows
+
+    _set_threads(args)
     import_s = process_age()
     t0 = time.perf_counter()
     llm = LLM(args.model, **engine_kwargs(args))
@@ -304,9 +325,13 @@ def _run_frontends(cfg, count: int, core) -> int:
 
 # ---- chat ------------------------------------------------------------------------------------
 def cmd_chat(args: argparse.Namespace) -> int:
-    from nanovllm import LLM
-    from nanovllm.chat import chat_prompt_ids
+    from nanovllm.gc_pause import collections_paused
 
+    with collections_paused():  # importing torch: see gc_pause.py
+        from nanovllm import LLM
+        from nanovllm.chat import chat_prompt_ids
+
+    _set_threads(args)
     llm = LLM(_model_arg(args), **engine_kwargs(args))
     params = _sampling_params(args, llm.engine.generation_defaults)
     tok = llm.tokenizer
@@ -402,7 +427,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # ---- parser ----------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand; given `command`, only that one's options are added in
+    full (the others' import modules it does not need), the rest keep their names and help."""
     parser = argparse.ArgumentParser(prog="nanovllm", description="nano-vllm: a small, fast LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -412,12 +439,46 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.add_argument("--verbose", action="store_true", help="print where the time went (start-up table) to stderr")
+    _add_threads_arg(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                            description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                            "/metrics (see docs/server.md).")
+    if command in (None, "serve"):  # its options import the tool-call and reasoning parsers
+        _add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal (streams the reply)",
+                          description="Chat with the model using its chat template; the conversation is kept. "
+                          "Type /exit (or Ctrl-D) to quit, /reset to start over.")
+    chat.add_argument("model_pos", nargs="?", metavar="MODEL", help="model path (or use --model)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_threads_arg(chat)
+    _add_sampling_args(chat, max_tokens=512)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    worker = sub.add_parser("worker", help="run this machine's ranks of a multi-node tensor-parallel engine",
+                            description="Node K > 0 of a model spread over --nnodes machines: joins node 0 (which runs "
+                            "`nanovllm serve --nnodes N --master-addr A --master-port P ...`), takes the model and "
+                            "engine settings from it, and runs its ranks until node 0 stops (docs/scaling.md).")
+    worker.add_argument("--node-rank", type=int, required=True, help="this machine's index, 1..nnodes-1")
+    _add_multinode_args(worker)
+    worker.set_defaults(func=cmd_worker)
+
+    bench = sub.add_parser("bench", help="offline throughput (W1) or, with --serving, a serving load (W4)",
+                           description="Without --serving: W1 from BENCHMARKS.md (random token prompts, "
+                           "temperature 0.6, EOS ignored) on a model in this process. With --serving: N concurrent "
+                           "streaming clients against a running server on this machine.")
+    if command in (None, "bench"):  # its options import the serving benchmark (asyncio)
+        _add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model_pos", nargs="?", metavar="MODEL", help="model path (or use --model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -452,29 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_limit_args(serve)
     add_engine_args(serve)
-    serve.set_defaults(func=cmd_serve)
 
-    chat = sub.add_parser("chat", help="interactive chat in the terminal (streams the reply)",
-                          description="Chat with the model using its chat template; the conversation is kept. "
-                          "Type /exit (or Ctrl-D) to quit, /reset to start over.")
-    chat.add_argument("model_pos", nargs="?", metavar="MODEL", help="model path (or use --model)")
-    chat.add_argument("--system", default=None, help="system prompt")
-    _add_sampling_args(chat, max_tokens=512)
-    add_engine_args(chat)
-    chat.set_defaults(func=cmd_chat)
 
-    worker = sub.add_parser("worker", help="run this machine's ranks of a multi-node tensor-parallel engine",
-                            description="Node K > 0 of a model spread over --nnodes machines: joins node 0 (which runs "
-                            "`nanovllm serve --nnodes N --master-addr A --master-port P ...`), takes the model and "
-                            "engine settings from it, and runs its ranks until node 0 stops (docs/scaling.md).")
-    worker.add_argument("--node-rank", type=int, required=True, help="this machine's index, 1..nnodes-1")
-    _add_multinode_args(worker)
-    worker.set_defaults(func=cmd_worker)
-
-    bench = sub.add_parser("bench", help="offline throughput (W1) or, with --serving, a serving load (W4)",
-                           description="Without --serving: W1 from BENCHMARKS.md (random token prompts, "
-                           "temperature 0.6, EOS ignored) on a model in this process. With --serving: N concurrent "
-                           "streaming clients against a running server on this machine.")
+def _add_bench_args(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("model_pos", nargs="?", metavar="MODEL", help="model path (or use --model)")
     bench.add_argument("--num-prompts", type=int, default=256)
     bench.add_argument("--min-input-len", type=int, default=100)
@@ -487,12 +528,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_bench_args(bench)
     add_engine_args(bench)
-    bench.set_defaults(func=cmd_bench)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv and not argv[0].startswith("-") else None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:

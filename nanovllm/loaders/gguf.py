@@ -25,13 +25,15 @@ it came from llama.cpp. The decisions:
   halves are interleaved so GGML's adjacent-pair RoPE works). HF applies `rotate_half` to the
   halves, so for the `llama` architecture the permutation is undone (q with num_attention_heads,
   k with num_key_value_heads). Qwen2/Qwen3 are converted unpermuted and are passed through.
-- Tokenizer: built by transformers from the GGUF vocabulary (`AutoTokenizer(gguf_file=...)`, a
-  public entry point), then the chat template, EOS and add_bos/add_eos are set from the metadata
+- Tokenizer: built by transformers from the GGUF vocabulary (`from_pretrained(gguf_file=...)`, a
+  public entry point, of the class AutoTokenizer would pick, named directly: AutoTokenizer parses
+  the whole file once more to choose it), then the chat template, EOS and add_bos/add_eos are set from the metadata
   explicitly so they do not depend on what a given transformers release copies over (5.17 drops
   `add_bos_token`, which Llama 3 files set).
 
-Parsing a GGUF header with a large vocabulary takes seconds (the gguf reader walks every token
-string), so each function accepts `reader=` to reuse one `open_gguf(path)` across the three calls.
+The header is read by `loaders/gguf_header.py` (gguf-py's GGUFReader takes seconds over a large
+vocabulary, which this loader does not read); each function accepts `reader=` to reuse one
+`open_gguf(path)` across the three calls.
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ import gguf
 import numpy as np
 import torch
 import transformers
+
+from nanovllm.loaders.gguf_header import GGUFHeader
 
 GGUF_ARCHITECTURES = {  # general.architecture -> (config class, HF architecture)
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -73,34 +77,33 @@ DENSE_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, ggu
 _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, _LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
 
 
-def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+def open_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
     """Open (memory-map) a GGUF file; FileNotFoundError / ValueError with the path on failure."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        return gguf.GGUFReader(path)
+        return GGUFHeader(path)
     # A truncated or corrupt header surfaces from the reader's parsing as any of these.
     except (ValueError, IndexError, KeyError, struct.error, OverflowError, MemoryError) as e:
         raise ValueError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from e
 
 
-def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    """A scalar or string metadata value (decoded by hand: `ReaderField.contents` needs gguf>=0.11)."""
-    field = reader.fields.get(key)
-    if field is None:
+def _meta(reader: GGUFHeader, key: str, default: Any = None) -> Any:
+    """A scalar or string metadata value."""
+    kind = reader.types.get(key)
+    if kind is None:
         return default
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
+    if kind == gguf.GGUFValueType.ARRAY:
         raise ValueError(f"GGUF metadata key {key!r} is an array; expected a single value")
-    value = field.parts[field.data[0]]
-    return bytes(value).decode("utf-8") if field.types[0] == gguf.GGUFValueType.STRING else value.item()
+    return reader.values[key]
 
 
-def metadata_value(reader: gguf.GGUFReader, key: str) -> Any:
+def metadata_value(reader: GGUFHeader, key: str) -> Any:
     """A scalar or string metadata value, None where the key is absent; ValueError for an array."""
     return _meta(reader, key)
 
 
-def _require(reader: gguf.GGUFReader, key: str) -> Any:
+def _require(reader: GGUFHeader, key: str) -> Any:
     value = _meta(reader, key)
     if value is None:
         raise ValueError(f"GGUF metadata key {key!r} is missing")
@@ -113,7 +116,7 @@ def _decimal(x: float) -> float:
 
 
 def load_gguf_config(
-    path: str | os.PathLike[str], *, reader: gguf.GGUFReader | None = None
+    path: str | os.PathLike[str], *, reader: GGUFHeader | None = None
 ) -> transformers.PretrainedConfig:
     """A transformers config (LlamaConfig, Qwen2Config or Qwen3Config) from the GGUF metadata."""
     reader = reader if reader is not None else open_gguf(path)
@@ -164,10 +167,10 @@ def load_gguf_config(
     return config
 
 
-def sampling_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+def sampling_metadata(reader: GGUFHeader) -> dict[str, Any]:
     """The file's `general.sampling.*` scalars (f32 values as their shortest decimal)."""
     out = {}
-    for key in reader.fields:
+    for key in reader.values:
         if key.startswith("general.sampling."):
             try:
                 value = _meta(reader, key)
@@ -178,7 +181,7 @@ def sampling_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 
 def _rope_scaling(
-    reader: gguf.GGUFReader, arch: str, theta: float, head_dim: int, tensors: dict
+    reader: GGUFHeader, arch: str, theta: float, head_dim: int, tensors: dict
 ) -> dict[str, Any] | None:
     """HF `rope_scaling` (None for plain RoPE) from the metadata or Llama 3's rope_freqs tensor."""
     scaling = _meta(reader, f"{arch}.rope.scaling.type", "none")
@@ -259,7 +262,7 @@ def iter_gguf_weights(
     path: str | os.PathLike[str],
     hf_config: transformers.PretrainedConfig,
     *,
-    reader: gguf.GGUFReader | None = None,
+    reader: GGUFHeader | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF tensor name, fp32 tensor) for every weight, one dequantized tensor at a time."""
     reader = reader if reader is not None else open_gguf(path)  # fail now, not at the first next()
@@ -281,12 +284,13 @@ def iter_gguf_weights(
 
 
 def load_gguf_tokenizer(
-    path: str | os.PathLike[str], *, reader: gguf.GGUFReader | None = None
+    path: str | os.PathLike[str], *, reader: GGUFHeader | None = None
 ) -> transformers.PreTrainedTokenizerBase:
     """The transformers tokenizer of a GGUF file, with its chat template and EOS from the metadata."""
     path = Path(path)
     reader = reader if reader is not None else open_gguf(path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer_class = _tokenizer_class(reader)
+    tokenizer = tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name)
     template = _meta(reader, "tokenizer.chat_template")
     if template:
         tokenizer.chat_template = template
@@ -298,3 +302,23 @@ def load_gguf_tokenizer(
         if value is not None and hasattr(tokenizer, attr) and getattr(tokenizer, attr) != bool(value):
             setattr(tokenizer, attr, bool(value))  # rebuilds the post-processor
     return tokenizer
+
+
+def _tokenizer_class(reader: GGUFHeader):
+    """The class AutoTokenizer picks for this file (the architecture's registered tokenizer, else
+    TokenizersBackend), found without AutoTokenizer, which first parses the whole file again (4 s
+    for the embedded model's vocabulary) to build the config it picks by. AutoTokenizer itself
+    where the mapping is not a class name (other transformers releases) or the file is a Mistral
+    one (transformers reads those as another architecture)."""
+    arch = _meta(reader, "general.architecture")
+    name = _meta(reader, "general.name") or ""
+    backend = getattr(transformers, "TokenizersBackend", None)
+    if arch not in GGUF_ARCHITECTURES or "mistral" in str(name).lower() or backend is None:
+        return transformers.AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    registered = TOKENIZER_MAPPING_NAMES.get(arch)
+    if registered is None:
+        return backend
+    found = getattr(transformers, registered, None) if isinstance(registered, str) else None
+    return found or transformers.AutoTokenizer

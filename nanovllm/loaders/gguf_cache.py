@@ -45,7 +45,7 @@ from nanovllm.loaders.cache import (
 logger = logging.getLogger("nanovllm")
 
 # The code whose output is cached, relative to the nanovllm package (directories: their *.py).
-_CODE = ("loaders/gguf.py", "loaders/gguf_cache.py", "models", "layers")
+_CODE = ("loaders/gguf.py", "loaders/gguf_header.py", "loaders/gguf_cache.py", "models", "layers")
 MAX_CACHED_WEIGHT_BYTES = 4 << 30
 # Properties of transformers configs that to_dict() leaves out but the engine may read.
 _CONFIG_ALIASES = ("rope_scaling", "rope_theta")
@@ -125,6 +125,11 @@ class GGUFCacheEntry:
         if not path.is_dir():
             return None
         try:
+            from nanovllm.loaders.light_tokenizer import load_light_tokenizer
+
+            tokenizer = load_light_tokenizer(path)
+            if tokenizer is not None:
+                return tokenizer
             import transformers
 
             with open(path / "tokenizer_config.json", encoding="utf-8") as f:

@@ -31,7 +31,7 @@ class ModelSource:
         return {**self.__dict__, "_reader": None}
 
     def gguf_reader(self):
-        """The file's GGUFReader, opened once (parsing the header of a large vocabulary takes seconds)."""
+        """The file's GGUFHeader (loaders/gguf_header.py), opened once."""
         if self._reader is None:
             from nanovllm.loaders.gguf import open_gguf
 
@@ -82,6 +82,8 @@ class ModelSource:
             tokenizer = load_gguf_tokenizer(self.path, reader=self.gguf_reader())
             if self.cache is not None:
                 self.cache.save_tokenizer(tokenizer)
+                # The saved copy, as every later start loads it (the same class, cold or warm).
+                return self.cache.load_tokenizer() or tokenizer
             return tokenizer
         from transformers import AutoTokenizer
 

@@ -39,6 +39,8 @@ class GrammarCompiler:
 
     @staticmethod
     def _make_compiler(tokenizer, vocab_size: int, stop_token_ids: list[int], threads: int) -> xgr.GrammarCompiler:
+        # xgrammar reads a transformers tokenizer (loaders/light_tokenizer.py hands out its own).
+        tokenizer = getattr(tokenizer, "transformers_tokenizer", tokenizer)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
 
