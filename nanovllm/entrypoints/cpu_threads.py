@@ -1,13 +1,11 @@
 """How many threads torch's CPU operators get in a one-shot command (`generate`, `chat`).
 
 torch runs each operator over all the machine's cores by default, and every operator waits for
-all its threads. On a machine where other processes keep cores busy, a thread that is not
-scheduled holds up each of the thousands of operators of a step: on 2 vCPUs with a load average
-of 2.7, the README's command took 10-60 s with 2 threads and 3 s with 1. So a command takes the
-cores that the 1-minute load average leaves free, less one core's worth of load (the average
-lags, and counts commands that just ended: run back to back, the README's command keeps it near
-1 on 2 vCPUs, where 2 threads answered in 3.0 s and 1 in 3.6 s), and at least one;
-`--threads N` or OMP_NUM_THREADS choose instead.
+all its threads: on a machine where other processes keep cores busy, one thread that is not
+scheduled holds up each of the thousands of operators of a step. So a command takes the cores
+that the 1-minute load average leaves free, less one core's worth of load (the average lags and
+counts commands that just ended), and at least one; `--threads N` or OMP_NUM_THREADS choose
+instead. A long-running server keeps torch's own choice.
 """
 from __future__ import annotations
 
