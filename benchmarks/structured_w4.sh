@@ -21,9 +21,10 @@ server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 wait_healthy "http://127.0.0.1:$port" 600 $server "$log"
 bench() {  # clients, then extra serve_bench options; prints output tok/s, the summary on stderr
-  python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$1" \
+  # (a run with failed requests still counts: the summary gives their number and the first error)
+  { python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$1" \
     --num-requests "${W4_REQUESTS:-$(( $1 < 16 ? 8 : 8 * $1 ))}" --input-len "${W4_INPUT_LEN:-128}" \
-    --output-len "${W4_OUTPUT_LEN:-128}" --json "${@:2}" | python3 -c \
+    --output-len "${W4_OUTPUT_LEN:-128}" --json "${@:2}" || true; } | python3 -c \
     'import json, sys; line = sys.stdin.read(); sys.stderr.write(line); print(json.loads(line)["output_tok_per_s"])'
 }
 W4_REQUESTS=8 bench 4 >/dev/null  # warm-up: the first constrained request builds the tokenizer's tables

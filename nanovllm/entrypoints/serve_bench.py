@@ -121,13 +121,12 @@ class ServeBenchResult:
             "itl_ms_p50": ms(pct(self.itl, 50)), "itl_ms_p99": ms(pct(self.itl, 99)),
             "tpot_ms_p50": ms(pct(self.tpot, 50)), "tpot_ms_p99": ms(pct(self.tpot, 99)),
             "kv_pool_free_after": self.pool_free_after,
+            "first_error": self.errors[0] if self.errors else None,
         }
 
     def format(self) -> str:
         s = self.summary()
-        lines = [f"{k:>20}: {v}" for k, v in s.items()]
-        if self.errors:
-            lines.append(f"{'first error':>20}: {self.errors[0]}")
+        lines = [f"{k:>20}: {v}" for k, v in s.items() if k != "first_error" or v is not None]
         return "\n".join(lines)
 
 
