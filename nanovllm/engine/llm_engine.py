@@ -21,7 +21,6 @@ from nanovllm.engine.grammars import Grammars
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.executor.executor import make_executor
-from nanovllm.runner.model_runner import DeferredSample
 from nanovllm.layers.rotary import context_length
 from nanovllm.loaders.generation_config import read_generation_defaults
 from nanovllm.loaders.source import resolve_model
@@ -309,7 +308,7 @@ class LLMEngine:
             self.scheduler.advance(sched, self.seqs)
             outputs += self._take_in_flight()
             outputs += self._end_complete(self.grammars.refresh(sched))
-            self._in_flight = (sched, forward.sample() if isinstance(forward, DeferredSample) else forward)
+            self._in_flight = (sched, forward.sample())
         else:
             complete = self.grammars.refresh(sched)
             launched = self.executor.execute_async(sched)

@@ -13,7 +13,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
 from nanovllm.loaders.source import ModelSource
 from nanovllm.runner.model_runner import DeferredSample, ModelRunner, RunnerOutput
-from nanovllm.step_result import Done, StepResult
+from nanovllm.step_result import StepResult
 from nanovllm.step import SchedulerOutput
 
 
@@ -32,7 +32,7 @@ class Executor(Protocol):
         where supports_async)."""
         ...
 
-    def launch_forward(self, out: SchedulerOutput) -> DeferredSample | Done:
+    def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
         """Launch the step's forward pass; `.sample()` on the return value launches its
         sampling and returns what execute_async would (only where defers_sampling)."""
         ...
@@ -67,7 +67,7 @@ class InProcessExecutor:
     def execute_async(self, out: SchedulerOutput) -> StepResult:
         return self.runner.execute_async(out)
 
-    def launch_forward(self, out: SchedulerOutput) -> DeferredSample | Done:
+    def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
         return self.runner.launch_forward(out)
 
     def shutdown(self) -> None:

@@ -398,7 +398,7 @@ class ModelRunner:
         return PendingOutput(*launched, self.device)
 
     @torch.inference_mode()
-    def launch_forward(self, out: SchedulerOutput) -> DeferredSample | Done:
+    def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
         """Launch the forward pass of an ordinary step (no fast path, no burst) and leave its
         sampling to the result's `.sample()`, so the host can prepare what the sampling reads
         (the rows' grammar masks, ScheduledSeq.token_bitmask) while the device runs the
@@ -409,9 +409,7 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
         self.penalty_state.release(out.finished_seq_ids)
         forward = None if out.is_empty else self._forward(out)
-        if forward is None:
-            return Done(RunnerOutput([]))
-        return DeferredSample(self, *forward)
+        return DeferredSample(self, *forward) if forward is not None else DeferredSample(self, [], None)
 
     def _launch(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], SamplerOutput] | None:
         """Launch one ordinary step; returns (sampling rows, SamplerOutput), or None where this
@@ -521,14 +519,17 @@ class ModelRunner:
 
 class DeferredSample:
     """A step whose forward pass is launched and whose sampling is not yet
-    (ModelRunner.launch_forward): `sample()` launches it and returns the step's result."""
+    (ModelRunner.launch_forward): `sample()` launches it and returns the step's result (logits
+    None: the step samples nothing)."""
 
-    def __init__(self, runner: ModelRunner, rows: list[ScheduledSeq], logits: torch.Tensor) -> None:
+    def __init__(self, runner: ModelRunner, rows: list[ScheduledSeq], logits: torch.Tensor | None) -> None:
         self._runner = runner
         self._rows = rows
         self._logits = logits
 
     def sample(self) -> StepResult:
+        if self._logits is None:
+            return Done(RunnerOutput([]))
         with torch.inference_mode():
             sampled = self._runner.sample_rows(self._rows, self._logits)
         return PendingOutput(self._rows, sampled, self._runner.device)
