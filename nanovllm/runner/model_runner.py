@@ -382,9 +382,7 @@ class ModelRunner:
     def execute_async(self, out: SchedulerOutput) -> StepResult:
         """Launch one step; the result's `.result()` waits for its sampled ids. The fast path,
         where there is one, is asked first whether it takes the step."""
-        for seq_id in out.finished_seq_ids:
-            self.generators.pop(seq_id, None)
-        self.penalty_state.release(out.finished_seq_ids)
+        self._release_finished(out)
         if out.is_empty:
             return Done(RunnerOutput([]))
         taken = self.fastpath.take(out) if self.fastpath is not None else None
@@ -405,11 +403,17 @@ class ModelRunner:
         forward. Nothing else may launch on this runner in between."""
         if any(s.num_steps > 1 for s in out.seqs):
             raise ValueError("launch_forward: a decode burst samples inside its launch")
+        self._release_finished(out)
+        forward = None if out.is_empty else self._forward(out)
+        rows, logits = forward if forward is not None else ([], None)
+        return DeferredSample(self, rows, logits)
+
+    def _release_finished(self, out: SchedulerOutput) -> None:
+        """Drop what the runner kept for the sequences that finished before this step (their
+        seeded generators, their penalty rows)."""
         for seq_id in out.finished_seq_ids:
             self.generators.pop(seq_id, None)
         self.penalty_state.release(out.finished_seq_ids)
-        forward = None if out.is_empty else self._forward(out)
-        return DeferredSample(self, *forward) if forward is not None else DeferredSample(self, [], None)
 
     def _launch(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], SamplerOutput] | None:
         """Launch one ordinary step; returns (sampling rows, SamplerOutput), or None where this
