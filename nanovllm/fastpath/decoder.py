@@ -268,6 +268,8 @@ class PersistentDecoder:
         cap = head_candidates or min(threads, list_room(cr))
         self.head_exponent = head_quant.input_exponent(self.model.model.norm.weight, self.hidden)
         self.head_q, self.head_meta = head_quant.quantize_head(self.head_weight, self.head_exponent)
+        # A bounds step's upper bounds (its lower ones go to self.logits): HeadRefine, head_refine.py
+        self.logits_hi = torch.zeros_like(self.logits)
         self.constexprs.update(
             HEAD_Q=True, HEAD_Q_CR=cr, MMA_HEAD_Q=mma_asm(cr, self.hidden, self.num_warps, 0, torch.int8),
             HEAD_META_OFF=meta_off, HEAD_CAND_OFF=meta_off + meta_bytes, HEAD_CAP=cap,
@@ -375,8 +377,9 @@ class PersistentDecoder:
         argmax, lowest id on ties, into next_token ([1] int64; None: self.greedy_token); or, where
         the [1] float32 `temperature` is above 0, the token fused_sampler.gumbel_argmax(logits,
         temperature, seed) would sample (seed: [1] int64). With quantized_head the same token
-        comes from the int8 head and the logits are not stored, unless the temperature is below
-        0 (the argmax, every logit stored). None: -1, the logits and their argmax.
+        comes from the int8 head and the logits are not stored, unless the temperature is -1
+        (the argmax, every logit stored; None: -1) or -2 (BOUNDS_TEMPERATURE: every logit's
+        bounds, into self.logits and self.logits_hi, and no token: head_refine.py).
 
         steps > 1 (multi_step): a decode burst in this one launch. Step i's inputs (token,
         position, slot, context length, temperature, seed) are the given tensors' elements
@@ -423,7 +426,7 @@ class PersistentDecoder:
                           head_idx_ptr=self.head_idx, vocab=self.vocab, rows_vocab=self.rows_vocab, temp_ptr=temperature,
                           seed_ptr=seed, host_tok_ptr=host_tokens)
             if self.quantized_head:
-                common.update(head_q_ptr=self.head_q, head_meta_ptr=self.head_meta)
+                common.update(head_q_ptr=self.head_q, head_meta_ptr=self.head_meta, head_hi_ptr=self.logits_hi)
         if self.multi_step:
             common.update(num_steps=steps, rec8=record_bytes // 8, rec4=record_bytes // 4)
         grid = (self.num_programs,)

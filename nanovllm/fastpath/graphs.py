@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.fastpath.head_refine import BOUNDS_TEMPERATURE
 from nanovllm.step import burst_sizes
 
 logger = logging.getLogger("nanovllm")
@@ -104,14 +105,16 @@ class SingleDecodeInputs:
     def fill_host(self, host: np.ndarray, token: int, position: int, block_table: list[int], block_size: int,
                   steps: int = 1, temperature: float = 0.0, seeds: list[int] | None = None,
                   all_logits: bool = False, filters: tuple[float, int, float, float] | None = None,
-                  penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)) -> None:
+                  penalties: tuple[float, float, float] = (0.0, 0.0, 1.0), bounds: bool = False) -> None:
         """Write the inputs of `steps` decode steps from `position` on into `host` (nbytes uint8,
         the device buffer's layout); only the first step's token is known. temperature > 0: the
         steps sample at it, step i under seeds[i] (else greedy). all_logits: the steps store
         every logit and pick their argmax (the temperature is then ignored). filters:
         (temperature, top_k, top_p, min_p) of a filtered stream, sampled by the filtered graphs
         under seeds[i] from every logit (stored as all_logits stores them), after the logit bias
-        and `penalties` (presence, frequency, repetition) of fastpath/penalties.py."""
+        and `penalties` (presence, frequency, repetition) of fastpath/penalties.py; with `bounds`
+        (a top-k filter, no logit edits) the kernel's int8 head stores the logits' bounds
+        instead, which head_refine.py makes exact where the top-k sample looks."""
         floats = host[: self.BLOCK_TABLE].view(np.float32)
         ints32 = host[: self.BLOCK_TABLE].view(np.int32)
         if filters is not None:
@@ -124,7 +127,7 @@ class SingleDecodeInputs:
                 floats[(r + self.MIN_P) // 4] = filters[3]
                 floats[(r + self.PENALTY_KNOBS) // 4 : (r + self.PENALTY_KNOBS) // 4 + 3] = penalties
         if all_logits:
-            temperature = ALL_LOGITS_TEMPERATURE
+            temperature = BOUNDS_TEMPERATURE if bounds and filters is not None else ALL_LOGITS_TEMPERATURE
         ints = host[: self.BLOCK_TABLE].view(np.int64)
         ints[self.TOKEN // 8] = token
         for i in range(steps):

@@ -246,7 +246,7 @@ def _stage_head_q(
     THREADS: tl.constexpr, CR: tl.constexpr, PX: tl.constexpr, PY: tl.constexpr, MMA_HEAD_Q: tl.constexpr, temp_ptr, seed_ptr,
     SAMPLE_BLOCK: tl.constexpr, META_OFF: tl.constexpr, CAND_OFF: tl.constexpr, CAP: tl.constexpr, NC: tl.constexpr,
     X_SCALE: tl.constexpr, out_ptr, rows_h, probe_row, probe_half, PROBE: tl.constexpr, LR: tl.constexpr,
-    bound_ptr, IN_LOOP: tl.constexpr = False,
+    bound_ptr, lo_ptr, hi_ptr, IN_LOOP: tl.constexpr = False,
 ):
     """The LM head's pick from its int8 copy (head_quant.py), the same token _stage_head
     would pick. Every program norms the residual stream (x, the model's dtype) and stages x *
@@ -266,7 +266,11 @@ def _stage_head_q(
     where that is higher. A row whose upper bound is below another program's best lower bound
     cannot be the step's token, so most programs, and most often the late ones, whose end the
     step waits for, list no row and recompute nothing. A program with no candidate returns (-inf, 0), which loses to the
-    program that published the bound (its own row has hi >= lo = that bound)."""
+    program that published the bound (its own row has hi >= lo = that bound).
+
+    A temperature of -2 (BOUNDS: a top-k sample follows, head_refine.py) stores every row's lo
+    and hi (rounded to the dtype, no noise) at lo_ptr and hi_ptr instead, lists and recomputes
+    nothing, and returns the program's best lo (with its first row) for the caller's part."""
     dtype = base_ptr.dtype.element_ty
     z = loop_zero(IN_LOOP)  # added to every arange: see _head_input
     offs = tl.arange(0, BLOCK_X) + z
@@ -279,6 +283,7 @@ def _stage_head_q(
     nrows = tl.minimum(rows_per_program, V - first)
     temperature = tl.load(temp_ptr)
     sampled = temperature > 0.0
+    bounds = temperature < -1.5
     inv_t = 1.0 / tl.where(sampled, temperature, 1.0)
     seed = tl.load(seed_ptr)
     meta = slot_x + META_OFF
@@ -300,14 +305,19 @@ def _stage_head_q(
             noise = gumbel_noise(first + local, seed, SAMPLE_BLOCK, True)
             lo = lo * inv_t + noise
             hi = hi * inv_t + noise
+        if bounds:  # (the same for every thread)
+            tl.store(lo_ptr + first + local, lo.to(dtype), mask=valid)
+            tl.store(hi_ptr + first + local, hi.to(dtype), mask=valid)
         stage_f32_to_shared(hi, local * 4 + 3, valid, meta)
         best_lo = tl.maximum(best_lo, tl.where(valid, lo, float("-inf")))
         if c % 4 == 3:  # published along the way too, for the programs whose streams end first
             _shared_bound_publish(bound_ptr, tl.max(best_lo, axis=0))
     shared = _shared_bound_read(bound_ptr)  # (issued before the block's max below, which hides its latency)
     tau = tl.max(best_lo, axis=0)
+    own_lo = tau
     _shared_bound_publish(bound_ptr, tau)
     tau = tl.max(tl.where(shared > tau, shared, tau), axis=0)
+    tau = tl.where(bounds, float("inf"), tau)  # BOUNDS: list nothing
     _stamp(probe_row, 7, num_programs, probe_half, PROBE)  # (layer 0's free points: see _decode_kernel)
     tl.debug_barrier()  # every row's hi stored
     cand = slot_x + CAND_OFF
@@ -357,4 +367,4 @@ def _stage_head_q(
         start = tl.where(n > CAP, last + 1, nrows)
         tl.debug_barrier()  # the list read before the next round rewrites it
     _stamp(probe_row, 13, num_programs, probe_half, PROBE)
-    return best_val, best_row
+    return tl.where(bounds, own_lo, best_val), tl.where(bounds, first, best_row)

@@ -87,7 +87,7 @@ def _decode_kernel(
     head_val_ptr=None, head_idx_ptr=None,
     vocab=0, rows_vocab=0, FUSED_HEAD: tl.constexpr = False, HEAD_CR: tl.constexpr = 1, MMA_HEAD: tl.constexpr = "",
     HEAD_PARTS: tl.constexpr = 1, temp_ptr=None, seed_ptr=None, SAMPLE_BLOCK: tl.constexpr = 2048,
-    head_q_ptr=None, head_meta_ptr=None, HEAD_Q: tl.constexpr = False, HEAD_Q_CR: tl.constexpr = 1,
+    head_q_ptr=None, head_meta_ptr=None, head_hi_ptr=None, HEAD_Q: tl.constexpr = False, HEAD_Q_CR: tl.constexpr = 1,
     MMA_HEAD_Q: tl.constexpr = "", HEAD_META_OFF: tl.constexpr = 0, HEAD_CAND_OFF: tl.constexpr = 0,
     HEAD_CAP: tl.constexpr = 1, HEAD_NC: tl.constexpr = 8, HEAD_X_SCALE: tl.constexpr = 1.0, HEAD_LR: tl.constexpr = 1,
     MULTI_STEP: tl.constexpr = False, num_steps=1, rec8=0, rec4=0, host_tok_ptr=None,
@@ -124,11 +124,13 @@ def _decode_kernel(
     to next_tok_ptr, the programs' bests at head_val/head_idx, their count after the attention
     counts; a temperature above 0 at temp_ptr samples the token instead, under the seed at
     seed_ptr, as fused_sampler.gumbel_argmax with tiles of SAMPLE_BLOCK would). HEAD_Q (with
-    FUSED_HEAD): unless the temperature is below 0 (the caller wants every logit), the token is
+    FUSED_HEAD): unless the temperature is -1 (the caller wants every logit), the token is
     picked from the head's int8 copy at head_q_ptr with its meta at head_meta_ptr
     (_stage_head_q: HEAD_Q_CR rows per chunk, MMA_HEAD_Q, the meta and the candidate list
     HEAD_META_OFF and HEAD_CAND_OFF bytes into slot X, HEAD_CAP candidates per round, HEAD_NC
-    rows per recompute, the input scaled by HEAD_X_SCALE) and no logits are stored. MULTI_STEP
+    rows per recompute, the input scaled by HEAD_X_SCALE) and no logits are stored; at -2 it
+    stores every row's logit bounds instead (lower at logits_ptr, upper at head_hi_ptr) and
+    picks no token (the programs' best lower bounds stay at head_val: head_refine.py). MULTI_STEP
     (FUSED_HEAD with O_IN_A): num_steps decode steps in this launch, step i's inputs rec8 int64
     (rec4 32-bit) elements after step 0's (tok_ptr, pos_ptr, slot_ptr, seq_len_ptr, temp_ptr,
     seed_ptr), its token written over step i + 1's input token (the last step's to next_tok_ptr);
@@ -216,7 +218,8 @@ def _decode_kernel(
             kv3 = kv1
             kv4 = kv1
             if HEAD_Q:  # the 16-bit head runs (every logit stored) only where the step asks for it
-                head_exact = tl.load(temp_ptr + step * rec4) < 0.0
+                head_word = tl.load(temp_ptr + step * rec4)
+                head_exact = (head_word < 0.0) & (head_word > -1.5)  # -1 (-2: the int8 head's bounds)
             for layer_i in range(0, num_layers):
                 if SMEM_WEIGHTS:
                     layer_ptr = table + layer_i * (NUM_FIELDS * 8)
@@ -351,7 +354,7 @@ def _decode_kernel(
                         num_programs, rows_vocab, vocab, slot_x, slot_y, bar_x, bar_y, xbuf, red, H, BK_H, ACC_COPIES,
                         THREADS, HEAD_Q_CR, HEAD_PX, HEAD_PY, MMA_HEAD_Q, temp_s, seed_s, SAMPLE_BLOCK, HEAD_META_OFF,
                         HEAD_CAND_OFF, HEAD_CAP, HEAD_NC, HEAD_X_SCALE, out_ptr, rows_h, probe_ptr + pid, probe_half,
-                        PROBE, HEAD_LR, sync_ptr + head_sync_n + 1, MULTI_STEP)
+                        PROBE, HEAD_LR, sync_ptr + head_sync_n + 1, logits_ptr, head_hi_ptr, MULTI_STEP)
                 more = step + 1 < steps_here
                 nxt = tl.minimum(step + 1, steps_here - 1)
                 if MULTI_STEP:  # layer 0's qkv rows of the next step on their way into slot X (free now)

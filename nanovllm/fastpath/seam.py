@@ -36,8 +36,10 @@ import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.fastpath.graphs import BurstTokens, LoneGraphs, SingleDecodeInputs
+from nanovllm.fastpath.head_refine import HeadRefine
 from nanovllm.fastpath.penalties import LonePenalties
 from nanovllm.layers.sampler import SamplerOutput, step_seed
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.precompile import compile_in_background
 from nanovllm.step_result import Done, PendingOutput, RunnerOutput, StepResult
 from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
@@ -75,6 +77,9 @@ class FastPath:
         # the runner counts tokens over the same vocabulary.
         self.penalties = LonePenalties(vocab, runner.device)
         self.penalties_match = runner.penalty_state.vocab_size == vocab
+        # A top-k stream's logits from the int8 head's bounds (head_refine.py)
+        self.refine = (HeadRefine(decoder.logits, decoder.logits_hi, decoder.out, decoder.head_weight, decoder.head_val)
+                       if decoder.quantized_head else None)
         config = runner.config
         self.graphs = LoneGraphs(runner.graph_runner.capture_in_pool, runner.device,
                                  -(-config.max_model_len // runner.block_size), config.max_model_len,
@@ -100,6 +105,8 @@ class FastPath:
                     greedy(logits, ids)
                 # The filtered graphs' kernels, over the views they are captured with (the
                 # counts are nobody's yet).
+                if self.refine is not None:
+                    self.refine(s.temperatures[0], s.top_ks[0])
                 edited = penalties.apply(logits, s.penalty_knobs[0])
                 filtered(edited, s.sample_temperatures[0], s.top_ks[0], s.top_ps[0], s.min_ps[0], s.seeds[0], out=picked)
                 penalties.count(picked)
@@ -231,6 +238,8 @@ class FastPath:
         top-k / top-p / min-p sample under its seed into next_token, counted (what the filtered
         graphs capture)."""
         logits = self._lone_step(s.tokens[i], s.positions[i], s.meta(i), next_token, s.temperatures[i], s.seeds[i])
+        if self.refine is not None:  # (a bounds step's logits made exact where its top-k looks)
+            self.refine(s.temperatures[i], s.top_ks[i])
         edited = self.penalties.apply(logits, s.penalty_knobs[i])
         self.filtered(edited, s.sample_temperatures[i], s.top_ks[i], s.top_ps[i], s.min_ps[i], s.seeds[i], out=next_token)
         self.penalties.count(next_token)
@@ -285,7 +294,8 @@ class FastPath:
         filters = ((0.0, -1, 1.0, 0.0) if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p)) if filtered else None
         s.fill_host(host, token, item.start_pos, item.block_table, runner.block_size, steps, temperature, seeds,
                     all_logits=all_logits, filters=filters,
-                    penalties=(p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
+                    penalties=(p.presence_penalty, p.frequency_penalty, p.repetition_penalty),
+                    bounds=filtered and self._bounds_suffice(p))
         if token == PLACEHOLDER_TOKEN:
             row = runner.prev_rows[item.seq_id]
             if not (runner.prev_tokens is s.token and row == 0):
@@ -327,6 +337,13 @@ class FastPath:
         if not item.sample or p.logprobs is not None or item.banned_token_ids or p.edits_logits:
             return False
         return p.greedy or (p.plain_temperature and self.lone_sampling)
+
+    def _bounds_suffice(self, p: SamplingParams) -> bool:
+        """Whether a filtered step of a stream sampling under `p` takes the int8 head's bounds
+        (head_refine.py) instead of the 16-bit head: a top-k sample (k at most the kernel's
+        programs) without logit edits, which could lift a row the bounds left inexact."""
+        return (self.refine is not None and not p.greedy and not p.edits_logits
+                and 0 < p.top_k <= self.decoder.num_programs)
 
     def _graph_filters(self, item: ScheduledSeq) -> bool:
         """Whether this step takes the filtered graphs: a sampling step without logprobs, banned
