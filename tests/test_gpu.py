@@ -368,6 +368,35 @@ def test_seeded_filtered_stream_alone_equals_its_tokens_in_a_batch(checkpoint_fa
     assert len(set(map(tuple, outs[None]))) == 2 and all(len(t) == 40 for t in outs[None])
 
 
+def test_seeded_top_k_stream_on_the_int8_heads_bounds_draws_the_16_bit_heads_tokens(checkpoint_factory):
+    """A bf16 seeded top-k stream (Qwen3's defaults) decoding alone takes the int8 head's bounds
+    and the exact recompute of its top rows (fastpath/head_refine.py) instead of the 16-bit LM
+    head; its tokens equal those of the same stream through the 16-bit head, in bursts and in
+    one step per replay; a top-p-only stream (no top k) keeps the 16-bit head."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the persistent kernel's int8 head needs sm_90")
+    path = checkpoint_factory("qwen3", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    chat = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=11, max_tokens=40, ignore_eos=True)
+    for burst in (1, None):
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+                  decode_burst=burst)
+        runner = llm.engine.executor.runner
+        runner.finish_background_compile()
+        fp = runner.fastpath
+        assert fp.graphs.has_filtered and fp.graphs.has_top_k and fp.decoder.quantized_head
+        asked = []
+        suffice = fp._bounds_suffice
+        fp._bounds_suffice = lambda p: asked.append(suffice(p)) or asked[-1]
+        ps = prompts(llm.engine.vocab_size, [5, 60], seed=3)
+        on_bounds = [llm.generate([p], chat, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+        assert asked and all(asked)
+        fp._bounds_suffice = lambda p: False
+        on_16_bit = [llm.generate([p], chat, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+        assert on_bounds == on_16_bit and all(len(t) == 40 for t in on_bounds)
+        assert len(set(map(tuple, on_bounds))) == 2
+        assert not suffice(SamplingParams(temperature=0.6, top_p=0.95))
+
+
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={5: 1.0, 6: -100.0})
 
 

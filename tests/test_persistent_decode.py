@@ -288,13 +288,14 @@ class FakeGraphs:
     def has_single(self) -> bool:
         return self.single_graph is not None
 
-    def capture(self, step, burst=1, one_launch=False, filtered_step=None) -> None:
+    def capture(self, step, burst=1, one_launch=False, filtered_step=None, top_k_step=None) -> None:
         if self.fail:
             raise RuntimeError("capture failed")
         self.single_graph = step
         self.burst = burst
         self.one_launch = one_launch
         self.filtered_step = filtered_step
+        self.top_k_step = top_k_step
 
 
 def fastpath_with_background_compile(graphs: FakeGraphs, dry_pass):
@@ -305,6 +306,7 @@ def fastpath_with_background_compile(graphs: FakeGraphs, dry_pass):
     fast.runner = SimpleNamespace(config=SimpleNamespace(decode_burst=None))
     fast.graphs, fast.decoder = graphs, SimpleNamespace(multi_step=True)
     fast._dry_pass, fast._pending = dry_pass, None
+    fast.refine = SimpleNamespace()  # (an int8 head's HeadRefine: the top-k graphs are captured too)
     return fast
 
 
@@ -319,6 +321,7 @@ def test_background_compile_is_adopted_or_leaves_the_per_op_path(caplog):
     assert fast.graphs.burst == 8  # the default decode burst's graph is captured with it
     assert fast.graphs.one_launch  # in one launch, as the decoder can (multi_step)
     assert fast.graphs.filtered_step == fast._lone_filtered_step  # and the filtered streams' graphs
+    assert fast.graphs.top_k_step == fast._lone_top_k_step  # and the top-k streams'
     fast.finish_background_compile()  # nothing left to do
     assert ran == [True]
 
@@ -782,6 +785,54 @@ def test_cuda_quantized_head_picks_the_exact_heads_token(checkpoint_factory, cas
     for temperature, seed in ((0.0, 0), (1.0, 11)):
         want, got = picks(token, temperature, seed)
         assert got == want, (temperature, seed)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(MMA_CASES))
+@pytest.mark.parametrize("programs", ["one-per-sm", "8"])
+def test_cuda_bounds_step_gives_a_top_k_sample_the_exact_heads_token(checkpoint_factory, case, programs):
+    """The bounds step (temperature word -2: the int8 head stores each row's bounds, head.py)
+    against the 16-bit head of the same launch (-1): over 24 input tokens the bounds hold every
+    16-bit logit; after HeadRefine (fastpath/head_refine.py) the buffer's top k are the 16-bit
+    head's rows and values (to the rounding of sums in another order), and the pick from its
+    list draws what the filtered sampler draws from every 16-bit logit (top-k 20 with top-p
+    0.95, and top-k 5 with min-p 0.1, under several seeds)."""
+    from nanovllm.fastpath.head_refine import HeadRefine
+    from nanovllm.layers.filtered_sampler import FilteredSampler
+
+    path, kwargs = slots_case(checkpoint_factory, case, programs)
+    _, _, _, _, decoder = decode_both(path, 45, torch.bfloat16, **kwargs)
+    assert decoder.fused_head and decoder.quantized_head
+    _, position, meta = decoder.test_inputs
+    out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    exact_word, bounds_word = torch.tensor([-1.0], device=DEVICE), torch.tensor([-2.0], device=DEVICE)
+    seed0 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    sampler, lister = FilteredSampler(decoder.vocab, 1, DEVICE), FilteredSampler(decoder.vocab, 1, DEVICE)
+    refine = HeadRefine(decoder.logits, decoder.logits_hi, decoder.out, decoder.head_weight, decoder.head_val, lister)
+    one = lambda v, dtype=torch.float32: torch.tensor([v], dtype=dtype, device=DEVICE)  # noqa: E731
+    drawn = set()
+    for token in range(0, 384, 16):
+        t = torch.tensor([token], device=DEVICE)
+        with torch.inference_mode():
+            decoder(t, position, meta, out, exact_word, seed0)
+            exact = decoder.logits.clone()
+            decoder(t, position, meta, out, bounds_word, seed0)
+        lo, hi = decoder.logits.clone(), decoder.logits_hi.clone()
+        assert bool((lo <= exact).all() and (exact <= hi).all()), token
+        for k, top_p, min_p in ((20, 0.95, 0.0), (5, 1.0, 0.1)):
+            kth = exact[0].float().topk(k).values[-1]
+            top = exact[0].float() >= kth
+            for seed in (token, token + 7):
+                decoder.logits.copy_(lo)
+                refine(one(0.6), one(k, torch.int32))
+                torch.testing.assert_close(decoder.logits[0][top], exact[0][top], rtol=2.0**-7, atol=0.0)
+                assert bool((decoder.logits[0][~top].float() < kth).all()), (token, k)
+                args = (one(0.6), one(k, torch.int32), one(top_p), one(min_p), one(seed, torch.int64))
+                want = sampler(exact, *args).item()
+                assert lister.pick_listed(decoder.logits, *args, out=out).item() == want, (token, k, seed)
+                drawn.add(want)
+    assert len(drawn) > 10
 
 
 @needs_cuda

@@ -192,6 +192,10 @@ class LoneGraphs:
         # filtered stream's (every logit, then its top-k / top-p / min-p sample).
         self.filtered_single_graph: torch.cuda.CUDAGraph | None = None
         self.filtered_burst_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # The top-k graphs (capture(top_k_step=...)): the same shapes, each step a top-k stream's
+        # (the int8 head's bounds, its top rows' exact logits, the pick: head_refine.py).
+        self.top_k_single_graph: torch.cuda.CUDAGraph | None = None
+        self.top_k_burst_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.burst_steps = 1
         self.bursts_to_host = False
         self._next_burst = 0
@@ -212,6 +216,7 @@ class LoneGraphs:
         burst: int = 1,
         one_launch: bool = False,
         filtered_step: Callable[[SingleDecodeInputs, int, torch.Tensor], None] | None = None,
+        top_k_step: Callable[[SingleDecodeInputs, int, torch.Tensor], None] | None = None,
     ) -> None:
         """Capture `step` (`step(token, position, meta, next_token, temperature, seed) -> logits`:
         one decoding sequence's forward over `self.single`, its LM head and its greedy argmax (or
@@ -229,7 +234,7 @@ class LoneGraphs:
         filtered_step(inputs, i, next_token): step i of a filtered stream over record i of
         `inputs` (logit bias and penalties included), its token into next_token; captured the
         same way as the filtered graphs (one launch per step; a burst's tokens stay in its
-        records)."""
+        records). top_k_step: the same for a top-k stream, captured as the top-k graphs."""
         t0 = time.perf_counter()
         if burst > 1 and (not self.bursts or burst > self.bursts[0].steps):
             raise ValueError(f"a decode burst of {burst} steps needs as many input records, there are "
@@ -272,32 +277,40 @@ class LoneGraphs:
                     for j, b in enumerate(self.bursts)
                 ]
             self.burst_steps, self.bursts_to_host = burst, to_host
-        self.filtered_single_graph, self.filtered_burst_graphs = None, {}
-        if filtered_step is not None:
-            def filtered_steps(s: SingleDecodeInputs, n: int, last_token: torch.Tensor):
+
+        def sampling_graphs(sampled_step: Callable[[SingleDecodeInputs, int, torch.Tensor], None] | None, name: str):
+            """(single graph, burst graphs) of `sampled_step` (None, {} where it is None or its
+            capture fails: those streams then sample on the runner's path)."""
+            if sampled_step is None:
+                return None, {}
+
+            def sampled_steps(s: SingleDecodeInputs, n: int, last_token: torch.Tensor):
                 def forward() -> None:
                     for i in range(n):
-                        filtered_step(s, i, s.tokens[i + 1] if i + 1 < n else last_token)
+                        sampled_step(s, i, s.tokens[i + 1] if i + 1 < n else last_token)
                 return forward
 
             try:
-                single = capture(filtered_steps(s, 1, s.tokens[0]))[0]
-                bursts = {n: [capture(filtered_steps(b, n, b.tokens[0]))[0] for b in self.bursts]
-                          for n in (burst_sizes(burst) if burst > 1 else [])}
-            except Exception as e:  # noqa: BLE001 - filtered streams then sample on the runner's path
-                logger.warning("filtered lone-sequence graphs off: %s", e)
-            else:
-                self.filtered_single_graph, self.filtered_burst_graphs = single, bursts
+                return (capture(sampled_steps(s, 1, s.tokens[0]))[0],
+                        {n: [capture(sampled_steps(b, n, b.tokens[0]))[0] for b in self.bursts]
+                         for n in (burst_sizes(burst) if burst > 1 else [])})
+            except Exception as e:  # noqa: BLE001 - an optional fast path: log it and serve without it
+                logger.warning("%s lone-sequence graphs off: %s", name, e)
+                return None, {}
+
+        self.filtered_single_graph, self.filtered_burst_graphs = sampling_graphs(filtered_step, "filtered")
+        self.top_k_single_graph, self.top_k_burst_graphs = sampling_graphs(top_k_step, "top-k")
         logger.info("captured the persistent decode kernel's graphs (bursts of %d) in %.2fs", burst, time.perf_counter() - t0)
 
     def release(self) -> None:
         """Free the captured graphs (see CudaGraphRunner.release)."""
-        graphs = [g for family in (self.burst_graphs, self.filtered_burst_graphs) for pair in family.values() for g in pair]
-        graphs += [g for g in (self.single_graph, self.filtered_single_graph) if g is not None]
+        graphs = [g for family in (self.burst_graphs, self.filtered_burst_graphs, self.top_k_burst_graphs)
+                  for pair in family.values() for g in pair]
+        graphs += [g for g in (self.single_graph, self.filtered_single_graph, self.top_k_single_graph) if g is not None]
         for graph in graphs:
             graph.reset()
-        self.single_graph, self.single_logits, self.filtered_single_graph = None, None, None
-        self.burst_graphs, self.filtered_burst_graphs, self.burst_steps = {}, {}, 1
+        self.single_graph, self.single_logits, self.filtered_single_graph, self.top_k_single_graph = None, None, None, None
+        self.burst_graphs, self.filtered_burst_graphs, self.top_k_burst_graphs, self.burst_steps = {}, {}, {}, 1
 
     def next_burst(self) -> tuple[int, SingleDecodeInputs]:
         """(j, inputs) of the next decode burst: the graphs take turns, so that the next burst's
@@ -308,6 +321,16 @@ class LoneGraphs:
     def has_filtered(self) -> bool:
         """Whether a lone filtered stream replays the filtered graphs (`replay_single(filtered=True)`)."""
         return self.filtered_single_graph is not None
+
+    @property
+    def has_top_k(self) -> bool:
+        """Whether a lone top-k stream replays the top-k graphs (`replay_single(top_k=True)`)."""
+        return self.top_k_single_graph is not None
+
+    def burst_family(self, filtered: bool = False, top_k: bool = False) -> dict[int, list[torch.cuda.CUDAGraph]]:
+        """The decode bursts' graphs by length: the top-k graphs', else the filtered ones', else
+        the greedy / plain-temperature ones."""
+        return self.top_k_burst_graphs if top_k else self.filtered_burst_graphs if filtered else self.burst_graphs
 
     def last_token(self, j: int, filtered: bool = False) -> torch.Tensor:
         """Where burst j leaves its last token ([1] int64 on the device): the next input."""
@@ -325,18 +348,19 @@ class LoneGraphs:
         yield self._upload_stream
         self._uploaded[j].record(self._upload_stream)
 
-    def replay_burst(self, j: int, n: int, filtered: bool = False) -> BurstTokens:
+    def replay_burst(self, j: int, n: int, filtered: bool = False, top_k: bool = False) -> BurstTokens:
         """Replay the graph of burst j of n steps (its inputs filled: uploading); returns its
         tokens, on their way to the host. The kernel writes them into the same pinned memory at
         every replay of a burst j, so the last one's tokens are read first (the engine has
         normally read them already: it reads a burst's tokens before it launches the one after
-        next). filtered: the filtered graph of burst j (its tokens come from its records)."""
+        next). filtered: the filtered graph of burst j (its tokens come from its records); top_k:
+        the top-k graph (the same)."""
         if self._last_tokens[j] is not None:
             self._last_tokens[j].tolist()
         stream = torch.cuda.current_stream()
         stream.wait_event(self._uploaded[j])
-        (self.filtered_burst_graphs if filtered else self.burst_graphs)[n][j].replay()
-        if self.bursts_to_host and not filtered:
+        self.burst_family(filtered, top_k)[n][j].replay()
+        if self.bursts_to_host and not (filtered or top_k):
             tokens = BurstTokens(self.burst_tokens[j][:n], in_step_order=True)
         else:  # the records: step i's token in record i + 1, the last one's in record 0
             records = self.bursts[j].records[:n, 0]
@@ -347,9 +371,9 @@ class LoneGraphs:
         self._last_tokens[j] = tokens
         return tokens
 
-    def replay_single(self, filtered: bool = False) -> torch.Tensor:
+    def replay_single(self, filtered: bool = False, top_k: bool = False) -> torch.Tensor:
         """Replay the graph of size 1 over `self.single` (filled by the caller); returns its
-        logits [1, vocab]. The greedy token (filtered: the filtered sample) is in
-        `self.single.token` afterwards."""
-        (self.filtered_single_graph if filtered else self.single_graph).replay()
+        logits [1, vocab]. The greedy token (filtered: the filtered sample; top_k: the top-k
+        graph's) is in `self.single.token` afterwards."""
+        (self.top_k_single_graph if top_k else self.filtered_single_graph if filtered else self.single_graph).replay()
         return self.single_logits

@@ -8,7 +8,10 @@ one graph of them. Greedy and plain-temperature streams are picked by the kernel
 stream with top-k / top-p / min-p, or with penalties or a logit bias, takes the filtered
 graphs, where every logit is stored, its logit bias and penalties are applied on the device
 (fastpath/penalties.py keeps the stream's token counts at fixed addresses) and
-layers/filtered_sampler.py samples after each step. A seeded stream's noise is keyed by
+layers/filtered_sampler.py samples after each step; an unedited top-k stream (Qwen3's
+defaults) takes the top-k graphs instead, where the kernel's int8 LM head stores bounds and
+only the rows that can be in the top k are recomputed exactly and listed for the sampler's
+pick (head_refine.py). A seeded stream's noise is keyed by
 sampler.step_seed, as in the runner's sampler, so its tokens depend on its logits alone.
 Grammars, banned ids and logprobs take the runner's own path, as does everything else.
 
@@ -77,9 +80,9 @@ class FastPath:
         # the runner counts tokens over the same vocabulary.
         self.penalties = LonePenalties(vocab, runner.device)
         self.penalties_match = runner.penalty_state.vocab_size == vocab
-        # A top-k stream's logits from the int8 head's bounds (head_refine.py)
-        self.refine = (HeadRefine(decoder.logits, decoder.logits_hi, decoder.out, decoder.head_weight, decoder.head_val)
-                       if decoder.quantized_head else None)
+        # The top-k graphs' exact top rows, from the int8 head's bounds (head_refine.py)
+        self.refine = (HeadRefine(decoder.logits, decoder.logits_hi, decoder.out, decoder.head_weight, decoder.head_val,
+                                  self.filtered) if decoder.quantized_head else None)
         config = runner.config
         self.graphs = LoneGraphs(runner.graph_runner.capture_in_pool, runner.device,
                                  -(-config.max_model_len // runner.block_size), config.max_model_len,
@@ -105,11 +108,13 @@ class FastPath:
                     greedy(logits, ids)
                 # The filtered graphs' kernels, over the views they are captured with (the
                 # counts are nobody's yet).
-                if self.refine is not None:
-                    self.refine(s.temperatures[0], s.top_ks[0])
                 edited = penalties.apply(logits, s.penalty_knobs[0])
                 filtered(edited, s.sample_temperatures[0], s.top_ks[0], s.top_ps[0], s.min_ps[0], s.seeds[0], out=picked)
                 penalties.count(picked)
+                if self.refine is not None:  # the top-k graphs'
+                    self.refine(s.sample_temperatures[0], s.top_ks[0])
+                    filtered.pick_listed(logits, s.sample_temperatures[0], s.top_ks[0], s.top_ps[0], s.min_ps[0],
+                                         s.seeds[0], out=picked)
 
         self._dry_pass: Callable[[], None] | None = dry_pass
 
@@ -157,7 +162,8 @@ class FastPath:
             if not pending.result():
                 raise RuntimeError("this Triton cannot compile in the background")
             self.graphs.capture(self._lone_step, burst=self._graph_burst, one_launch=self.decoder.multi_step,
-                                filtered_step=self._lone_filtered_step)
+                                filtered_step=self._lone_filtered_step,
+                                top_k_step=self._lone_top_k_step if self.refine is not None else None)
         except Exception as e:  # noqa: BLE001 - an optional fast path: log it and serve without it
             logger.warning("persistent decode off: %s", e)
             self.graphs.single_graph = None
@@ -238,11 +244,19 @@ class FastPath:
         top-k / top-p / min-p sample under its seed into next_token, counted (what the filtered
         graphs capture)."""
         logits = self._lone_step(s.tokens[i], s.positions[i], s.meta(i), next_token, s.temperatures[i], s.seeds[i])
-        if self.refine is not None:  # (a bounds step's logits made exact where its top-k looks)
-            self.refine(s.temperatures[i], s.top_ks[i])
         edited = self.penalties.apply(logits, s.penalty_knobs[i])
         self.filtered(edited, s.sample_temperatures[i], s.top_ks[i], s.top_ps[i], s.min_ps[i], s.seeds[i], out=next_token)
         self.penalties.count(next_token)
+
+    def _lone_top_k_step(self, s: SingleDecodeInputs, i: int, next_token: torch.Tensor) -> None:
+        """Step i of a top-k stream over record i of `s` (its temperature word asks for bounds):
+        the persistent kernel with the int8 head's bounds, its top rows' exact logits listed
+        (head_refine.py), then the filtered sampler's pick under its seed into next_token (what
+        the top-k graphs capture). No logit edits: the seam sends only unedited streams here."""
+        logits = self._lone_step(s.tokens[i], s.positions[i], s.meta(i), next_token, s.temperatures[i], s.seeds[i])
+        self.refine(s.sample_temperatures[i], s.top_ks[i])
+        self.filtered.pick_listed(logits, s.sample_temperatures[i], s.top_ks[i], s.top_ps[i], s.min_ps[i], s.seeds[i],
+                                  out=next_token)
 
     def _execute_burst(self, item: ScheduledSeq) -> StepResult:
         """A decode burst (ScheduledSeq.num_steps steps of one greedy or plain-temperature
@@ -253,12 +267,13 @@ class FastPath:
         g = self.graphs
         runner = self.runner
         filtered = self._graph_filters(item)
-        graphs = g.filtered_burst_graphs if filtered else g.burst_graphs
+        top_k = filtered and self._top_k_graphs(item)
+        graphs = g.burst_family(filtered, top_k)
         if item.num_steps in graphs and (filtered or self._graph_picks_token(item)):
             j, s = g.next_burst()
             with g.uploading(j) as stream:
                 self._upload_lone_inputs(item, steps=item.num_steps, s=s, stream=stream)
-            tokens = g.replay_burst(j, item.num_steps, filtered=filtered)
+            tokens = g.replay_burst(j, item.num_steps, filtered=filtered, top_k=top_k)
             runner.prev_tokens, runner.prev_rows = g.last_token(j, filtered), {item.seq_id: 0}
             return BurstOutput(tokens)
         return runner.run_steps(item, self._execute_single)
@@ -295,7 +310,7 @@ class FastPath:
         s.fill_host(host, token, item.start_pos, item.block_table, runner.block_size, steps, temperature, seeds,
                     all_logits=all_logits, filters=filters,
                     penalties=(p.presence_penalty, p.frequency_penalty, p.repetition_penalty),
-                    bounds=filtered and self._bounds_suffice(p))
+                    bounds=filtered and self._top_k_graphs(item))
         if token == PLACEHOLDER_TOKEN:
             row = runner.prev_rows[item.seq_id]
             if not (runner.prev_tokens is s.token and row == 0):
@@ -318,7 +333,7 @@ class FastPath:
         if not item.sample and runner.prev_tokens is s.token:
             runner.prev_tokens = s.token.clone()  # the replay's argmax overwrites them
         filtered = self._graph_filters(item)
-        logits = self.graphs.replay_single(filtered=filtered)
+        logits = self.graphs.replay_single(filtered=filtered, top_k=filtered and self._top_k_graphs(item))
         if not item.sample:
             return None
         if filtered or self._graph_picks_token(item):
@@ -338,8 +353,12 @@ class FastPath:
             return False
         return p.greedy or (p.plain_temperature and self.lone_sampling)
 
+    def _top_k_graphs(self, item: ScheduledSeq) -> bool:
+        """Whether a filtered step (`_graph_filters`) takes the top-k graphs (`_bounds_suffice`)."""
+        return self.graphs.has_top_k and self._bounds_suffice(item.params)
+
     def _bounds_suffice(self, p: SamplingParams) -> bool:
-        """Whether a filtered step of a stream sampling under `p` takes the int8 head's bounds
+        """Whether a filtered stream sampling under `p` can take the int8 head's bounds
         (head_refine.py) instead of the 16-bit head: a top-k sample (k at most the kernel's
         programs) without logit edits, which could lift a row the bounds left inexact."""
         return (self.refine is not None and not p.greedy and not p.edits_logits

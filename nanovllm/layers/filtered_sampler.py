@@ -268,6 +268,7 @@ def _pick_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, 
     seed = tl.load(seed_ptr + row)
     tau = tl.load(tau_ptr + row)
     big = tl.load(row_max_ptr + row)
+    tl.store(row_max_ptr + row, float("-inf"))  # ready for a listing launch's running maximum (pick_listed)
     z = tl.load(z_ptr + row)
     if n <= SMALL:
         token, decided = _pick_from_candidates(cand_val_ptr, cand_idx_ptr, row, n, t, k, top_p, min_p, seed, tau, big, z,
@@ -312,8 +313,8 @@ class FilteredSampler:
         self.tile_max = torch.empty((max_rows, self.num_tiles), **f32)
         self.tile_sum = torch.empty((max_rows, self.num_tiles), **f32)
         self.tau = torch.empty(max_rows, **f32)
-        self.row_max = torch.empty(max_rows, **f32)
-        self.z = torch.empty(max_rows, **f32)
+        self.row_max = torch.full((max_rows,), float("-inf"), **f32)  # the pick puts it back to -inf
+        self.z = torch.ones(max_rows, **f32)
         self.count = torch.zeros(max_rows, dtype=torch.int32, device=device)  # the pick puts it back to 0
         self.cand_val = torch.empty((max_rows, CAP), **f32)
         self.cand_idx = torch.empty((max_rows, CAP), dtype=torch.int32, device=device)
@@ -344,7 +345,24 @@ class FilteredSampler:
                num_warps=4)
         launch(_candidates_kernel, grid, logits, logits.stride(0), temperature, self.tau, self.count, self.cand_val,
                self.cand_idx, vocab, self.num_tiles, tiles_per_prog, TILE_=TILE, CAP_=CAP, num_warps=4)
+        return self.pick_listed(logits, temperature, top_k, top_p, min_p, seeds, out)
+
+    def pick_listed(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The last launch of a call (`_pick_kernel`) alone, over candidates another launch has
+        listed in this sampler's workspace (`listing`), as `__call__` takes its arguments. The
+        lister must have counted and stored every entry >= the row's tau (as x / temperature,
+        at most CAP of them, the count past CAP where there are more), kept the row's maximum
+        and a tau such that, with top-k on, the list holds the whole top k; the pick then
+        searches `logits` only where the list overflowed."""
+        rows, vocab = logits.shape
         launch(_pick_kernel, (rows,), logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, self.tau,
                self.row_max, self.z, self.count, self.cand_val, self.cand_idx, out, vocab, CAP_=CAP, SMALL=SMALL_CAP,
                PAIR=PAIR_BLOCK, WIDE=WIDE_BLOCK, SAMPLE_BLOCK=BLOCK_V, FAST=self.fast_log, num_warps=8)
         return out
+
+    def listing(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The workspace a lister fills for `pick_listed` (row 0's view of each): count ([1] int32,
+        0 between picks), candidate values ([CAP] fp32) and ids ([CAP] int32), tau ([1] fp32) and
+        the running row maximum ([1] fp32, -inf between picks)."""
+        return self.count[:1], self.cand_val[0], self.cand_idx[0], self.tau[:1], self.row_max[:1]
