@@ -72,6 +72,7 @@ def test_the_top_k_are_exact_listed_and_the_rest_below_them(dtype, top_k):
     assert n >= top_k
     listed = ids[:n].long()
     assert set(torch.nonzero(top).flatten().tolist()) <= set(listed.tolist())
+    assert bool((values[:n] >= tau).all()), "rows whose exact logit is below tau are not listed"
     torch.testing.assert_close(values[:n], exact[listed].float() * 2.0, atol=0.0, rtol=0.0)  # divided by 0.5
     assert row_max.item() == exact.float().max().item() * 2.0
     assert tau.item() <= kth.item() * 2.0

@@ -824,13 +824,16 @@ def test_cuda_bounds_step_gives_a_top_k_sample_the_exact_heads_token(checkpoint_
             kth = exact[0].float().topk(k).values[-1]
             top = exact[0].float() >= kth
             for seed in (token, token + 7):
-                decoder.logits.copy_(lo)
-                refine(one(0.6), one(k, torch.int32))
+                with torch.inference_mode():
+                    decoder.logits.copy_(lo)
+                    refine(one(0.6), one(k, torch.int32))
                 torch.testing.assert_close(decoder.logits[0][top], exact[0][top], rtol=2.0**-7, atol=0.0)
                 assert bool((decoder.logits[0][~top].float() < kth).all()), (token, k)
                 args = (one(0.6), one(k, torch.int32), one(top_p), one(min_p), one(seed, torch.int64))
-                want = sampler(exact, *args).item()
-                assert lister.pick_listed(decoder.logits, *args, out=out).item() == want, (token, k, seed)
+                with torch.inference_mode():
+                    want = sampler(exact, *args).item()
+                    got = lister.pick_listed(decoder.logits, *args, out=out).item()
+                assert got == want, (token, k, seed)
                 drawn.add(want)
     assert len(drawn) > 10
 

@@ -13,8 +13,8 @@ program's largest lo in the kernel's per-program values. `HeadRefine` then takes
           rows have lo >= tau, so the k-th largest logit is >= tau;
 
 recomputes from the 16-bit weight the logit of every row with hi >= tau, writes it over its lo,
-and lists it (divided by the temperature) for FilteredSampler.pick_listed, with tau and the
-largest of them.
+and lists those whose logit is >= tau (divided by the temperature: a few more than k) for
+FilteredSampler.pick_listed, with tau and the largest of them.
 
 A row left at lo has lo <= hi < tau <= the k-th largest logit, and every row of the top k was
 recomputed and listed: the list holds the logits' top k with their values, and the buffer's k
@@ -72,11 +72,12 @@ def _refine_kernel(logits_ptr, hi_ptr, hidden_ptr, weight_ptr, part_ptr, temp_pt
             w = tl.load(weight_ptr + row.to(tl.int64) * H + offs, mask=hmask, other=0.0)
             logit = tl.sum(w.to(tl.float32) * x, axis=0).to(logits_ptr.dtype.element_ty)
             tl.store(logits_ptr + row, logit)
-            scaled = logit.to(tl.float32) * inv_t
-            pos = tl.atomic_add(count_ptr, 1)
-            tl.store(cand_val_ptr + pos, scaled, mask=pos < CAP_)
-            tl.store(cand_idx_ptr + pos, row, mask=pos < CAP_)
-            tl.atomic_max(row_max_ptr, scaled)
+            if logit.to(tl.float32) >= tau:  # (below tau: not in the top k, whatever its bound said)
+                scaled = logit.to(tl.float32) * inv_t
+                pos = tl.atomic_add(count_ptr, 1)
+                tl.store(cand_val_ptr + pos, scaled, mask=pos < CAP_)
+                tl.store(cand_idx_ptr + pos, row, mask=pos < CAP_)
+                tl.atomic_max(row_max_ptr, scaled)
 
 
 class HeadRefine:

@@ -260,7 +260,6 @@ def _pick_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, 
                  FAST: tl.constexpr):
     row = tl.program_id(0)
     n = tl.load(count_ptr + row)
-    tl.store(count_ptr + row, 0)  # ready for the next launch
     t = tl.load(temp_ptr + row)
     k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
@@ -268,7 +267,6 @@ def _pick_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, 
     seed = tl.load(seed_ptr + row)
     tau = tl.load(tau_ptr + row)
     big = tl.load(row_max_ptr + row)
-    tl.store(row_max_ptr + row, float("-inf"))  # ready for a listing launch's running maximum (pick_listed)
     z = tl.load(z_ptr + row)
     if n <= SMALL:
         token, decided = _pick_from_candidates(cand_val_ptr, cand_idx_ptr, row, n, t, k, top_p, min_p, seed, tau, big, z,
@@ -289,6 +287,12 @@ def _pick_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, 
     # embedding can read, so a broken row cannot take the device down with it.
     token = tl.minimum(token, vocab_size - 1)
     tl.store(out_ptr + row, token.to(tl.int64))
+    # Ready for the next launch: the count back to 0 and the row maximum to -inf (a lister's
+    # running maximum starts there: pick_listed). After a barrier: every warp loads them, and
+    # one that had not yet would read the reset values.
+    tl.debug_barrier()
+    tl.store(count_ptr + row, 0)
+    tl.store(row_max_ptr + row, float("-inf"))
 
 
 class FilteredSampler:
