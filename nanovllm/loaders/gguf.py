@@ -120,6 +120,44 @@ def load_gguf_config(
     path: str | os.PathLike[str], *, reader: GGUFHeader | None = None
 ) -> transformers.PretrainedConfig:
     """A transformers config (LlamaConfig, Qwen2Config or Qwen3Config) from the GGUF metadata."""
+    config_class, kwargs, extras = _config_parts(path, reader)
+    config = getattr(transformers, config_class)(**kwargs)
+    for name, value in extras.items():
+        setattr(config, name, value)
+    return config
+
+
+# What the transformers 5 config classes hold, beyond the arguments _config_parts gives them, of
+# what the engine reads (tests/test_startup_cache.py, CONFIG_ATTRIBUTES).
+_CONFIG_DEFAULTS = {
+    "llama": {"model_type": "llama", "hidden_act": "silu", "mlp_bias": False, "dtype": None},
+    "qwen2": {"model_type": "qwen2", "hidden_act": "silu", "use_sliding_window": False, "sliding_window": None, "dtype": None},
+    "qwen3": {"model_type": "qwen3", "hidden_act": "silu", "use_sliding_window": False, "sliding_window": None, "dtype": None},
+}  # fmt: skip
+
+
+def gguf_config_values(path: str | os.PathLike[str], *, reader: GGUFHeader | None = None) -> dict[str, Any] | None:
+    """What the engine reads of load_gguf_config(path), as the values of a config.json (the
+    cache's SavedConfig), without the transformers config class, whose import takes seconds
+    (it pulls in most of transformers and torch.distributed). Transformers 5's layout: RoPE as
+    `rope_parameters` (theta and scaling in one dict, `rope_scaling` an alias of it). None
+    under transformers 4, whose classes keep another layout: use load_gguf_config there."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return None
+    _, kwargs, extras = _config_parts(path, reader)
+    arch = kwargs["architectures"][0]
+    family = next(name for name, (_, hf_arch) in GGUF_ARCHITECTURES.items() if hf_arch == arch)
+    values = {**_CONFIG_DEFAULTS[family], **kwargs, **extras}
+    theta, scaling = values.pop("rope_theta"), values.pop("rope_scaling")
+    values["rope_parameters"] = {**(scaling or {"rope_type": "default"}), "rope_theta": theta}
+    values["rope_scaling"] = dict(values["rope_parameters"])
+    return values
+
+
+def _config_parts(
+    path: str | os.PathLike[str], reader: GGUFHeader | None
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(transformers config class name, its arguments, values set on it after) of a GGUF file."""
     reader = reader if reader is not None else open_gguf(path)
     arch = _require(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -157,15 +195,16 @@ def load_gguf_config(
     else:
         kwargs["head_dim"] = head_dim
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    config = getattr(transformers, config_class)(**kwargs)
-    # The file's general.sampling.* values ride on the config, so that a start-up from the
-    # converted-file cache (which never opens the file) sees them too (loaders/generation_config.py).
-    config.gguf_sampling = sampling_metadata(reader)
-    # Whether the layers' weights are stored quantized (the engine then keeps them quantized on
-    # the CPU by default: runner/device.py, resolve_quantization).
-    config.gguf_quantized = any(t.tensor_type not in DENSE_TYPES for t in reader.tensors
-                                if t.name.startswith("blk.") and len(t.shape) == 2)
-    return config
+    extras = {
+        # The file's general.sampling.* values ride on the config, so that a start-up from the
+        # converted-file cache (which never opens the file) sees them too (loaders/generation_config.py).
+        "gguf_sampling": sampling_metadata(reader),
+        # Whether the layers' weights are stored quantized (the engine then keeps them quantized
+        # on the CPU by default: runner/device.py, resolve_quantization).
+        "gguf_quantized": any(t.tensor_type not in DENSE_TYPES for t in reader.tensors
+                              if t.name.startswith("blk.") and len(t.shape) == 2),
+    }
+    return config_class, kwargs, extras
 
 
 def sampling_metadata(reader: GGUFHeader) -> dict[str, Any]:
