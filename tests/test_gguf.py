@@ -370,6 +370,33 @@ def test_header_reads_what_gguf_py_reads(tmp_path, checkpoint_factory, qtype):
         assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_block_formats_dequantize_to_gguf_py_values(tmp_path, monkeypatch, qtype):
+    """The loader's own dequantization of these block formats gives gguf-py's fp32 values bit
+    for bit, over blocks of every magnitude (fp16 subnormal scales too), zero and constant
+    blocks, and several chunks of blocks."""
+    import nanovllm.loaders.gguf as loader
+    from transformers import LlamaConfig
+
+    monkeypatch.setattr(loader, "_BLOCK_ROWS", 7)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((24, 96)).astype(np.float32) * np.float32(10.0) ** rng.integers(-7, 3, (24, 1))
+    w[0, :32] = 0.0
+    w[1, 32:64] = -1.5
+    w[2] = np.abs(w[2])
+    writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    writer.add_tensor("token_embd.weight", gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (name, got), = iter_gguf_weights(tmp_path / "q.gguf", LlamaConfig())
+    raw = open_gguf(tmp_path / "q.gguf").tensors[0].data
+    expected = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
+    assert name == "model.embed_tokens.weight" and got.dtype == torch.float32
+    assert np.array_equal(got.numpy().view(np.uint32), expected.view(np.uint32))
+
+
 def test_damaged_header_is_refused(tmp_path, checkpoint_factory):
     write_gguf(tmp_path / "m.gguf", checkpoint_factory("llama", tie_word_embeddings=False), Q.Q8_0)
     data = (tmp_path / "m.gguf").read_bytes()

@@ -242,3 +242,35 @@ def test_codes_by_chunks_of_rows_equal_the_whole(monkeypatch):
     chunked = _codes(weight, GROUP_SIZE)
     for a, b in zip(whole, chunked):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def recorded_input(rows: int, cols: int):
+    """Fixed pseudo-random weights from integer arithmetic (no generator whose stream could
+    change), with a constant group, a zero group and a row of wide groups."""
+    import numpy as np
+
+    i, j = np.arange(rows)[:, None], np.arange(cols)[None, :]
+    w = (((i * 7919 + j * 104729 + i * j * 31) % 2001) - 1000).astype(np.float32) / 16384
+    w[3, :32] = 0.25
+    w[4, 32:64] = 0.0
+    w[5] *= 40
+    return w
+
+
+def test_codes_and_scales_are_the_recorded_ones():
+    """_codes of fixed bf16 weights, plain and as GGUF Q4_1 dequantizes them (gguf-py's
+    quantize), give the codes, scales and zeros recorded from the implementation they were
+    first cached with (xxh3 digests of their bytes): an int4 model is the same whichever way
+    _codes computes it."""
+    import gguf
+    import numpy as np
+    import xxhash
+
+    w = recorded_input(300, 128)
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    q = gguf.quants.dequantize(gguf.quants.quantize(w, q4_1), q4_1).reshape(w.shape)
+    for weights, recorded in ((w, "57636a9425c18af8"), (q, "55cbe827562008d3")):
+        h = xxhash.xxh3_64()
+        for t in _codes(torch.from_numpy(np.ascontiguousarray(weights)).bfloat16(), GROUP_SIZE):
+            h.update(t.contiguous().numpy().tobytes())
+        assert h.hexdigest() == recorded

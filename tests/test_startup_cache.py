@@ -412,3 +412,87 @@ def test_command_threads(monkeypatch):
     assert command_threads(None) is None
     with pytest.raises(ValueError, match="--threads"):
         command_threads(0)
+
+
+# ---------------------------------------------------------------- the config without transformers' class
+
+
+def _rope_writer(rope):
+    def write(writer) -> None:
+        import gguf
+
+        if rope is None:
+            return
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        writer.add_rope_scaling_factor(rope["factor"])
+        if "original_max_position_embeddings" in rope:
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+    return write
+
+
+@pytest.mark.parametrize("arch,shape", [("llama", {"tie_word_embeddings": False}), ("qwen2", {"head_dim": 16}), ("qwen3", {})])
+@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 4.0},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}],
+                         ids=["plain", "linear", "yarn"])
+def test_config_values_are_what_the_config_class_gives(tmp_path, checkpoint_factory, arch, shape, rope):
+    """For every architecture the GGUF loader takes, and RoPE plain or scaled, the config a start
+    builds without transformers' config class (gguf_config_values, as SavedConfig) gives every
+    attribute the engine reads as transformers' class does (load_gguf_config), directly and
+    through the cache's config.json."""
+    from nanovllm.loaders.gguf_cache import SavedConfig
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, checkpoint_factory(arch, **shape), Q.Q8_0, extra_kv=_rope_writer(rope))
+    reference = gguf_loader.load_gguf_config(path)
+    values = gguf_loader.gguf_config_values(path)
+    ours = SavedConfig(values)
+    saved = SavedConfig(json.loads(json.dumps(values)))
+    for config in (ours, saved):
+        assert_same_config(config, reference)
+        for name in ("sliding_window", "model_type", "gguf_sampling", "gguf_quantized"):
+            assert getattr(config, name, "absent") == getattr(reference, name, "absent"), name
+
+
+def test_config_values_of_a_llama3_rope_file(tmp_path, tokenizer_dir):
+    """Llama 3 RoPE scaling, which the loader recovers from the rope_freqs tensor."""
+    from checkpoints import make_checkpoint
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nanovllm.loaders.gguf_cache import SavedConfig
+
+    rope = {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    }  # fmt: skip
+    checkpoint = make_checkpoint(tmp_path / "hf", tokenizer_dir, "llama", rope_parameters=rope, max_position_embeddings=131072)
+    hf_config = AutoConfig.from_pretrained(checkpoint)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    head_dim = hf_config.head_dim
+    base = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    divisors = (base / scaled).numpy().astype("float32")
+    write_gguf(tmp_path / "m.gguf", checkpoint, Q.F32, extra_tensors={"rope_freqs.weight": divisors})
+    reference = gguf_loader.load_gguf_config(tmp_path / "m.gguf")
+    assert reference.rope_parameters["rope_type"] == "llama3"
+    assert_same_config(SavedConfig(gguf_loader.gguf_config_values(tmp_path / "m.gguf")), reference)
+
+
+def test_first_start_config_does_not_import_the_config_class(tiny_gguf, cache_root):
+    """On a first start (an empty cache) the GGUF file's config is a SavedConfig, and neither
+    transformers' config module for the architecture nor torch.distributed is imported."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        f"from nanovllm.loaders.source import resolve_model\n"
+        f"source = resolve_model({str(tiny_gguf)!r})\n"
+        "print(type(source.hf_config).__name__, source.hf_config.architectures[0])\n"
+        "print(sorted(m for m in ('transformers.models.llama.configuration_llama', 'torch.distributed.tensor')"
+        " if m in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["SavedConfig LlamaForCausalLM", "[]"]

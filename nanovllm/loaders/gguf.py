@@ -18,9 +18,10 @@ it came from llama.cpp. The decisions:
   scaling as a `rope_freqs` tensor of per-frequency divisors instead; we recover HF's `llama3`
   parameters from it (factor = the largest divisor, the other three are the values every Llama 3
   release uses) and refuse the file if recomputing the table does not reproduce the tensor.
-- Weights: `gguf.quants.dequantize` handles every type the gguf package implements (F32, F16,
-  BF16, Q4_0/Q4_1/Q5_x/Q8_0, K-quants, IQ-quants); anything else raises ValueError naming the
-  tensor. GGUF lists dims fastest-first, so HF shape is the reverse of `tensor.shape`.
+- Weights: Q4_0, Q4_1 and Q8_0 blocks are dequantized here with torch, by gguf-py's operations
+  (the same fp32 values, without its Python loop over rows); `gguf.quants.dequantize` handles
+  every other type the gguf package implements (F32, F16, BF16, Q5_x, K-quants, IQ-quants);
+  anything else raises ValueError naming the tensor. GGUF lists dims fastest-first, so HF shape is the reverse of `tensor.shape`.
 - Llama q/k: llama.cpp's converter permutes the rows of q_proj/k_proj (per head, the two rotary
   halves are interleaved so GGML's adjacent-pair RoPE works). HF applies `rotate_half` to the
   halves, so for the `llama` architecture the permutation is undone (q with num_attention_heads,
@@ -119,6 +120,44 @@ def load_gguf_config(
     path: str | os.PathLike[str], *, reader: GGUFHeader | None = None
 ) -> transformers.PretrainedConfig:
     """A transformers config (LlamaConfig, Qwen2Config or Qwen3Config) from the GGUF metadata."""
+    config_class, kwargs, extras = _config_parts(path, reader)
+    config = getattr(transformers, config_class)(**kwargs)
+    for name, value in extras.items():
+        setattr(config, name, value)
+    return config
+
+
+# What the transformers 5 config classes hold, beyond the arguments _config_parts gives them, of
+# what the engine reads (tests/test_startup_cache.py, CONFIG_ATTRIBUTES).
+_CONFIG_DEFAULTS = {
+    "llama": {"model_type": "llama", "hidden_act": "silu", "mlp_bias": False, "dtype": None},
+    "qwen2": {"model_type": "qwen2", "hidden_act": "silu", "use_sliding_window": False, "sliding_window": None, "dtype": None},
+    "qwen3": {"model_type": "qwen3", "hidden_act": "silu", "use_sliding_window": False, "sliding_window": None, "dtype": None},
+}  # fmt: skip
+
+
+def gguf_config_values(path: str | os.PathLike[str], *, reader: GGUFHeader | None = None) -> dict[str, Any] | None:
+    """What the engine reads of load_gguf_config(path), as the values of a config.json (the
+    cache's SavedConfig), without the transformers config class, whose import takes seconds
+    (it pulls in most of transformers and torch.distributed). Transformers 5's layout: RoPE as
+    `rope_parameters` (theta and scaling in one dict, `rope_scaling` an alias of it). None
+    under transformers 4, whose classes keep another layout: use load_gguf_config there."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return None
+    _, kwargs, extras = _config_parts(path, reader)
+    arch = kwargs["architectures"][0]
+    family = next(name for name, (_, hf_arch) in GGUF_ARCHITECTURES.items() if hf_arch == arch)
+    values = {**_CONFIG_DEFAULTS[family], **kwargs, **extras}
+    theta, scaling = values.pop("rope_theta"), values.pop("rope_scaling")
+    values["rope_parameters"] = {**(scaling or {"rope_type": "default"}), "rope_theta": theta}
+    values["rope_scaling"] = dict(values["rope_parameters"])
+    return values
+
+
+def _config_parts(
+    path: str | os.PathLike[str], reader: GGUFHeader | None
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(transformers config class name, its arguments, values set on it after) of a GGUF file."""
     reader = reader if reader is not None else open_gguf(path)
     arch = _require(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -156,15 +195,16 @@ def load_gguf_config(
     else:
         kwargs["head_dim"] = head_dim
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    config = getattr(transformers, config_class)(**kwargs)
-    # The file's general.sampling.* values ride on the config, so that a start-up from the
-    # converted-file cache (which never opens the file) sees them too (loaders/generation_config.py).
-    config.gguf_sampling = sampling_metadata(reader)
-    # Whether the layers' weights are stored quantized (the engine then keeps them quantized on
-    # the CPU by default: runner/device.py, resolve_quantization).
-    config.gguf_quantized = any(t.tensor_type not in DENSE_TYPES for t in reader.tensors
-                                if t.name.startswith("blk.") and len(t.shape) == 2)
-    return config
+    extras = {
+        # The file's general.sampling.* values ride on the config, so that a start-up from the
+        # converted-file cache (which never opens the file) sees them too (loaders/generation_config.py).
+        "gguf_sampling": sampling_metadata(reader),
+        # Whether the layers' weights are stored quantized (the engine then keeps them quantized
+        # on the CPU by default: runner/device.py, resolve_quantization).
+        "gguf_quantized": any(t.tensor_type not in DENSE_TYPES for t in reader.tensors
+                              if t.name.startswith("blk.") and len(t.shape) == 2),
+    }
+    return config_class, kwargs, extras
 
 
 def sampling_metadata(reader: GGUFHeader) -> dict[str, Any]:
@@ -228,10 +268,56 @@ def _llama3_rope(divisors: np.ndarray, theta: float, head_dim: int) -> dict[str,
     }
 
 
+def _blocks_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    return d * (_nibbles(blocks[:, 2:]).float() - 8)
+
+
+def _blocks_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return d * _nibbles(blocks[:, 4:]).float() + m
+
+
+def _blocks_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    return blocks[:, 2:].contiguous().view(torch.int8).float() * d
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """A block's 32 4-bit codes [blocks, 32] (uint8) from its 16 bytes: byte j holds code j in
+    its low half and code j + 16 in its high half."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+# Block formats dequantized here with torch, by the operations gguf.quants does them in numpy (so
+# to the same fp32 values: tests/test_gguf.py), without its Python loop over groups of 16 rows
+# (seconds for the embedded model's Q4_1 projections).
+_TORCH_BLOCKS = {
+    gguf.GGMLQuantizationType.Q4_0: _blocks_q4_0,
+    gguf.GGMLQuantizationType.Q4_1: _blocks_q4_1,
+    gguf.GGMLQuantizationType.Q8_0: _blocks_q8_0,
+}
+_BLOCK_ROWS = 1 << 16  # blocks dequantized at a time: the temporaries stay in the CPU's caches
+
+
+def _dequantize_blocks(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """fp32 values of a tensor stored in one of _TORCH_BLOCKS's formats, flat."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    blocks = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, type_size))  # a copy: the map is read-only
+    out = torch.empty(blocks.shape[0], block_size, dtype=torch.float32)
+    for start in range(0, blocks.shape[0], _BLOCK_ROWS):
+        out[start : start + _BLOCK_ROWS] = _TORCH_BLOCKS[kind](blocks[start : start + _BLOCK_ROWS])
+    return out.reshape(-1).numpy()
+
+
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     """fp32, C-contiguous, writable, in HF shape (GGUF lists dims in reverse)."""
     try:
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if tensor.tensor_type in _TORCH_BLOCKS:
+            data = _dequantize_blocks(tensor.data, tensor.tensor_type)
+        else:
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
         raise ValueError(
             f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be dequantized: {e}"

@@ -10,9 +10,10 @@ loaders/gguf.py, models/ and layers/ (a change there could change the parameters
 without changing their names or shapes). Writing a new entry for a file removes its entries for
 other code.
 
-- `config.json`: the HF config's values. A warm start reads them into `SavedConfig`, a plain
-  attribute holder, instead of the transformers config class, whose import pulls in most of
-  transformers; the engine only reads attributes of the config.
+- `config.json`: the config's values: those `gguf_config_values` (loaders/gguf.py) gives a
+  first start, or under transformers 4 the config class's. A start reads them into
+  `SavedConfig`, a plain attribute holder, instead of the transformers config class, whose
+  import pulls in most of transformers; the engine only reads attributes of the config.
 - `tokenizer-transformers-<version>/`: the tokenizer as `save_pretrained` writes it.
 - `params-<variant>.safetensors` + `.json`: the model's parameters right after `load_weights`
   (fused, sharded and cast as the model holds them; the variant names the model class, dtype

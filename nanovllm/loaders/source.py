@@ -125,9 +125,17 @@ def resolve_model(model: str | os.PathLike | None, hf_config: Any = None) -> Mod
         if source.hf_config is None and source.cache is not None:
             source.hf_config = source.cache.load_config()
         if source.hf_config is None:
-            from nanovllm.loaders.gguf import load_gguf_config
+            from nanovllm.loaders.gguf import gguf_config_values, load_gguf_config
 
-            source.hf_config = load_gguf_config(path, reader=source.gguf_reader())
+            # The cache's form of the config (SavedConfig) on a first start too, where it can
+            # be built without the transformers config class (gguf_config_values).
+            values = gguf_config_values(path, reader=source.gguf_reader())
+            if values is not None:
+                from nanovllm.loaders.gguf_cache import SavedConfig
+
+                source.hf_config = SavedConfig(values)
+            else:
+                source.hf_config = load_gguf_config(path, reader=source.gguf_reader())
             if source.cache is not None:
                 source.cache.save_config(source.hf_config)
         return source
