@@ -42,8 +42,8 @@ from nanovllm.fastpath.graphs import BurstTokens, LoneGraphs, SingleDecodeInputs
 from nanovllm.fastpath.head_refine import HeadRefine
 from nanovllm.fastpath.penalties import LonePenalties
 from nanovllm.layers.sampler import SamplerOutput, step_seed
-from nanovllm.sampling_params import SamplingParams
 from nanovllm.precompile import compile_in_background
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.step_result import Done, PendingOutput, RunnerOutput, StepResult
 from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
 
