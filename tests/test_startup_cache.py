@@ -11,6 +11,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -355,17 +357,21 @@ def test_cached_params_that_do_not_fit_are_not_used(cache_root, tiny_gguf):
     assert all(bool((p == 0.5).all()) for p in model.parameters())
 
 
+def run_fresh(command: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """`command` in a fresh interpreter process with this checkout importable; fails the test
+    with its stderr unless it exits with 0."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_generate_verbose_prints_the_table_and_the_answer(cache_root, tiny_gguf):
     """The real command, in a process of its own (it exits without interpreter teardown)."""
-    import subprocess
-    import sys
-
     command = [sys.executable, "-m", "nanovllm", "generate", "--model", str(tiny_gguf), "--max-tokens", "4",
                "--ignore-eos", "--quiet", "--verbose", "--device", "cpu", "--num-kvcache-blocks", "16", "Hello"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     for _ in range(2):  # converts, then starts from the cache
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-        assert done.returncode == 0, done.stderr
+        done = run_fresh(command, timeout=300)
         assert len(done.stdout.splitlines()) == 1 and done.stdout.endswith("\n")
         parts = [line.split()[0] for line in done.stderr.splitlines() if line[:1].isalpha() and "INFO" not in line]
         assert parts == ["start-up", "import", "config", "tokenizer", "weights", "KV", "other", "first",
@@ -377,9 +383,6 @@ def test_a_command_parses_without_the_other_commands_modules():
     """`generate` builds its own options only: the serve and bench options' modules (tool-call
     and reasoning parsers, the serving benchmark and asyncio) are not imported; `serve` gets
     its options in full."""
-    import subprocess
-    import sys
-
     script = (
         "import sys\n"
         "from nanovllm.entrypoints.cli import build_parser\n"
@@ -391,9 +394,7 @@ def test_a_command_parses_without_the_other_commands_modules():
         "args = build_parser('serve').parse_args(['serve', '--tool-call-parser', 'hermes'])\n"
         "print(args.tool_call_parser)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
+    done = run_fresh([sys.executable, "-c", script])
     assert done.stdout.split("\n")[:2] == ["[]", "hermes"]
 
 
@@ -481,9 +482,6 @@ def test_config_values_of_a_llama3_rope_file(tmp_path, tokenizer_dir):
 def test_first_start_config_does_not_import_the_config_class(tiny_gguf, cache_root):
     """On a first start (an empty cache) the GGUF file's config is a SavedConfig, and neither
     transformers' config module for the architecture nor torch.distributed is imported."""
-    import subprocess
-    import sys
-
     script = (
         "import sys\n"
         f"from nanovllm.loaders.source import resolve_model\n"
@@ -492,7 +490,5 @@ def test_first_start_config_does_not_import_the_config_class(tiny_gguf, cache_ro
         "print(sorted(m for m in ('transformers.models.llama.configuration_llama', 'torch.distributed.tensor')"
         " if m in sys.modules))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
+    done = run_fresh([sys.executable, "-c", script])
     assert done.stdout.split("\n")[:2] == ["SavedConfig LlamaForCausalLM", "[]"]
