@@ -250,6 +250,19 @@ def test_start_up_leaves_the_largest_step_memory_cached(checkpoint_factory):
     assert torch.cuda.memory_stats()["num_device_alloc"] == mallocs
 
 
+# A small Qwen3 whose projections run on tensor cores in bf16 (the kernel's fused LM head).
+TENSOR_CORE_SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+
+
+def lone_stream_llm(path, dtype: str, burst: int | None) -> LLM:
+    """An LLM on the GPU whose lone streams take the fast path (its kernel compiled and its graphs
+    captured), in decode bursts of `burst` steps (None: the default)."""
+    llm = LLM(str(path), device="cuda", dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.3,
+              decode_burst=burst)
+    llm.engine.executor.runner.finish_background_compile()
+    return llm
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
     """With the persistent kernel adopted, a lone greedy sequence replays the burst graphs (two,
@@ -260,14 +273,12 @@ def test_decode_burst_graph_equals_single_steps(checkpoint_factory, dtype):
     the last tokens of a request in a shorter burst, an EOS inside a burst, and a batch between.
     bf16 takes a shape whose projections run on tensor cores, so the kernel's own LM head and
     argmax (fused_head) feed the next step; fp32 the cuBLAS head and GreedyRow."""
-    shape = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32) if dtype == "bfloat16" else {}
+    shape = TENSOR_CORE_SHAPE if dtype == "bfloat16" else {}
     path = checkpoint_factory("qwen3", **shape)
     outs = {}
     for burst in (1, None):
-        llm = LLM(str(path), device="cuda", dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.3,
-                  decode_burst=burst)
+        llm = lone_stream_llm(path, dtype, burst)
         runner = llm.engine.executor.runner
-        runner.finish_background_compile()
         g = runner.fastpath.graphs
         assert bool(g.burst_graphs) == (burst is None) and runner.decode_burst == (8 if burst is None else 1)
         assert runner.fastpath.decoder.fused_head == (dtype == "bfloat16" and torch.cuda.get_device_capability() >= (9, 0))
@@ -309,14 +320,12 @@ def test_sampled_stream_bursts_in_the_graph_equal_single_steps(checkpoint_factor
     tokens, and a top-p stream (sampled after the graph, from its logits) takes no burst."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the fused head needs the shared-memory slots (sm_90)")
-    path = checkpoint_factory("qwen3", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    path = checkpoint_factory("qwen3", **TENSOR_CORE_SHAPE)
     params = SamplingParams(temperature=1.5, max_tokens=45, ignore_eos=True)
     outs = {}
     for burst in (1, None):
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
-                  decode_burst=burst)
+        llm = lone_stream_llm(path, "bfloat16", burst)
         runner = llm.engine.executor.runner
-        runner.finish_background_compile()
         assert runner.fastpath.lone_sampling
         g = runner.fastpath.graphs
         single = g.single_graph = CountedGraph(g.single_graph)
@@ -347,14 +356,12 @@ def test_seeded_filtered_stream_alone_equals_its_tokens_in_a_batch(checkpoint_fa
     tokens equal those of one step per replay, and those of the same request sampled by the
     runner in a batch with other requests (fp32: the kernel's logits and cuBLAS's agree to
     rounding, and the noise is keyed by the seed and the position alone)."""
-    path = checkpoint_factory("qwen3", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    path = checkpoint_factory("qwen3", **TENSOR_CORE_SHAPE)
     sp = SamplingParams(**params, seed=11, max_tokens=40, ignore_eos=True)
     outs = {}
     for burst in (1, None):
-        llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3,
-                  decode_burst=burst)
+        llm = lone_stream_llm(path, "float32", burst)
         runner = llm.engine.executor.runner
-        runner.finish_background_compile()
         g = runner.fastpath.graphs
         assert g.has_filtered
         counted = CountedBursts(g, filtered=True)
@@ -375,13 +382,11 @@ def test_seeded_top_k_stream_on_the_int8_heads_bounds_draws_the_16_bit_heads_tok
     one step per replay; a top-p-only stream (no top k) keeps the 16-bit head."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the persistent kernel's int8 head needs sm_90")
-    path = checkpoint_factory("qwen3", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    path = checkpoint_factory("qwen3", **TENSOR_CORE_SHAPE)
     chat = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=11, max_tokens=40, ignore_eos=True)
     for burst in (1, None):
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
-                  decode_burst=burst)
+        llm = lone_stream_llm(path, "bfloat16", burst)
         runner = llm.engine.executor.runner
-        runner.finish_background_compile()
         fp = runner.fastpath
         assert fp.graphs.has_filtered and fp.graphs.has_top_k and fp.decoder.quantized_head
         asked = []
@@ -409,14 +414,12 @@ def test_seeded_penalized_stream_alone_equals_its_tokens_in_a_batch(checkpoint_f
     per replay alike; its tokens equal those of the same request sampled by the runner's per-op
     penalties in a batch (fp32), also where it moves from the fast path to a batch and back
     (its token counts written back and loaded again), and the penalties change them."""
-    path = checkpoint_factory("qwen3", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    path = checkpoint_factory("qwen3", **TENSOR_CORE_SHAPE)
     sp = SamplingParams(**params, **PENALTIES, seed=11, max_tokens=40, ignore_eos=True)
     outs = {}
     for burst in (1, None):
-        llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3,
-                  decode_burst=burst)
+        llm = lone_stream_llm(path, "float32", burst)
         runner = llm.engine.executor.runner
-        runner.finish_background_compile()
         g = runner.fastpath.graphs
         assert g.has_filtered
         counted = CountedBursts(g, filtered=True)
