@@ -41,6 +41,7 @@ TILE = 512
 # The programs' values are ranked in a block of at least this many (a block smaller than the
 # program's threads ranks wrongly on the GPU).
 MIN_BLOCK = 128
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit(do_not_specialize=("num_parts", "num_tiles", "tiles_per_prog"))
@@ -102,7 +103,8 @@ class HeadRefine:
         self.num_tiles = triton.cdiv(vocab, TILE)
         device = weight.device
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        self.tiles_per_prog = triton.cdiv(self.num_tiles, min(sms, self.num_tiles))
+        # Several programs per SM, so that a tile's serial recomputes are the launch's whole wait.
+        self.tiles_per_prog = triton.cdiv(self.num_tiles, min(PROGRAMS_PER_SM * sms, self.num_tiles))
 
     def __call__(self, temperature: torch.Tensor, top_k: torch.Tensor) -> None:
         grid = (triton.cdiv(self.num_tiles, self.tiles_per_prog),)
