@@ -57,20 +57,17 @@ class ParallelLMHead(VocabParallelEmbedding):
     `compute_in_fp32()` gives it an fp32 copy of its weight, multiplied in fp32 whatever the
     activations' dtype: for a bf16 model on a CPU without native bf16 matmuls (the int4 CPU mode,
     layers/int4_linear.py), where torch's bf16 path for this, the largest matrix, is several times
-    slower than the fp32 one at batched rows. The copy is a persistent buffer, so a cache of the
-    model's tensors (loaders/gguf_cache.py) holds it and a warm start maps it instead of
-    converting; with layout_only it is left unfilled, for such a cache to fill."""
+    slower than the fp32 one at batched rows. The copy is derived from the weight once it is
+    loaded, and not persistent: a cache of the model's tensors (loaders/gguf_cache.py) holds the
+    16-bit weight only (converting it again costs less than writing and mapping twice the bytes)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.register_buffer("fp32_weight", None)
+        self.register_buffer("fp32_weight", None, persistent=False)
 
-    def compute_in_fp32(self, layout_only: bool = False) -> None:
-        if layout_only:
-            copy = torch.empty(self.weight.shape, dtype=torch.float32, device=self.weight.device)
-        else:
-            copy = self.weight.detach().float()
-        self.register_buffer("fp32_weight", copy)
+    def compute_in_fp32(self) -> None:
+        """Multiply in fp32 from now on, with an fp32 copy of the weight as it is now."""
+        self.register_buffer("fp32_weight", self.weight.detach().float(), persistent=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.fp32_weight is not None:

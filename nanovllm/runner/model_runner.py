@@ -77,6 +77,8 @@ class ModelRunner:
             self.model = source.load_model(build, variant + "-int4", convert=self._quantize_int4)
         else:
             self.model = source.load_model(build, variant)
+        if self.quantization == "int4":
+            self.model.lm_head.compute_in_fp32()  # the dense LM head, multiplied in fp32 (embedding.py)
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
 
@@ -154,8 +156,7 @@ class ModelRunner:
 
         if not int4_linear.available():
             raise ValueError(f"LLM(quantization='int4') needs torch's CPU int4 kernels, which torch {torch.__version__} lacks")
-        done, kept = quantize_int4(model, layout_only=layout_only)
-        model.lm_head.compute_in_fp32(layout_only)  # the LM head stays dense: layers/linear.py, quantize_int4
+        done, kept = quantize_int4(model, layout_only=layout_only)  # the LM head stays dense
         logger.info("int4 weights: %d layers %s, %d kept dense (in-features not a multiple of %d)",
                     done, "laid out" if layout_only else "quantized", kept, int4_linear.GROUP_SIZE)
 
