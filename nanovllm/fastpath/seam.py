@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -53,6 +54,19 @@ logger = logging.getLogger("nanovllm")
 # its fused LM head, plain-temperature) sequence (EngineConfig.decode_burst=None): longer bursts
 # gained little more (docs/benchmarks.md).
 DEFAULT_DECODE_BURST = 8
+
+
+@dataclass(frozen=True)
+class LoneRoute:
+    """How a lone decode step's token is made, decided once per step (FastPath._route):
+    picks, the kernel's own LM head picks or samples it (greedy, plain temperature); filtered,
+    the filtered graphs (every logit stored, logit edits applied, layers/filtered_sampler.py
+    samples); top_k, of the filtered ones, the top-k graphs (the int8 head's bounds,
+    head_refine.py); none of them, the runner's sampler reads the step's logits."""
+
+    picks: bool
+    filtered: bool
+    top_k: bool
 
 
 class BurstOutput:
@@ -204,16 +218,16 @@ class FastPath:
             self._start_background_compile()  # the first decode step: every first token is out
         lone = self.graphs.has_single and len(out.seqs) == 1 and out.num_decodes == 1
         item = out.seqs[0] if lone else None
-        filtered = item is not None and self._graph_filters(item)
-        if filtered:
+        route = self._route(item) if item is not None else None
+        if route is not None and route.filtered:
             self.penalties.load(item, self.runner.penalty_state)
         else:  # the runner may use the token counts of the stream the filtered graphs counted
             self.penalties.flush(self.runner.penalty_state)
-        if item is None or (item.params.edits_logits and not filtered):
+        if item is None or (item.params.edits_logits and not route.filtered):
             return None  # grammar masks (and edits without the filtered graphs) take the runner's sampler
         if item.num_steps > 1:
-            return self._execute_burst(item)
-        launched = self._execute_single(item)
+            return self._execute_burst(item, route)
+        launched = self._execute_single(item, route)
         if launched is None:
             return Done(RunnerOutput([]))
         return PendingOutput(*launched, self.runner.device)
@@ -258,7 +272,7 @@ class FastPath:
         self.filtered.pick_listed(logits, s.sample_temperatures[i], s.top_ks[i], s.top_ps[i], s.min_ps[i], s.seeds[i],
                                   out=next_token)
 
-    def _execute_burst(self, item: ScheduledSeq) -> StepResult:
+    def _execute_burst(self, item: ScheduledSeq, route: LoneRoute) -> StepResult:
         """A decode burst (ScheduledSeq.num_steps steps of one greedy or plain-temperature
         sequence): one replay of a burst graph where they have this size and its steps' tokens
         come from the graph (`_graph_picks_token`), its inputs copied on a second stream while
@@ -266,20 +280,17 @@ class FastPath:
         launched back to back (ModelRunner.run_steps)."""
         g = self.graphs
         runner = self.runner
-        filtered = self._graph_filters(item)
-        top_k = filtered and self._top_k_graphs(item)
-        graphs = g.burst_family(filtered, top_k)
-        if item.num_steps in graphs and (filtered or self._graph_picks_token(item)):
+        if item.num_steps in g.burst_family(route.filtered, route.top_k) and (route.filtered or route.picks):
             j, s = g.next_burst()
             with g.uploading(j) as stream:
-                self._upload_lone_inputs(item, steps=item.num_steps, s=s, stream=stream)
-            tokens = g.replay_burst(j, item.num_steps, filtered=filtered, top_k=top_k)
-            runner.prev_tokens, runner.prev_rows = g.last_token(j, filtered), {item.seq_id: 0}
+                self._upload_lone_inputs(item, route, steps=item.num_steps, s=s, stream=stream)
+            tokens = g.replay_burst(j, item.num_steps, filtered=route.filtered, top_k=route.top_k)
+            runner.prev_tokens, runner.prev_rows = g.last_token(j, route.filtered), {item.seq_id: 0}
             return BurstOutput(tokens)
-        return runner.run_steps(item, self._execute_single)
+        return runner.run_steps(item, lambda step: self._execute_single(step, self._route(step)))
 
-    def _upload_lone_inputs(self, item: ScheduledSeq, steps: int = 1, s: SingleDecodeInputs | None = None,
-                            stream: torch.cuda.Stream | None = None) -> None:
+    def _upload_lone_inputs(self, item: ScheduledSeq, route: LoneRoute, steps: int = 1,
+                            s: SingleDecodeInputs | None = None, stream: torch.cuda.Stream | None = None) -> None:
         """Copy the inputs of `steps` decode steps of `item` into lone-sequence graph inputs `s`
         (SingleDecodeInputs; None: the graph of one step's) in one copy, on `stream` (None: the
         current one). A greedy stream's input token is where the last replay wrote it, else it is
@@ -291,8 +302,7 @@ class FastPath:
         host = staging.take(s.nbytes)
         token = item.token_ids[0]
         p = item.params
-        picks = self._graph_picks_token(item)
-        filtered = not picks and self._graph_filters(item)
+        picks, filtered = route.picks, route.filtered
         seeds = None
         temperature = 0.0  # greedy
         all_logits = False
@@ -310,7 +320,7 @@ class FastPath:
         s.fill_host(host, token, item.start_pos, item.block_table, runner.block_size, steps, temperature, seeds,
                     all_logits=all_logits, filters=filters,
                     penalties=(p.presence_penalty, p.frequency_penalty, p.repetition_penalty),
-                    bounds=filtered and self._top_k_graphs(item))
+                    bounds=route.top_k)
         if token == PLACEHOLDER_TOKEN:
             row = runner.prev_rows[item.seq_id]
             if not (runner.prev_tokens is s.token and row == 0):
@@ -322,21 +332,20 @@ class FastPath:
             s.token.fill_(token)
         staging.upload(s.POSITION, s.nbytes, out=s.buffer[s.POSITION :], stream=stream)
 
-    def _execute_single(self, item: ScheduledSeq) -> tuple[list[ScheduledSeq], SamplerOutput] | None:
+    def _execute_single(self, item: ScheduledSeq, route: LoneRoute) -> tuple[list[ScheduledSeq], SamplerOutput] | None:
         """A lone decoding sequence: one copy of its inputs, one replay of the graph of the
         persistent kernel, LM head and greedy argmax or sample (LoneGraphs.capture); the sampler
         runs only for rows whose token the graph does not pick (`_graph_picks_token`). Returns
         (sampling rows, SamplerOutput), or None where the step samples nothing."""
         runner = self.runner
         s = self.graphs.single
-        self._upload_lone_inputs(item)
+        self._upload_lone_inputs(item, route)
         if not item.sample and runner.prev_tokens is s.token:
             runner.prev_tokens = s.token.clone()  # the replay's argmax overwrites them
-        filtered = self._graph_filters(item)
-        logits = self.graphs.replay_single(filtered=filtered, top_k=filtered and self._top_k_graphs(item))
+        logits = self.graphs.replay_single(filtered=route.filtered, top_k=route.top_k)
         if not item.sample:
             return None
-        if filtered or self._graph_picks_token(item):
+        if route.filtered or route.picks:
             sampled = SamplerOutput(s.token, None, None, None)  # the graph's argmax (or sample)
         else:
             sampled = runner.sample([item], logits)
@@ -353,9 +362,11 @@ class FastPath:
             return False
         return p.greedy or (p.plain_temperature and self.lone_sampling)
 
-    def _top_k_graphs(self, item: ScheduledSeq) -> bool:
-        """Whether a filtered step (`_graph_filters`) takes the top-k graphs (`_bounds_suffice`)."""
-        return self.graphs.has_top_k and self._bounds_suffice(item.params)
+    def _route(self, item: ScheduledSeq) -> LoneRoute:
+        """How this lone step's token is made (LoneRoute)."""
+        filtered = self._graph_filters(item)
+        top_k = filtered and self.graphs.has_top_k and self._bounds_suffice(item.params)
+        return LoneRoute(picks=self._graph_picks_token(item), filtered=filtered, top_k=top_k)
 
     def _bounds_suffice(self, p: SamplingParams) -> bool:
         """Whether a filtered stream sampling under `p` can take the int8 head's bounds
