@@ -19,6 +19,17 @@ import torch.nn.functional as F
 from nanovllm.attention.metadata import AttentionMetadata
 
 
+def blocks_apart(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the caches' blocks are apart in memory (the CPU pool interleaves layers:
+    runner/host_memory.py), so that slots are addressed as (block, offset in the block)."""
+    return not (k_cache.is_contiguous() and v_cache.is_contiguous())
+
+
+def in_blocks(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots as (block, offset in the block)."""
+    return slots // block_size, slots % block_size
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     all_valid: bool | None = None, block_offset: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -32,13 +43,12 @@ def store_kv(
     if not all_valid:
         valid = slot_mapping >= 0
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    if k_cache.is_contiguous() and v_cache.is_contiguous():
+    if not blocks_apart(k_cache, v_cache):
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         return
-    # Caches whose blocks are apart (the CPU pool interleaves layers: runner/host_memory.py).
     if block_offset is None:
-        block_offset = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
+        block_offset = in_blocks(slot_mapping, k_cache.shape[1])
     k_cache.index_put_(block_offset, k.to(k_cache.dtype))
     v_cache.index_put_(block_offset, v.to(v_cache.dtype))
 
@@ -85,7 +95,7 @@ class _StepPlan:
         """The valid slots as (block, offset in the block), for caches whose blocks are apart."""
         if self._block_offset is None:
             slots = self._slot_mapping if self.all_valid else self._slot_mapping[self._slot_mapping >= 0]
-            self._block_offset = slots // self._block_size, slots % self._block_size
+            self._block_offset = in_blocks(slots, self._block_size)
         return self._block_offset
 
 
@@ -108,8 +118,8 @@ class TorchAttentionBackend:
         block_size = k_cache.shape[1]
         plan = _step_plan(meta, block_size)
         if not kv_stored:
-            apart = not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.all_valid, plan.block_offset if apart else None)
+            block_offset = plan.block_offset if blocks_apart(k_cache, v_cache) else None
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.all_valid, block_offset)
         gqa = q.shape[1] != k_cache.shape[2]
 
         nd = meta.num_decodes
