@@ -1,0 +1,87 @@
+"""Where a decode step's host time goes, unconstrained and with every request under a JSON
+schema (benchmarks/structured_schema.json), offline: 64 greedy requests of 128 prompt tokens,
+128 tokens each, decode bursts off (so both sides step one token at a time).
+
+    python benchmarks/structured_steps.py MODEL        # a model directory (152k vocabulary on the H200:
+                                                       # see docs/benchmarks.md, Structured output)
+
+Prints, for each of two rounds of each kind, tok/s, ms per engine step, and per step the time
+spent in the engine's phases (wall time around the engine's and runner's methods; nested ones
+are counted in their callers too): scheduling, launching the forward pass, waiting for and
+processing the previous step's tokens (the grammars' matchers advance there), filling the
+step's masks, staging them for the device, launching the sampling.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+SCHEMA_FILE = Path(__file__).with_name("structured_schema.json")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    args = ap.parse_args()
+
+    import nanovllm.engine.grammars as grammars
+    import nanovllm.engine.llm_engine as llm_engine
+    import nanovllm.runner.model_runner as model_runner
+    import nanovllm.step_result as step_result
+    import nanovllm.structured.bitmask as bitmask
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.sampling_params import StructuredOutputsParams
+
+    seconds: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+
+    def timed(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                seconds[label] += time.perf_counter() - t
+                calls[label] += 1
+
+        setattr(owner, name, wrapper)
+
+    timed(llm_engine.LLMEngine, "step", "engine step")
+    timed(model_runner.ModelRunner, "execute_async", "launch forward + sampling (unconstrained)")
+    timed(model_runner.ModelRunner, "launch_forward", "launch forward (constrained)")
+    timed(step_result.PendingOutput, "result", "wait for the previous tokens")
+    timed(llm_engine.LLMEngine, "_process", "process the previous tokens")
+    timed(grammars.Grammars, "refresh", "fill the masks")
+    timed(bitmask.BitmaskStaging, "build", "stage the masks")
+    timed(model_runner.DeferredSample, "sample", "launch sampling (constrained)")
+
+    llm = LLM(args.model, max_model_len=1024, decode_burst=1)
+    timed(type(llm.engine.scheduler), "schedule", "schedule")
+    schema = json.loads(SCHEMA_FILE.read_text())
+    prompts = [[5 + i, 7, 9, 11] * 32 for i in range(64)]
+    plain = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    llm.generate(prompts[:4], constrained, use_tqdm=False)  # the grammar compiled, both paths warm
+    llm.generate(prompts, plain, use_tqdm=False)
+    for name, params in [("unconstrained", plain), ("JSON schema", constrained)] * 2:
+        seconds.clear()
+        calls.clear()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        steps = calls["engine step"]
+        print(f"{name}: {tokens} tokens in {elapsed:.3f} s, {tokens / elapsed:.0f} tok/s, {steps} steps, "
+              f"{elapsed / steps * 1e3:.2f} ms per step")
+        for label in seconds:
+            print(f"    {label:45s} {seconds[label] / steps * 1e3:6.3f} ms per step")
+
+
+if __name__ == "__main__":
+    main()
