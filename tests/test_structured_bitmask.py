@@ -82,3 +82,22 @@ def test_staging_builds_the_batch_mask_step_after_step():
             expected[r, [t for t in range(VOCAB) if t not in a]] = float("-inf")
         staging.build(rows, [(r, host_bitmask(a, VOCAB)) for r, a in allowed.items()]).apply_(logits)
         assert torch.equal(logits, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="BitmaskStaging builds masks on a CUDA device")
+def test_staging_of_rows_of_one_table_keeps_each_rows_mask():
+    """The engine's masks are rows of its one mask table, in the table's order, not the batch's
+    (engine/grammars.py); each batch row must still get its own sequence's mask."""
+    from nanovllm.structured.bitmask import BitmaskStaging
+
+    allowed = {r: {r % VOCAB, (5 * r + 1) % VOCAB} for r in range(6)}
+    table = torch.cat([host_bitmask(allowed[r], VOCAB) for r in range(6)])
+    batch_of_table_row = {0: 4, 1: 0, 3: 5, 4: 2}  # batch row -> its sequence's table row; row 2 unconstrained
+    masks = [(b, table[t : t + 1]) for b, t in batch_of_table_row.items()]
+    logits = torch.randn(5, VOCAB, device="cuda")
+    expected = logits.clone()
+    for b, t in batch_of_table_row.items():
+        expected[b, [v for v in range(VOCAB) if v not in allowed[t]]] = float("-inf")
+    BitmaskStaging("cuda").build(5, masks).apply_(logits)
+    assert torch.equal(logits, expected)
