@@ -101,3 +101,27 @@ def test_staging_of_rows_of_one_table_keeps_each_rows_mask():
         expected[b, [v for v in range(VOCAB) if v not in allowed[t]]] = float("-inf")
     BitmaskStaging("cuda").build(5, masks).apply_(logits)
     assert torch.equal(logits, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="BitmaskStaging builds masks on a CUDA device")
+def test_staging_of_rows_of_a_pinned_table_across_steps():
+    """The engine's pinned table (engine/grammars.py), copied as it is: each step's batch rows get
+    their sequences' rows as filled for that step, unconstrained rows are left alone, and a
+    table refilled after a step's tokens came back gives the new masks."""
+    from nanovllm.structured.bitmask import BitmaskStaging
+
+    staging = BitmaskStaging("cuda")
+    table = torch.zeros(8, host_bitmask(set(), VOCAB).shape[1], dtype=torch.int32).pin_memory()
+    for step in range(3):
+        allowed = {t: {(t + step) % VOCAB, (7 * t + 3 * step + 1) % VOCAB} for t in range(8)}
+        for t in range(8):
+            table[t] = host_bitmask(allowed[t], VOCAB)[0]
+        batch_of_table_row = {0: (2 + step) % 8, 2: 7, 3: (5 * step) % 8}  # rows 1 and 4: no grammar
+        logits = torch.randn(5, VOCAB, device="cuda")
+        expected = logits.clone()
+        for b, t in batch_of_table_row.items():
+            expected[b, [v for v in range(VOCAB) if v not in allowed[t]]] = float("-inf")
+        staging.build(5, [(b, table[t : t + 1]) for b, t in batch_of_table_row.items()]).apply_(logits)
+        assert torch.equal(logits, expected)
+        torch.cuda.synchronize()  # the engine refills only once the step's tokens are back

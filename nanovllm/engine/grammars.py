@@ -9,6 +9,11 @@ constrained rows in one call on several threads (xgrammar's BatchGrammarMatcher)
 of one row per sequence, and names the sequences whose grammar is complete and allows only a
 stop token next (the engine ends them, "stop"). Preemption (recompute) keeps the output
 tokens, so the matcher stays where it is.
+
+On CUDA the table is in pinned memory: the runner copies it to the device without a host copy
+first (structured/bitmask.py, BitmaskStaging). The copy runs later, on the device's stream;
+that is safe because a row is refilled only once the tokens of the steps that read it have come
+back (its matcher needs them), and those steps' copies ran before their sampling did.
 """
 from __future__ import annotations
 
@@ -30,8 +35,9 @@ logger = logging.getLogger("nanovllm")
 
 
 class Grammars:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], pin_memory: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._pin_memory = pin_memory
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: GrammarCompiler | None = None  # built on the first constrained request
@@ -83,6 +89,8 @@ class Grammars:
         old = self._masks
         rows = 16 if old is None else 2 * old.shape[0]
         table = matcher.new_mask().expand(rows, -1).contiguous()
+        if self._pin_memory:
+            table = table.pin_memory()
         if old is None:
             self._batch = xgr.BatchGrammarMatcher()
         else:

@@ -103,7 +103,9 @@ class LLMEngine:
         self._mark("block_manager", t)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         # Structured output: requests waiting for their grammar, matchers of constrained sequences.
-        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # On CUDA the mask table is pinned, so that the runner copies it to the device as it is.
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                 pin_memory=self.executor.device_type == "cuda")
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()

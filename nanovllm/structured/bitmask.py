@@ -15,7 +15,7 @@ import xgrammar as xgr
 @dataclass
 class TokenBitmask:
     # int32 [B, ceil(V / 32)] on the logits' device: bit t of row r set = token t allowed. Rows
-    # without a grammar are all ones, and are not visited (`rows`).
+    # without a grammar are not visited (only `rows` are), whatever they hold.
     bitmask: torch.Tensor
     rows: list[int]  # the batch rows that have a grammar
     backend: str = "auto"
@@ -40,10 +40,12 @@ class TokenBitmask:
 
 
 class BitmaskStaging:
-    """TokenBitmask.from_rows for a CUDA device, without allocating host memory each step: the
-    constrained rows' masks are gathered into one pinned buffer, copied without a host wait,
-    and scattered into an all-ones device tensor there. The buffer is reused once the last
-    step's copy has run (an event marks it)."""
+    """TokenBitmask.from_rows for a CUDA device, without a host wait or host memory allocated
+    each step. The engine's masks are rows of its one pinned table (engine/grammars.py): the
+    table is copied to the device as it is, and each batch row takes its sequence's row there
+    (one gather; rows without a grammar take any row, since only `rows` are applied). Masks
+    that are not rows of one pinned table are gathered into a pinned buffer of this object's
+    instead, reused once the last step's copy has run (an event marks it)."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -54,6 +56,9 @@ class BitmaskStaging:
     def build(self, num_rows: int, masks: list[tuple[int, torch.Tensor]]) -> TokenBitmask | None:
         if not masks:
             return None
+        table = _pinned_table_of(masks)
+        if table is not None:
+            return self._from_table(num_rows, masks, table)
         k, width = len(masks), masks[0][1].shape[-1]
         if self._copied is not None:
             self._copied.synchronize()
@@ -71,3 +76,24 @@ class BitmaskStaging:
         bitmask = torch.full((num_rows, width), -1, dtype=torch.int32, device=self.device)
         bitmask.index_copy_(0, index, staged)
         return TokenBitmask(bitmask, rows)
+
+    def _from_table(self, num_rows: int, masks: list[tuple[int, torch.Tensor]], table: torch.Tensor) -> TokenBitmask:
+        width = table.shape[1]
+        table_row = [0] * num_rows
+        for r, m in masks:
+            table_row[r] = m.storage_offset() // width
+        used = max(table_row) + 1
+        on_device = table[:used].to(self.device, non_blocking=True)
+        index = torch.tensor(table_row, dtype=torch.int64).to(self.device, non_blocking=True)
+        return TokenBitmask(on_device.index_select(0, index), [r for r, _ in masks])
+
+
+def _pinned_table_of(masks: list[tuple[int, torch.Tensor]]) -> torch.Tensor | None:
+    """The pinned 2-D table whose one-row views all the masks are, if they are."""
+    table = masks[0][1]._base
+    if table is None or table.dim() != 2 or not table.is_contiguous() or not table.is_pinned():
+        return None
+    shape = (1, table.shape[1])
+    if all(m._base is table and m.shape == shape and m.is_contiguous() for _, m in masks):
+        return table
+    return None
