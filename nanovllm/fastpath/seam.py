@@ -364,9 +364,10 @@ class FastPath:
 
     def _route(self, item: ScheduledSeq) -> LoneRoute:
         """How this lone step's token is made (LoneRoute)."""
-        filtered = self._graph_filters(item)
+        picks = self._graph_picks_token(item)
+        filtered = self._graph_filters(item, picks)
         top_k = filtered and self.graphs.has_top_k and self._bounds_suffice(item.params)
-        return LoneRoute(picks=self._graph_picks_token(item), filtered=filtered, top_k=top_k)
+        return LoneRoute(picks=picks, filtered=filtered, top_k=top_k)
 
     def _bounds_suffice(self, p: SamplingParams) -> bool:
         """Whether a filtered stream sampling under `p` can take the int8 head's bounds
@@ -375,14 +376,15 @@ class FastPath:
         return (self.refine is not None and not p.greedy and not p.edits_logits
                 and 0 < p.top_k <= self.decoder.num_programs)
 
-    def _graph_filters(self, item: ScheduledSeq) -> bool:
+    def _graph_filters(self, item: ScheduledSeq, picks: bool | None = None) -> bool:
         """Whether this step takes the filtered graphs: a sampling step without logprobs, banned
         ids or a grammar that has penalties or a logit bias (greedy too: the filtered sampler's
         argmax), or whose token the kernel's own head does not pick (top-k, top-p or min-p; or
-        any temperature where the kernel has no fused head)."""
+        any temperature where the kernel has no fused head). picks: `_graph_picks_token(item)`,
+        where the caller has it."""
         p = item.params
         if not self.graphs.has_filtered or not item.sample or p.logprobs is not None or item.banned_token_ids:
             return False
         if p.edits_logits:
             return p.structured_outputs is None and (self.penalties_match or not p.penalized)
-        return not p.greedy and not self._graph_picks_token(item)
+        return not p.greedy and not (self._graph_picks_token(item) if picks is None else picks)
