@@ -56,9 +56,9 @@ class BitmaskStaging:
     def build(self, num_rows: int, masks: list[tuple[int, torch.Tensor]]) -> TokenBitmask | None:
         if not masks:
             return None
-        table = _pinned_table_of(masks)
-        if table is not None:
-            return self._from_table(num_rows, masks, table)
+        in_table = _rows_of_pinned_table(masks)
+        if in_table is not None:
+            return self._from_table(num_rows, masks, *in_table)
         k, width = len(masks), masks[0][1].shape[-1]
         if self._copied is not None:
             self._copied.synchronize()
@@ -77,23 +77,27 @@ class BitmaskStaging:
         bitmask.index_copy_(0, index, staged)
         return TokenBitmask(bitmask, rows)
 
-    def _from_table(self, num_rows: int, masks: list[tuple[int, torch.Tensor]], table: torch.Tensor) -> TokenBitmask:
-        width = table.shape[1]
-        table_row = [0] * num_rows
-        for r, m in masks:
-            table_row[r] = m.storage_offset() // width
-        used = max(table_row) + 1
-        on_device = table[:used].to(self.device, non_blocking=True)
-        index = torch.tensor(table_row, dtype=torch.int64).to(self.device, non_blocking=True)
+    def _from_table(self, num_rows: int, masks: list[tuple[int, torch.Tensor]], table: torch.Tensor,
+                    table_rows: list[int]) -> TokenBitmask:
+        gather = [0] * num_rows
+        for (r, _), t in zip(masks, table_rows):
+            gather[r] = t
+        on_device = table[: max(gather) + 1].to(self.device, non_blocking=True)
+        index = torch.tensor(gather, dtype=torch.int64).to(self.device, non_blocking=True)
         return TokenBitmask(on_device.index_select(0, index), [r for r, _ in masks])
 
 
-def _pinned_table_of(masks: list[tuple[int, torch.Tensor]]) -> torch.Tensor | None:
-    """The pinned 2-D table whose one-row views all the masks are, if they are."""
+def _rows_of_pinned_table(masks: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list[int]] | None:
+    """(table, each mask's row in it) when every mask is a whole row of one pinned 2-D table,
+    else None."""
     table = masks[0][1]._base
     if table is None or table.dim() != 2 or not table.is_contiguous() or not table.is_pinned():
         return None
-    shape = (1, table.shape[1])
-    if all(m._base is table and m.shape == shape and m.is_contiguous() for _, m in masks):
-        return table
-    return None
+    width, base = table.shape[1], table.storage_offset()
+    rows = []
+    for _, m in masks:
+        offset = m.storage_offset() - base
+        if m._base is not table or m.shape != (1, width) or not m.is_contiguous() or offset % width:
+            return None
+        rows.append(offset // width)
+    return table, rows
