@@ -12,7 +12,14 @@ import math
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingTensors, _apply_top_k_top_p, make_generator
+from nanovllm.layers.sampler import (
+    Sampler,
+    SamplingTensors,
+    _apply_top_k_top_p,
+    _exponential_race,
+    _inverse_cdf_draw,
+    make_generator,
+)
 from nanovllm.sampling_params import SamplingParams
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -188,12 +195,38 @@ def test_top_p_one_keeps_every_token():
 
 
 def test_seeded_rows_follow_the_distribution():
-    """Seeded noise is Exp(1) too: many independently seeded rows sample softmax(logits / T)."""
+    """Seeded draws are the same draws: many independently seeded rows sample softmax(logits / T)."""
     vocab, n = 8, 20_000
     sp = SamplingParams(temperature=0.9, seed=0)
     gens = [make_generator(s, "cpu") for s in range(n)]
     tokens = run(torch.tensor(LOGITS8).repeat(n, 1), [sp] * n, gens).token_ids
     assert max_dev(frequencies(tokens, vocab), ref_probs(LOGITS8, sp)) < 6 * math.sqrt(0.25 / n)
+
+
+@pytest.mark.parametrize("draw", [_exponential_race, _inverse_cdf_draw])
+def test_both_draws_sample_categorical_p_and_never_a_zero(draw):
+    """The exponential race (the reference, and CUDA's) and the inverse-CDF draw (the CPU's)
+    both sample Categorical(p) from unnormalised p; a zero, first, last or between, is never drawn."""
+    p = [0.0, 0.5, 0.0, 2.0, 1.0, 0.25, 0.0, 0.0]
+    n = 100_000
+    freq = frequencies(draw(torch.tensor(p).repeat(n, 1), [None] * n), len(p))
+    expected = [x / sum(p) for x in p]
+    assert max_dev(freq, expected) < 6 * math.sqrt(0.25 / n)
+    assert [f for f, x in zip(freq, p) if x == 0] == [0.0] * 4
+    # A row whose only token left is the first or the last, with a tiny mass, always gives it.
+    for only in (0, 7):
+        row = torch.zeros(1000, 8)
+        row[:, only] = 1e-30
+        assert draw(row, [None] * 1000).tolist() == [only] * 1000
+
+
+def test_inverse_cdf_draw_of_a_seeded_row_ignores_its_batch():
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    alone = [_inverse_cdf_draw(p, [make_generator(s, "cpu")]).item() for s in range(200)]
+    in_batch = [_inverse_cdf_draw(torch.cat([torch.rand(2, 4), p]), [None, make_generator(99, "cpu"),
+                                  make_generator(s, "cpu")])[2].item() for s in range(200)]
+    assert alone == in_batch
+    assert set(alone) == {0, 1, 2, 3}  # the seeds give different draws
 
 
 # -------------------------------------------------------------------------------------- seeding

@@ -6,12 +6,16 @@ Pipeline per row (all in fp32, whatever the logits' dtype):
              --> grammar mask (structured/bitmask.py; only rows with structured_outputs)
              --> greedy argmax, or
                  / temperature --> top-k --> top-p --> softmax --> min-p --> exponential race
+                                                                    (CPU: inverse-CDF draw)
 
 Design decisions:
 - Exponential race instead of `torch.multinomial`. If q_i ~ Exp(1) independently, then
   argmax_i(p_i / q_i) is distributed exactly as Categorical(p) (p need not even be normalised),
   and it is one elementwise op plus an argmax: no host sync, no cumulative-sum search, and the
-  noise for a seeded row can be drawn independently of the other rows.
+  noise for a seeded row can be drawn independently of the other rows. On the CPU, where torch
+  draws the V exponentials of a row one after another (the costliest part of a sampled step
+  there), a row instead inverts its cumulative distribution at one uniform draw
+  (`_inverse_cdf_draw`): also exactly Categorical(p), for the price of a cumulative sum.
 - Logprobs are log_softmax of the *raw* logits, before biases, penalties, temperature and
   filters. That is what vLLM returns by default, and it makes them a property of the model
   rather than of the sampling knobs. Requested logprobs cost one extra full-vocabulary pass; none is done when no row asks.
@@ -281,8 +285,9 @@ class Sampler(nn.Module):
         if st.any_min_p:
             threshold = probs.amax(dim=-1, keepdim=True) * st.min_p.unsqueeze(1)
             probs.masked_fill_(probs < threshold, 0.0)
-        noise = _exponential_noise(probs, st.generators)
-        return probs.div_(noise).argmax(dim=-1)
+        if probs.device.type == "cpu":
+            return _inverse_cdf_draw(probs, st.generators)
+        return _exponential_race(probs, st.generators)
 
 
 def _apply_top_k_top_p(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -300,6 +305,30 @@ def _apply_top_k_top_p(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         drop &= (st.top_p < 1.0).unsqueeze(1)
         sorted_x.masked_fill_(drop, float("-inf"))
     return x.scatter_(1, order, sorted_x)
+
+
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs [B, V] (>= 0, some > 0 per row): argmax(p / q), q ~ Exp(1).
+    Writes into probs."""
+    return probs.div_(_exponential_noise(probs, generators)).argmax(dim=-1)
+
+
+def _inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs [B, V] (>= 0, some > 0 per row): the first token whose
+    cumulative probability exceeds u * the row's total, u ~ U[0, 1) drawn once per row (a seeded
+    row from its own generator, the rest batched). The sums are in float64; a token with p = 0
+    adds nothing to them, so it is never the first to exceed."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    u = torch.empty_like(total)
+    seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        u.uniform_()
+    for i, gen in seeded:
+        u[i] = torch.rand(1, dtype=torch.float64, generator=gen)
+    # u < 1, but u * total can round up to total: stay below it, where some token exceeds.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
