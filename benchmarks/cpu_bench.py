@@ -3,7 +3,7 @@
 16 short chat prompts (one user message each), greedy, exactly 64 new tokens each (EOS
 ignored): 1,024 output tokens; tok/s over the whole set, model load excluded, median of 3 after
 a warm-up. Also single-stream decode (one prompt, per token after the first).
-`--temperature T` samples instead (what chat clients ask for), everything else the same.
+`--temperature T [--top-p P]` samples instead (what chat clients ask for), everything else the same.
 Run it on an idle machine: CPU timings are easily skewed by other work.
 
     python benchmarks/cpu_bench.py [--dtype float32 | --dtype bfloat16 | --quantization int4]
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=["int4"], help="int4 weights, bf16 activations")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature instead of greedy decoding (W3)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
     args = ap.parse_args()
     import torch
 
@@ -50,8 +51,8 @@ def main() -> None:
               async_scheduling=True if args.async_scheduling else None)
     tok = llm.tokenizer
     prompts = [tok.encode(llm.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False) for q in QUESTIONS]
-    sp = SamplingParams(temperature=args.temperature, max_tokens=64, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=args.temperature, max_tokens=8, ignore_eos=True),
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=64, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
     batch = []
     for _ in range(args.runs):

@@ -15,7 +15,9 @@ import torch
 from nanovllm.layers.sampler import (
     Sampler,
     SamplingTensors,
+    TOP_CANDIDATES,
     _apply_top_k_top_p,
+    _apply_top_k_top_p_among_candidates,
     _exponential_race,
     _inverse_cdf_draw,
     make_generator,
@@ -181,6 +183,53 @@ def test_reference_filter_sets():
     p = ref_probs(LOGITS8, SamplingParams(temperature=1.3))
     assert 1 < len(allowed(FILTERS[2])) < 8
     assert allowed(FILTERS[2]) == {i for i in range(8) if p[i] >= 0.3 * max(p)}
+
+
+CANDIDATE_ROWS = [
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=40),
+    SamplingParams(temperature=1.0, top_k=TOP_CANDIDATES // 2, top_p=0.7),
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=1.0, top_p=1e-6),
+    SamplingParams(temperature=1.0),  # unfiltered: left as it is
+    SamplingParams(temperature=0.0, top_p=0.5),  # greedy, filtered anyway (as the reference does)
+]
+
+
+def candidate_logits(rows: int, vocab: int = 4 * TOP_CANDIDATES, seed: int = 0) -> torch.Tensor:
+    """Peaked rows (as a trained model's are): the top-p sets fit among the candidates."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * 4
+
+
+def test_top_k_top_p_among_candidates_equals_the_full_sort():
+    params = CANDIDATE_ROWS * 3
+    x = candidate_logits(len(params))
+    x[0, 5], x[0, 9] = 30.0, 30.0  # a tie at the top: kept in token-id order
+    x[1, 100:160] = 25.0  # 60 tied at the top of a top-40 row: the 40 lowest ids are kept
+    st = SamplingTensors.from_params(params, None, x.shape[1], "cpu")
+    among = _apply_top_k_top_p_among_candidates(x, st)
+    assert among is not None
+    assert torch.equal(among, _apply_top_k_top_p(x.clone(), st))
+    assert torch.isfinite(among[1]).nonzero().flatten().tolist() == list(range(100, 140))
+    assert torch.equal(among[5], x[5])  # the unfiltered row is untouched
+    assert 1 < int(torch.isfinite(among[0]).sum()) < TOP_CANDIDATES  # top-p cut among the candidates
+
+
+@pytest.mark.parametrize("case", ["flat top-p", "top-k beyond the candidates", "tie at the cut"])
+def test_top_k_top_p_among_candidates_leaves_what_it_cannot_decide_to_the_reference(case):
+    vocab = 4 * TOP_CANDIDATES
+    x = candidate_logits(2, vocab)
+    params = [SamplingParams(temperature=1.0, top_k=40)] * 2
+    if case == "flat top-p":  # 0.9 of the mass needs most of the vocabulary
+        x[1] = torch.linspace(0, 0.01, vocab)
+        params = [params[0], SamplingParams(temperature=1.0, top_p=0.9)]
+    elif case == "top-k beyond the candidates":
+        params = [params[0], SamplingParams(temperature=1.0, top_k=TOP_CANDIDATES + 1)]
+    else:  # the 40th largest equals every entry from there past the candidates
+        x[1] = torch.cat([torch.full((39,), 20.0), torch.full((vocab - 39,), 10.0)])
+    st = SamplingTensors.from_params(params, None, vocab, "cpu")
+    assert _apply_top_k_top_p_among_candidates(x, st) is None
 
 
 def test_top_p_one_keeps_every_token():

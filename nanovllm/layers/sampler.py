@@ -76,6 +76,13 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return gen
 
 
+# The CPU's top-k / top-p look among each row's TOP_CANDIDATES largest logits first
+# (_apply_top_k_top_p_among_candidates); a top-p set is taken from them only where they hold at
+# least top_p + TOP_P_MARGIN of the mass.
+TOP_CANDIDATES = 1024
+TOP_P_MARGIN = 1e-4
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling controls for the rows sampled this step, on the logits' device.
@@ -280,7 +287,11 @@ class Sampler(nn.Module):
         temperature = st.temperature.masked_fill(st.temperature == 0, 1.0)
         x = logits / temperature.unsqueeze(1)  # a fresh tensor: safe to modify in place
         if st.any_top_k or st.any_top_p:
-            x = _apply_top_k_top_p(x, st)
+            # On the CPU, where sorting a whole vocabulary per row costs more than the rest of
+            # the step's sampling, the filters look among each row's largest logits first
+            # (its checks read the tensors: on CUDA that would be a host sync).
+            among = _apply_top_k_top_p_among_candidates(x, st) if x.is_cpu else None
+            x = among if among is not None else _apply_top_k_top_p(x, st)
         probs = x.softmax(dim=-1)
         if st.any_min_p:
             threshold = probs.amax(dim=-1, keepdim=True) * st.min_p.unsqueeze(1)
@@ -305,6 +316,48 @@ def _apply_top_k_top_p(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         drop &= (st.top_p < 1.0).unsqueeze(1)
         sorted_x.masked_fill_(drop, float("-inf"))
     return x.scatter_(1, order, sorted_x)
+
+
+def _apply_top_k_top_p_among_candidates(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor | None:
+    """What _apply_top_k_top_p(x, st) gives, found among each row's TOP_CANDIDATES largest
+    entries (a partial selection, ties put in token-id order as the reference's stable sort
+    does), or None unless that is certain for every row: a top-k beyond the candidates, a top-p
+    set that may need more than their mass (under top_p + TOP_P_MARGIN), or a tie between the
+    last kept entry and the largest one left out each send the batch to the reference. The
+    probabilities are the reference's up to rounding, so a token whose mass above is within
+    rounding of top_p may fall the other way. x is left as it is."""
+    rows, vocab = x.shape
+    if vocab <= TOP_CANDIDATES:
+        return None
+    top_k = st.top_k if st.any_top_k else torch.full((rows,), vocab, dtype=torch.int64)
+    has_k = top_k < vocab
+    if bool((has_k & (top_k > TOP_CANDIDATES)).any()):
+        return None
+    values, ids = x.topk(TOP_CANDIDATES, dim=-1)
+    by_id = ids.argsort(dim=-1)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    values, order = values.sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    keep = torch.arange(TOP_CANDIDATES).unsqueeze(0) < top_k.unsqueeze(1)
+    filtered = has_k
+    if st.any_top_p:
+        has_p = st.top_p < 1.0
+        filtered = filtered | has_p
+        kept_by_k = values.masked_fill(~keep, float("-inf"))
+        # The reference's softmax runs over the row after top-k: the candidates where a top-k
+        # holds, the whole row where none does.
+        norm = torch.where(has_k.unsqueeze(1), torch.logsumexp(kept_by_k, dim=-1, keepdim=True),
+                           torch.logsumexp(x, dim=-1, keepdim=True))
+        probs = (kept_by_k - norm).exp()
+        if bool((has_p & ~has_k & (probs.sum(dim=-1) < st.top_p + TOP_P_MARGIN)).any()):
+            return None
+        mass_above = probs.cumsum(dim=-1) - probs
+        keep &= ~((mass_above >= st.top_p.unsqueeze(1)) & has_p.unsqueeze(1))
+    last_kept = values.gather(1, (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
+    if bool((filtered & (last_kept <= values[:, -1])).any()):
+        return None
+    out = torch.full_like(x, float("-inf")).scatter_(1, ids, values.masked_fill(~keep, float("-inf")))
+    return torch.where(filtered.unsqueeze(1), out, x)
 
 
 def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
