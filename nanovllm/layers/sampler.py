@@ -314,6 +314,7 @@ def _apply_top_k_top_p(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         drop = mass_above >= st.top_p.unsqueeze(1)
         # Rows with top_p == 1 are left alone: rounding in the cumsum could reach 1.0 early.
         drop &= (st.top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False  # the most likely token stays, also where top_p rounds to 0 in fp32
         sorted_x.masked_fill_(drop, float("-inf"))
     return x.scatter_(1, order, sorted_x)
 
@@ -352,7 +353,9 @@ def _apply_top_k_top_p_among_candidates(x: torch.Tensor, st: SamplingTensors) ->
         if bool((has_p & ~has_k & (probs.sum(dim=-1) < st.top_p + TOP_P_MARGIN)).any()):
             return None
         mass_above = probs.cumsum(dim=-1) - probs
-        keep &= ~((mass_above >= st.top_p.unsqueeze(1)) & has_p.unsqueeze(1))
+        drop = (mass_above >= st.top_p.unsqueeze(1)) & has_p.unsqueeze(1)
+        drop[:, 0] = False
+        keep &= ~drop
     last_kept = values.gather(1, (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
     if bool((filtered & (last_kept <= values[:, -1])).any()):
         return None
@@ -381,7 +384,8 @@ def _inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | No
         u[i] = torch.rand(1, dtype=torch.float64, generator=gen)
     # u < 1, but u * total can round up to total: stay below it, where some token exceeds.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # A row with no mass (NaN logits) has no answer; it gets an id in range rather than V.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
