@@ -304,7 +304,7 @@ def test_smollm2_answers_alike_from_the_cache(cache_root, monkeypatch):
 
     path = Path(default_model_path())
     ref_tokenizer = gguf_loader.load_gguf_tokenizer(path)
-    params = SamplingParams(max_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=8)
     with LLM(None, num_kvcache_blocks=64) as llm:  # first load: converts and fills the cache
         first = llm.chat(MESSAGES[0], params, use_tqdm=False)[0]
         assert_same_tokenizer(llm.tokenizer, ref_tokenizer)
