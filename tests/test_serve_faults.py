@@ -182,7 +182,7 @@ sock.connect(sys.argv[1])
 enc = msgspec.msgpack.Encoder()
 sock.send(enc.encode(Hello()))
 for i in range(4):
-    sock.send(enc.encode(AddRequest(f"doomed-{i}", [5, 6, 7, i + 8], {"max_tokens": 1000, "ignore_eos": True})))
+    sock.send(enc.encode(AddRequest(f"doomed-{i}", [5, 6, 7, i + 8], {"max_tokens": 32000, "ignore_eos": True})))
 print("sent", flush=True)
 while True:
     sock.send(enc.encode(Hello()))
@@ -190,9 +190,11 @@ while True:
 """
 
 
-def test_dead_frontend_requests_are_aborted_and_blocks_freed(qwen3_tiny):
-    core = CoreProcess(str(qwen3_tiny), dict(device="cpu", max_model_len=1024, kvcache_block_size=16,
-                                             num_kvcache_blocks=300), max_pending=64, frontend_timeout=1.0)
+def test_dead_frontend_requests_are_aborted_and_blocks_freed(checkpoint_factory):
+    # 32,000 tokens each: far more than the tiny model decodes before the front-end's silence is noticed.
+    long_context = checkpoint_factory("qwen3", max_position_embeddings=32768)
+    core = CoreProcess(str(long_context), dict(device="cpu", max_model_len=32768, kvcache_block_size=16,
+                                               num_kvcache_blocks=8100), max_pending=64, frontend_timeout=1.0)
     observer = CoreClient(core.addresses, core.info, core_alive=core.is_alive)
     front = subprocess.Popen([sys.executable, "-c", FRONTEND, core.addresses.input], stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -203,7 +205,7 @@ def test_dead_frontend_requests_are_aborted_and_blocks_freed(qwen3_tiny):
         front.wait()
         s = lambda: observer.stats  # noqa: E731
         assert wait_until(lambda: s().num_free_blocks == s().num_blocks and s().num_requests_running == 0, timeout=10)
-        assert observer.stats.num_aborted == 4  # aborted, not run to their 1000 tokens
+        assert observer.stats.num_aborted == 4  # aborted, not run to their 32000 tokens
     finally:
         front.kill()
         observer.shutdown()
