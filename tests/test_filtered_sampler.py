@@ -5,7 +5,6 @@ its draws must follow the filtered softmax.
 
 Runs the Triton kernels on CPU under TRITON_INTERPRET=1 (set in conftest) at small shapes.
 """
-import math
 
 import pytest
 import torch
@@ -160,6 +159,15 @@ def test_a_row_of_nan_logits_still_gives_a_token_id():
     logits[0] = float("nan")
     got = sample(FilteredSampler(700, 2, DEV), logits, [(0.8, 20, 0.9, 0.0, 1), (0.0, 20, 0.9, 0.0, 2)]).cpu()
     assert 0 <= got[0].item() < 700 and got[1].item() == int(logits[1].argmax())
+
+
+def test_the_smallest_top_p_keeps_the_most_likely_token():
+    """SamplingTensors raises a positive top_p below float32's range (5e-324 is valid) to its
+    smallest normal number; there, as for any top_p > 0, the most likely token is kept."""
+    logits = torch.randn(3, 700, device=DEV) * 3
+    tiny = torch.finfo(torch.float32).tiny
+    got = sample(FilteredSampler(700, 3, DEV), logits, [(1.0, -1, tiny, 0.0, s) for s in (1, 2, 3)]).cpu()
+    assert got.tolist() == logits.argmax(dim=-1).cpu().tolist()
 
 
 def test_bad_shapes_raise():

@@ -234,7 +234,7 @@ def test_top_k_top_p_among_candidates_leaves_what_it_cannot_decide_to_the_refere
 
 def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
     """top_p = 5e-324 is valid but is 0 in float32: the top token must stay, on the reference
-    path (8 tokens) and among the candidates (4,096)."""
+    path (8 tokens) and among the candidates (4,096) (on CUDA: tests/test_filtered_sampler.py)."""
     for logits in (torch.tensor(LOGITS8).repeat(3, 1), candidate_logits(3)):
         out = run(logits, [SamplingParams(temperature=1.0, top_p=5e-324)] * 3).token_ids
         assert out.tolist() == logits.argmax(dim=-1).tolist()

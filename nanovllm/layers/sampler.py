@@ -150,7 +150,9 @@ class SamplingTensors:
         temperature = [0.0 if p.greedy else float(p.temperature) for p in params]
         greedy = [t == 0.0 for t in temperature]
         top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
-        top_p = [float(p.top_p) for p in params]
+        # A positive top_p below float32's range (5e-324 is valid) would be 0 on the device and
+        # drop even the most likely token: the smallest normal float32 keeps it, as any top_p > 0 does.
+        top_p = [max(float(p.top_p), torch.finfo(torch.float32).tiny) for p in params]
         min_p = [float(p.min_p) for p in params]
         sampled = [i for i in range(num_rows) if not greedy[i]]
         asked = [p.logprobs for p in params if p.logprobs is not None]
@@ -314,7 +316,6 @@ def _apply_top_k_top_p(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         drop = mass_above >= st.top_p.unsqueeze(1)
         # Rows with top_p == 1 are left alone: rounding in the cumsum could reach 1.0 early.
         drop &= (st.top_p < 1.0).unsqueeze(1)
-        drop[:, 0] = False  # the most likely token stays, also where top_p rounds to 0 in fp32
         sorted_x.masked_fill_(drop, float("-inf"))
     return x.scatter_(1, order, sorted_x)
 
@@ -353,9 +354,7 @@ def _apply_top_k_top_p_among_candidates(x: torch.Tensor, st: SamplingTensors) ->
         if bool((has_p & ~has_k & (probs.sum(dim=-1) < st.top_p + TOP_P_MARGIN)).any()):
             return None
         mass_above = probs.cumsum(dim=-1) - probs
-        drop = (mass_above >= st.top_p.unsqueeze(1)) & has_p.unsqueeze(1)
-        drop[:, 0] = False
-        keep &= ~drop
+        keep &= ~((mass_above >= st.top_p.unsqueeze(1)) & has_p.unsqueeze(1))
     last_kept = values.gather(1, (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
     if bool((filtered & (last_kept <= values[:, -1])).any()):
         return None
