@@ -83,7 +83,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         few sequences, each of which reads the whole matrix) by int8 codes of the weight as it is
         now, one symmetric scale per vocabulary row, in torch's int8 weight kernel with bf16
         activations: a quarter of the fp32 copy's bytes. The logits come out in bf16."""
-        weight = self.weight.detach().float()
+        weight = self.fp32_weight if self.fp32_weight is not None else self.weight.detach().float()
         scales = weight.abs().amax(dim=1).clamp_(min=torch.finfo(torch.float32).tiny) / 127
         codes = (weight / scales.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
         self.register_buffer("int8_codes", codes, persistent=False)

@@ -152,7 +152,8 @@ class SamplingTensors:
         top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
         # A positive top_p below float32's range (5e-324 is valid) would be 0 on the device and
         # drop even the most likely token: the smallest normal float32 keeps it, as any top_p > 0 does.
-        top_p = [max(float(p.top_p), torch.finfo(torch.float32).tiny) for p in params]
+        smallest_top_p = torch.finfo(torch.float32).tiny
+        top_p = [max(float(p.top_p), smallest_top_p) for p in params]
         min_p = [float(p.min_p) for p in params]
         sampled = [i for i in range(num_rows) if not greedy[i]]
         asked = [p.logprobs for p in params if p.logprobs is not None]
