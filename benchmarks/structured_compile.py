@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--schema", default=str(SCHEMA_FILE))
     parser.add_argument("--vocab", type=int, default=None, help="grow the tokenizer to this many tokens")
     parser.add_argument("--llguidance", action="store_true", help="also measure llguidance (pip install llguidance)")
+    parser.add_argument("--save-tokenizer", metavar="DIR", default=None,
+                        help="save the (grown) tokenizer to DIR, e.g. beside a random checkpoint's weights")
     args = parser.parse_args()
 
     from nanovllm.loaders.source import resolve_model
@@ -69,6 +71,8 @@ def main() -> None:
     if args.vocab:
         tokenizer = grown(tokenizer, args.vocab)
     vocab = max(len(tokenizer), source.hf_config.vocab_size if not args.vocab else 0)
+    if args.save_tokenizer:
+        getattr(tokenizer, "transformers_tokenizer", tokenizer).save_pretrained(args.save_tokenizer)
     schema = json.loads(Path(args.schema).read_text())
     spec = StructuredOutputsParams(json=schema)
     ids = tokenizer.encode(json.dumps(DOCUMENT, ensure_ascii=False), add_special_tokens=False)

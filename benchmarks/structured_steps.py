@@ -7,9 +7,10 @@ schema (benchmarks/structured_schema.json), offline: 64 greedy requests of 128 p
 
 Prints, for each of two rounds of each kind, tok/s, ms per engine step, and per step the time
 spent in the engine's phases (wall time around the engine's and runner's methods; nested ones
-are counted in their callers too): scheduling, launching the forward pass, waiting for and
-processing the previous step's tokens (the grammars' matchers advance there), filling the
-step's masks, staging them for the device, launching the sampling.
+are counted in their callers too): scheduling, building the forward pass's inputs and
+launching it, checking the previous step's unmasked greedy tokens (and sampling refused ones
+again), waiting for and processing the previous step's tokens, filling the step's masks,
+staging them for the device, launching the sampling.
 """
 from __future__ import annotations
 
@@ -53,12 +54,14 @@ def main() -> None:
 
     timed(llm_engine.LLMEngine, "step", "engine step")
     timed(model_runner.ModelRunner, "execute_async", "launch forward + sampling (unconstrained)")
-    timed(model_runner.ModelRunner, "launch_forward", "launch forward (constrained)")
+    timed(model_runner.ModelRunner, "prepare_forward", "build the forward's inputs (constrained)")
+    timed(model_runner.PreparedForward, "launch", "launch forward (constrained)")
     timed(step_result.PendingOutput, "result", "wait for the previous tokens")
     timed(llm_engine.LLMEngine, "_process", "process the previous tokens")
     timed(grammars.Grammars, "refresh", "fill the masks")
     timed(bitmask.BitmaskStaging, "build", "stage the masks")
     timed(model_runner.DeferredSample, "sample", "launch sampling (constrained)")
+    timed(llm_engine.LLMEngine, "_check_in_flight", "check unmasked greedy tokens, sample refused ones again")
 
     llm = LLM(args.model, max_model_len=1024, decode_burst=1)
     timed(type(llm.engine.scheduler), "schedule", "schedule")

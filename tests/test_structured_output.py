@@ -92,6 +92,87 @@ def test_chunked_prefill_async_scheduling_and_preemption_give_the_same_tokens(qw
     assert [c.token_ids for c in plain] == [c.token_ids for c in greedy_mixed[1]]
 
 
+@pytest.mark.parametrize("wide_masks_to_unmask", [None, 0])
+def test_greedy_rows_checked_after_sampling_equal_masking_first(qwen3_tiny, llm, monkeypatch, wide_masks_to_unmask):
+    """With async scheduling, greedy constrained rows sample without their masks (outside the
+    grammar's narrow stretches; with 0, everywhere) and the grammar checks their tokens
+    afterwards (Grammars.check); a refused token is sampled again under the mask. The tokens
+    must be those of masking first (the synchronous engine), for those rows and for rows that
+    cannot be checked afterwards in the same batches (logprobs, a seeded temperature, a
+    penalty), and the path must really refuse and accept tokens."""
+    from nanovllm.engine import grammars
+    from nanovllm.engine.grammars import Grammars
+
+    if wide_masks_to_unmask is not None:
+        monkeypatch.setattr(grammars, "WIDE_MASKS_TO_UNMASK", wide_masks_to_unmask)
+
+    specs = SPECS[:24]
+    kinds = [dict(temperature=0), dict(temperature=0, logprobs=2), dict(temperature=0.8, seed=3),
+             dict(temperature=0, presence_penalty=0.5)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=s, **kinds[i % 4]) for i, s in enumerate(specs)]
+    prompts = [PROMPT] * len(specs) + PLAIN_PROMPTS
+    params += [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(PLAIN_PROMPTS)
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    counts = {"checked": 0, "refused": 0}
+    check = Grammars.check
+
+    def counting_check(self, rows, tokens):
+        refused = check(self, rows, tokens)
+        counts["checked"] += len(rows)
+        counts["refused"] += len(refused)
+        return refused
+
+    monkeypatch.setattr(Grammars, "check", counting_check)
+    checked = LLM(str(qwen3_tiny), device="cpu", max_model_len=512, async_scheduling=True)
+    try:
+        outs = checked.generate(prompts, params, use_tqdm=False)
+        engine = checked.engine
+        assert not engine.grammars.matchers and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        checked.engine.shutdown()
+    if wide_masks_to_unmask == 0:
+        assert 0 < counts["refused"] < counts["checked"], counts
+    else:
+        assert counts["checked"] > 0, counts
+    for want, got in zip(expected, outs):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].finish_reason == want.outputs[0].finish_reason
+    assert_valid(specs, [o.outputs[0] for o in outs[: len(specs)]])
+
+
+def test_aborting_a_request_whose_tokens_await_their_check_harms_nothing(qwen3_tiny, monkeypatch):
+    """A request aborted while its last tokens were sampled without their masks (async
+    scheduling, every checkable row unmasked): the other requests finish valid and equal to
+    their own run, no matcher or KV block is left."""
+    from nanovllm.engine import grammars
+
+    monkeypatch.setattr(grammars, "WIDE_MASKS_TO_UNMASK", 0)
+    llm = LLM(str(qwen3_tiny), device="cpu", max_model_len=512, async_scheduling=True)
+    try:
+        engine = llm.engine
+        specs = SPECS[:6]
+        for i, spec in enumerate(specs):
+            engine.add_request(str(i), PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                              structured_outputs=spec))
+        finished = {}
+        for _ in range(4):
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert engine._unchecked is not None and "0" not in finished
+        engine.abort_request("0")
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert sorted(finished) == [str(i) for i in range(1, len(specs))]
+        alone = llm.generate([PROMPT] * (len(specs) - 1), [SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                          structured_outputs=s) for s in specs[1:]],
+                             use_tqdm=False)
+        for i, out in enumerate(alone, start=1):
+            assert finished[str(i)].outputs[0].token_ids == out.outputs[0].token_ids
+        assert_valid(specs[1:], [finished[str(i)].outputs[0] for i in range(1, len(specs))])
+        assert not engine.grammars.matchers and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        llm.engine.shutdown()
+
+
 def test_choice_grammar_json_object_and_n(llm):
     specs = [StructuredOutputsParams(choice=["yes", "no", "maybe not"]),
              StructuredOutputsParams(grammar='root ::= "(" [1-9] " + " [1-9] ")"'),

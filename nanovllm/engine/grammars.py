@@ -10,6 +10,17 @@ of one row per sequence, and names the sequences whose grammar is complete and a
 stop token next (the engine ends them, "stop"). Preemption (recompute) keeps the output
 tokens, so the matcher stays where it is.
 
+Checked after sampling: filling a mask costs tens of microseconds a row on a large vocabulary,
+on the host, every step. A greedy row needs none when the grammar allows its argmax, which it
+mostly does in free text. With `refresh(check_after=True)` such rows (`checkable`) sample
+without a mask; `check` then advances their matchers by their tokens before any later step
+reads them, and the few tokens the grammar refuses are sampled again under the mask (the
+masked argmax). The tokens are the ones masking first would give. Where the grammar is narrow
+(a new output's opening, a key and its punctuation, a number) most unmasked tokens would be
+refused, and each refusal costs a second sampling launch; so a sequence samples under its mask
+first when it is new or its last unmasked token was refused, and goes on doing so until
+WIDE_MASKS_TO_UNMASK masks in a row have allowed at least NARROW_FRACTION of the vocabulary.
+
 On CUDA the table is in pinned memory: the runner copies it to the device without a host copy
 first (structured/bitmask.py, BitmaskStaging). The copy runs later, on the device's stream;
 that is safe because a row is refilled only once the tokens of the steps that read it have come
@@ -22,16 +33,26 @@ import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from nanovllm.sampling_params import StructuredOutputsParams
-from nanovllm.step import SchedulerOutput
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.step import ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
     from nanovllm.structured.compiler import GrammarCompiler
     from nanovllm.structured.matcher import SequenceMatcher
 
 logger = logging.getLogger("nanovllm")
+
+# A mask that allows fewer than this fraction of the vocabulary marks a narrow stretch of the
+# grammar; a sequence masked first samples unmasked again after this many wider masks in a row
+# (refresh's check_after).
+NARROW_FRACTION = 0.5
+WIDE_MASKS_TO_UNMASK = 2
+# Fewer masks than this are filled one by one: xgrammar's batch call hands rows to a thread
+# pool, which costs more than a few rows' work (~0.4 ms a call on a 16-core host).
+BATCH_FILL_MIN_ROWS = 16
 
 
 class Grammars:
@@ -48,6 +69,11 @@ class Grammars:
         self._masks: torch.Tensor | None = None
         self._rows: dict[int, int] = {}
         self._free_rows: list[int] = []
+        # seq id -> a token its matcher was advanced by in `check`, before the engine appends it.
+        self._accepted_ahead: dict[int, int] = {}
+        # Sequences whose next step samples under their mask even where it could be checked
+        # after -> how many wide masks in a row they still need to leave (module docstring).
+        self._mask_first: dict[int, int] = {}
 
     def submit(self, request_id: str, spec: StructuredOutputsParams) -> Future:
         """Check spec and start compiling it (ValueError naming the field; nothing is kept then)."""
@@ -81,6 +107,7 @@ class Grammars:
             self._grow(matcher)
         self.matchers[seq_id] = matcher
         self._rows[seq_id] = self._free_rows.pop()
+        self._sample_masked_first(seq_id)
 
     def _grow(self, matcher: SequenceMatcher) -> None:
         """Twice the rows (16 at first); the rows in use keep their place."""
@@ -102,40 +129,113 @@ class Grammars:
         """Whether a step samples some sequence with a grammar (whose next mask needs its token)."""
         return bool(self.matchers) and any(item.sample and item.seq_id in self.matchers for item in sched.seqs)
 
-    def refresh(self, sched: SchedulerOutput) -> list[int]:
+    @staticmethod
+    def checkable(params: SamplingParams) -> bool:
+        """Whether a row may sample without its mask and be checked afterwards (`check`): a
+        greedy row, whose token is the argmax of its logits (the masked argmax too, when the
+        grammar allows it), with no logprobs reported and no penalty counts kept from it."""
+        return params.greedy and params.logprobs is None and not params.penalized
+
+    def refresh(self, sched: SchedulerOutput, check_after: bool = False) -> tuple[list[int], list[int]]:
         """Fill the masks of the step's constrained sampling rows for their matchers' current
-        state (every token before the step's accepted), attach them to the rows
-        (ScheduledSeq.token_bitmask), and return the seq ids among them whose output is
-        complete (SequenceMatcher.done): the caller ends those, and drops their rows' tokens."""
+        state (every token before the step's accepted) and attach them to the rows
+        (ScheduledSeq.token_bitmask). Returns (done, unchecked): the seq ids among them whose
+        output is complete (SequenceMatcher.done: the caller ends those, and drops their rows'
+        tokens), and, with check_after, the indices among the step's sampling rows that were
+        left without a mask (`checkable`, grammar not yet complete): the caller passes their
+        tokens to `check` before any later step reads them."""
         if not self.matchers:
-            return []
-        items = [item for item in sched.seqs if item.sample and item.seq_id in self.matchers]
-        live = [item.seq_id for item in items if not self.matchers[item.seq_id].terminated]
-        if live:
-            self._batch.batch_fill_next_token_bitmask([self.matchers[i].xgr_matcher for i in live], self._masks,
-                                                      indices=[self._rows[i] for i in live])
+            return [], []
+        items = [(i, item) for i, item in enumerate(s for s in sched.seqs if s.sample) if item.seq_id in self.matchers]
+        unchecked, filled = [], []
+        for i, item in items:
+            matcher = self.matchers[item.seq_id]
+            checkable = (check_after and self.checkable(item.params) and not matcher.terminated
+                         and not matcher.xgr_matcher.is_completed())
+            if checkable and item.seq_id not in self._mask_first:
+                item.token_bitmask = None
+                unchecked.append(i)
+            else:
+                filled.append((item, checkable))
+        self._fill([item.seq_id for item, _ in filled if not self.matchers[item.seq_id].terminated])
         done = []
-        for item in items:
+        for item, checkable in filled:
             row = self._rows[item.seq_id]
             item.token_bitmask = self._masks[row : row + 1]
             if self.matchers[item.seq_id].done(item.token_bitmask):
                 done.append(item.seq_id)
-        return done
+            elif checkable:
+                if self._narrow(item.token_bitmask):
+                    self._sample_masked_first(item.seq_id)
+                elif self._mask_first[item.seq_id] > 1:
+                    self._mask_first[item.seq_id] -= 1
+                else:
+                    del self._mask_first[item.seq_id]
+        return done, unchecked
+
+    def _sample_masked_first(self, seq_id: int) -> None:
+        """seq_id samples under its mask first until WIDE_MASKS_TO_UNMASK wide masks in a row."""
+        if WIDE_MASKS_TO_UNMASK > 0:
+            self._mask_first[seq_id] = WIDE_MASKS_TO_UNMASK
+
+    def _narrow(self, mask: torch.Tensor) -> bool:
+        """Whether a mask row allows under NARROW_FRACTION of the vocabulary."""
+        return int(np.bitwise_count(mask.numpy().view(np.uint32)).sum()) < NARROW_FRACTION * self._vocab_size
+
+    def _fill(self, seq_ids: list[int]) -> None:
+        """The masks of these sequences' matchers into their rows of the table (one
+        multi-threaded xgrammar call for many, one call each for a few)."""
+        if len(seq_ids) >= BATCH_FILL_MIN_ROWS:
+            self._batch.batch_fill_next_token_bitmask([self.matchers[i].xgr_matcher for i in seq_ids], self._masks,
+                                                      indices=[self._rows[i] for i in seq_ids])
+            return
+        for seq_id in seq_ids:
+            self.matchers[seq_id].xgr_matcher.fill_next_token_bitmask(self._masks, self._rows[seq_id])
+
+    def check(self, rows: list[ScheduledSeq], tokens: list[int]) -> list[int]:
+        """Advance the matchers of rows sampled without a mask (refresh's unchecked) by their
+        tokens. Returns the indices (into rows) of the tokens their grammar
+        refuses: those matchers stay where they were, and the rows get their masks
+        (token_bitmask) to be sampled again. The accepted tokens are remembered, so that
+        `accept` does not advance by them twice. Rows whose request ended meanwhile are
+        skipped."""
+        # One call per matcher (about 4 us each on the H200's host).
+        refused = []
+        for j, item in enumerate(rows):
+            matcher = self.matchers.get(item.seq_id)
+            if matcher is None:
+                continue
+            if matcher.accept(tokens[j]):
+                self._accepted_ahead[item.seq_id] = tokens[j]
+            else:
+                refused.append(j)
+                self._sample_masked_first(item.seq_id)
+        self._fill([rows[j].seq_id for j in refused])
+        for j in refused:
+            row = self._rows[rows[j].seq_id]
+            rows[j].token_bitmask = self._masks[row : row + 1]
+        return refused
 
     def accept(self, seq_id: int, token: int) -> str | None:
-        """Advance seq_id's matcher by token: "stop" when it was a stop token the grammar
-        accepts, "abort" if the grammar refuses the token (never expected: the mask allowed
-        it), None otherwise."""
+        """Advance seq_id's matcher by token (unless `check` did already): "stop" when it was a
+        stop token the grammar accepts, "abort" if the grammar refuses the token (never
+        expected: the mask allowed it, or the check did), None otherwise."""
         matcher = self.matchers.get(seq_id)
         if matcher is None:
             return None
-        if not matcher.accept(token):
+        ahead = self._accepted_ahead.pop(seq_id, None)
+        if ahead is not None and ahead != token:
+            logger.error("sequence %d: token %d appended where its grammar took %d; it is aborted", seq_id, token, ahead)
+            return "abort"
+        if ahead is None and not matcher.accept(token):
             logger.error("sequence %d sampled token %d that its grammar does not allow; it is aborted", seq_id, token)
             return "abort"
         return "stop" if matcher.terminated else None
 
     def drop(self, seq_ids) -> None:
         for seq_id in seq_ids:
+            self._accepted_ahead.pop(seq_id, None)
+            self._mask_first.pop(seq_id, None)
             if self.matchers.pop(seq_id, None) is not None:
                 self._free_rows.append(self._rows.pop(seq_id))
 

@@ -27,6 +27,7 @@ from nanovllm.loaders.source import resolve_model
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.step import SchedulerOutput
+from nanovllm.step_result import Done, PatchedOutput
 
 if TYPE_CHECKING:
     from nanovllm.runner.model_runner import RunnerOutput
@@ -118,6 +119,9 @@ class LLMEngine:
             wanted = self.executor.device_type == "cuda"
         self.async_scheduling = wanted and self.executor.supports_async
         self._in_flight = None
+        # (its forward pass, indices of its sampling rows) where the step in flight sampled
+        # some grammar's rows without their masks: checked before the next launch.
+        self._unchecked = None
         t = time.perf_counter()
         _freeze_startup_objects()
         self._mark("gc_freeze", t)
@@ -297,22 +301,34 @@ class LLMEngine:
         sched = self.scheduler.schedule(self.executor.decode_burst)
         decode_tokens = sched.num_decode_tokens
         self.last_step = StepStats(sched.num_batched_tokens - decode_tokens, decode_tokens, 0.0)
+        constrained_deferred = deferred and not sched.is_empty and self.grammars.samples_constrained(sched)
+        if self._unchecked is not None and not constrained_deferred:  # before any step reads the tokens in flight
+            self._check_in_flight()
         if not self.async_scheduling:
-            complete = self.grammars.refresh(sched)
+            complete, _ = self.grammars.refresh(sched)
             result = self.executor.execute(sched)
             self.scheduler.advance(sched, self.seqs)
             outputs += self._end_complete(complete)
             outputs += self._process(sched, result)
-        elif deferred and not sched.is_empty and self.grammars.samples_constrained(sched):
+        elif constrained_deferred:
             # The forward pass runs while the host takes the step in flight and fills this
-            # step's grammar masks from its tokens; then the sampling is launched.
-            forward = self.executor.launch_forward(sched)
+            # step's grammar masks from its tokens; then the sampling is launched. Greedy rows
+            # sample without a mask, and their tokens are checked at the next step
+            # (Grammars.check, _check_in_flight), once its inputs are built and before its
+            # forward pass reads them.
+            prepared = self.executor.prepare_forward(sched)
+            if self._unchecked is not None:
+                self._check_in_flight()
+            forward = prepared.launch()
             self.scheduler.advance(sched, self.seqs)
             outputs += self._take_in_flight()
-            outputs += self._end_complete(self.grammars.refresh(sched))
+            complete, unchecked = self.grammars.refresh(sched, check_after=True)
+            outputs += self._end_complete(complete)
             self._in_flight = (sched, forward.sample())
+            if unchecked:
+                self._unchecked = (forward, unchecked)
         else:
-            complete = self.grammars.refresh(sched)
+            complete, _ = self.grammars.refresh(sched)
             launched = self.executor.execute_async(sched)
             self.scheduler.advance(sched, self.seqs)
             outputs += self._end_complete(complete)
@@ -322,6 +338,22 @@ class LLMEngine:
                 outputs += self._take_in_flight()
         self.last_step.seconds = time.perf_counter() - t0
         return outputs
+
+    def _check_in_flight(self) -> None:
+        """Check the tokens of the step in flight that sampled without their grammar's mask
+        (Grammars.refresh's unchecked rows): the matchers take them, and the rows whose token
+        the grammar refuses are sampled again under their masks, before the next step's
+        forward pass reads them; the step's result then carries the new tokens."""
+        (forward, unchecked), self._unchecked = self._unchecked, None
+        sched, launched = self._in_flight
+        output = launched.result()
+        rows = [item for item in sched.seqs if item.sample]
+        refused = self.grammars.check([rows[i] for i in unchecked], [output.token_ids[i] for i in unchecked])
+        result = Done(output)
+        if refused:
+            indices = [unchecked[j] for j in refused]
+            result = PatchedOutput(output, indices, forward.resample(indices))
+        self._in_flight = (sched, result)
 
     def _take_in_flight(self) -> list[RequestOutput]:
         """Wait for the step in flight, if any, and process its tokens."""

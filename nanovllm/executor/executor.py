@@ -12,7 +12,7 @@ from typing import Protocol
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
 from nanovllm.loaders.source import ModelSource
-from nanovllm.runner.model_runner import DeferredSample, ModelRunner, RunnerOutput
+from nanovllm.runner.model_runner import DeferredSample, ModelRunner, PreparedForward, RunnerOutput
 from nanovllm.step_result import StepResult
 from nanovllm.step import SchedulerOutput
 
@@ -35,6 +35,11 @@ class Executor(Protocol):
     def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
         """Launch the step's forward pass; `.sample()` on the return value launches its
         sampling and returns what execute_async would (only where defers_sampling)."""
+        ...
+
+    def prepare_forward(self, out: SchedulerOutput) -> PreparedForward:
+        """launch_forward in two: the step's inputs are built now; `.launch()` on the return
+        value reads the previous step's tokens and launches (only where defers_sampling)."""
         ...
 
     def shutdown(self) -> None: ...
@@ -69,6 +74,9 @@ class InProcessExecutor:
 
     def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
         return self.runner.launch_forward(out)
+
+    def prepare_forward(self, out: SchedulerOutput) -> PreparedForward:
+        return self.runner.prepare_forward(out)
 
     def shutdown(self) -> None:
         pass

@@ -334,6 +334,21 @@ class ModelRunner:
         return [dev[offset : offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+        """The step's inputs on the device: (input ids, positions, attention metadata, host
+        indices of the rows whose logits are sampled)."""
+        return self._gather_pending(self._prepare(out))
+
+    def _gather_pending(self, prepared: tuple) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+        """`_prepare`'s inputs with the tokens sampled by the previous step (async scheduling:
+        PLACEHOLDER_TOKEN on the host) gathered into the input ids on the device."""
+        input_ids_dev, positions_dev, meta, logits_indices, pending_dev, src_dev = prepared
+        if pending_dev is not None:
+            input_ids_dev[pending_dev] = self.prev_tokens[src_dev]
+        return input_ids_dev, positions_dev, meta, logits_indices
+
+    def _prepare(self, out: SchedulerOutput) -> tuple:
+        """`prepare` up to the gather of the previous step's tokens, which reads nothing yet:
+        (..., where the pending rows are, which of the previous step's rows fill them)."""
         seqs = out.seqs
         num_seqs = len(seqs)
         qlens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=num_seqs)
@@ -373,9 +388,9 @@ class ModelRunner:
             query_lens_cpu=qlens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        if len(pending):
-            input_ids_dev[pending_dev] = self.prev_tokens[src_dev]
-        return input_ids_dev, positions_dev, meta, logits_indices
+        if not len(pending):
+            pending_dev = src_dev = None
+        return input_ids_dev, positions_dev, meta, logits_indices, pending_dev, src_dev
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.execute_async(out).result()
@@ -397,18 +412,23 @@ class ModelRunner:
             return Done(RunnerOutput([]))
         return PendingOutput(*launched, self.device)
 
-    @torch.inference_mode()
     def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
         """Launch the forward pass of an ordinary step (no fast path, no burst) and leave its
         sampling to the result's `.sample()`, so the host can prepare what the sampling reads
         (the rows' grammar masks, ScheduledSeq.token_bitmask) while the device runs the
         forward. Nothing else may launch on this runner in between."""
+        return self.prepare_forward(out).launch()
+
+    @torch.inference_mode()
+    def prepare_forward(self, out: SchedulerOutput) -> PreparedForward:
+        """launch_forward in two: the step's inputs are built and queued for the device now,
+        while an earlier step may still run, and `.launch()` on the result gathers the previous
+        step's tokens (which may be sampled again meanwhile: DeferredSample.resample) and
+        launches the forward pass."""
         if any(s.num_steps > 1 for s in out.seqs):
             raise ValueError("launch_forward: a decode burst samples inside its launch")
         self._release_finished(out)
-        forward = None if out.is_empty else self._forward(out)
-        rows, logits = forward if forward is not None else ([], None)
-        return DeferredSample(self, rows, logits)
+        return PreparedForward(self, out, None if out.is_empty else self._prepare(out))
 
     def _release_finished(self, out: SchedulerOutput) -> None:
         """Drop what the runner kept for the sequences that finished before this step (their
@@ -433,10 +453,10 @@ class ModelRunner:
         self.prev_rows = {s.seq_id: i for i, s in enumerate(rows)}
         return sampled
 
-    def _forward(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor] | None:
+    def _forward(self, out: SchedulerOutput, prepared: tuple | None = None) -> tuple[list[ScheduledSeq], torch.Tensor] | None:
         """The forward pass and LM head of one ordinary step: (sampling rows, their logits), or
-        None where this rank samples nothing."""
-        input_ids, positions, meta, logits_indices = self.prepare(out)
+        None where this rank samples nothing. prepared: `_prepare(out)`, done earlier."""
+        input_ids, positions, meta, logits_indices = self._gather_pending(prepared or self._prepare(out))
         if self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
             hidden = self.graph_runner.run(input_ids, positions, meta)
         else:
@@ -523,6 +543,22 @@ class ModelRunner:
         return sampled
 
 
+class PreparedForward:
+    """A step whose inputs are on their way to the device and whose forward pass is not yet
+    launched (ModelRunner.prepare_forward)."""
+
+    def __init__(self, runner: ModelRunner, out: SchedulerOutput, prepared: tuple | None) -> None:
+        self._runner = runner
+        self._out = out
+        self._prepared = prepared
+
+    def launch(self) -> DeferredSample:
+        with torch.inference_mode():
+            forward = None if self._prepared is None else self._runner._forward(self._out, self._prepared)
+        rows, logits = forward if forward is not None else ([], None)
+        return DeferredSample(self._runner, rows, logits)
+
+
 class DeferredSample:
     """A step whose forward pass is launched and whose sampling is not yet
     (ModelRunner.launch_forward): `sample()` launches it and returns the step's result (logits
@@ -539,3 +575,16 @@ class DeferredSample:
         with torch.inference_mode():
             sampled = self._runner.sample_rows(self._rows, self._logits)
         return PendingOutput(self._rows, sampled, self._runner.device)
+
+    def resample(self, indices: list[int]) -> StepResult:
+        """Sample the rows at `indices` (of this step's sampling rows) again, after `sample()`
+        and before any later step is launched, under what they carry now (a grammar mask
+        attached since: engine/grammars.py, Grammars.check); their new tokens replace the old
+        ones as the next step's inputs. Returns the new tokens, in the order of `indices`."""
+        runner = self._runner
+        with torch.inference_mode():
+            index = to_device(torch.tensor(indices, dtype=torch.int64), runner.device)
+            rows = [self._rows[i] for i in indices]
+            sampled = runner.sample(rows, self._logits.index_select(0, index))
+            runner.prev_tokens.index_copy_(0, index, sampled.token_ids)
+        return PendingOutput(rows, sampled, runner.device)
