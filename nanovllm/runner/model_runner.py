@@ -412,21 +412,17 @@ class ModelRunner:
             return Done(RunnerOutput([]))
         return PendingOutput(*launched, self.device)
 
-    def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
-        """Launch the forward pass of an ordinary step (no fast path, no burst) and leave its
-        sampling to the result's `.sample()`, so the host can prepare what the sampling reads
-        (the rows' grammar masks, ScheduledSeq.token_bitmask) while the device runs the
-        forward. Nothing else may launch on this runner in between."""
-        return self.prepare_forward(out).launch()
-
     @torch.inference_mode()
     def prepare_forward(self, out: SchedulerOutput) -> PreparedForward:
-        """launch_forward in two: the step's inputs are built and queued for the device now,
-        while an earlier step may still run, and `.launch()` on the result gathers the previous
-        step's tokens (which may be sampled again meanwhile: DeferredSample.resample) and
-        launches the forward pass."""
+        """Build an ordinary step's inputs (no fast path, no burst) and queue them for the
+        device, while an earlier step may still run. `.launch()` on the result gathers the
+        previous step's tokens (which may be sampled again meanwhile: DeferredSample.resample)
+        and launches the forward pass, leaving its sampling to the `.sample()` of what it
+        returns, so the host can prepare what the sampling reads (the rows' grammar masks,
+        ScheduledSeq.token_bitmask) while the device runs the forward. Nothing else may launch
+        on this runner in between."""
         if any(s.num_steps > 1 for s in out.seqs):
-            raise ValueError("launch_forward: a decode burst samples inside its launch")
+            raise ValueError("prepare_forward: a decode burst samples inside its launch")
         self._release_finished(out)
         return PreparedForward(self, out, None if out.is_empty else self._prepare(out))
 
@@ -561,7 +557,7 @@ class PreparedForward:
 
 class DeferredSample:
     """A step whose forward pass is launched and whose sampling is not yet
-    (ModelRunner.launch_forward): `sample()` launches it and returns the step's result (logits
+    (PreparedForward.launch): `sample()` launches it and returns the step's result (logits
     None: the step samples nothing)."""
 
     def __init__(self, runner: ModelRunner, rows: list[ScheduledSeq], logits: torch.Tensor | None) -> None:
