@@ -92,14 +92,19 @@ def test_chunked_prefill_async_scheduling_and_preemption_give_the_same_tokens(qw
     assert [c.token_ids for c in plain] == [c.token_ids for c in greedy_mixed[1]]
 
 
-@pytest.mark.parametrize("wide_masks_to_unmask", [None, 0])
-def test_greedy_rows_checked_after_sampling_equal_masking_first(qwen3_tiny, llm, monkeypatch, wide_masks_to_unmask):
+PREEMPTING = dict(max_num_batched_tokens=16, kvcache_block_size=4, num_kvcache_blocks=20)
+
+
+@pytest.mark.parametrize("wide_masks_to_unmask, engine_args", [(None, {}), (0, {}), (0, PREEMPTING)])
+def test_greedy_rows_checked_after_sampling_equal_masking_first(qwen3_tiny, llm, monkeypatch, wide_masks_to_unmask,
+                                                                 engine_args):
     """With async scheduling, greedy constrained rows sample without their masks (outside the
     grammar's narrow stretches; with 0, everywhere) and the grammar checks their tokens
     afterwards (Grammars.check); a refused token is sampled again under the mask. The tokens
-    must be those of masking first (the synchronous engine), for those rows and for rows that
-    cannot be checked afterwards in the same batches (logprobs, a seeded temperature, a
-    penalty), and the path must really refuse and accept tokens."""
+    must be those of masking first (the synchronous engine), for those rows (also with n=2, a
+    min_tokens ban and a logit_bias) and for rows that cannot be checked afterwards in the same
+    batches (logprobs, a seeded temperature, a penalty), under chunked prefill and preemption
+    too, and the path must really refuse and accept tokens."""
     from nanovllm.engine import grammars
     from nanovllm.engine.grammars import Grammars
 
@@ -108,8 +113,10 @@ def test_greedy_rows_checked_after_sampling_equal_masking_first(qwen3_tiny, llm,
 
     specs = SPECS[:24]
     kinds = [dict(temperature=0), dict(temperature=0, logprobs=2), dict(temperature=0.8, seed=3),
-             dict(temperature=0, presence_penalty=0.5)]
-    params = [SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=s, **kinds[i % 4]) for i, s in enumerate(specs)]
+             dict(temperature=0, presence_penalty=0.5), dict(temperature=0, n=2),
+             dict(temperature=0, min_tokens=2, logit_bias={5: 2.0})]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=s, **kinds[i % len(kinds)])
+              for i, s in enumerate(specs)]
     prompts = [PROMPT] * len(specs) + PLAIN_PROMPTS
     params += [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(PLAIN_PROMPTS)
     expected = llm.generate(prompts, params, use_tqdm=False)
@@ -123,11 +130,12 @@ def test_greedy_rows_checked_after_sampling_equal_masking_first(qwen3_tiny, llm,
         return refused
 
     monkeypatch.setattr(Grammars, "check", counting_check)
-    checked = LLM(str(qwen3_tiny), device="cpu", max_model_len=512, async_scheduling=True)
+    checked = LLM(str(qwen3_tiny), device="cpu", max_model_len=512, async_scheduling=True, **engine_args)
     try:
         outs = checked.generate(prompts, params, use_tqdm=False)
         engine = checked.engine
         assert not engine.grammars.matchers and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert engine.scheduler.num_preemptions > 0 or not engine_args
     finally:
         checked.engine.shutdown()
     if wide_masks_to_unmask == 0:
@@ -135,8 +143,8 @@ def test_greedy_rows_checked_after_sampling_equal_masking_first(qwen3_tiny, llm,
     else:
         assert counts["checked"] > 0, counts
     for want, got in zip(expected, outs):
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        assert got.outputs[0].finish_reason == want.outputs[0].finish_reason
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+        assert [c.finish_reason for c in got.outputs] == [c.finish_reason for c in want.outputs]
     assert_valid(specs, [o.outputs[0] for o in outs[: len(specs)]])
 
 
