@@ -427,6 +427,22 @@ def test_serve_bench_against_live_server(live):
         asyncio.run(run_serve_bench(ServeBenchConfig(url="http://example.com:8000")))
 
 
+def test_serve_bench_splits_event_streams_only_where_sse_ends_lines():
+    """LF and CRLF end a line; U+2028 (raw in JSON) does not, even split across chunks."""
+    from nanovllm.entrypoints.serve_bench import sse_lines
+
+    stream = 'data: {"text": "a\u2028b"}\r\n\r\ndata: [DONE]\n\n'.encode()
+    cut = stream.index("\u2028".encode()) + 1  # inside the character's three bytes
+
+    async def lines():
+        async def chunks():
+            yield stream[:cut]
+            yield stream[cut:]
+        return [line async for line in sse_lines(chunks())]
+
+    assert asyncio.run(lines()) == ['data: {"text": "a\u2028b"}', "", "data: [DONE]", ""]
+
+
 # ---- the async engine itself -----------------------------------------------------------------
 def test_async_engine_streams_aborts_and_idles(live):
     engine = live.engine

@@ -4,17 +4,19 @@ endpoints, streamed or not; the official client's `chat.completions.parse` with 
 model; bad grammars are 400s with OpenAI's body naming the field, and harm nothing."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Literal
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
 pytest.importorskip("xgrammar", reason="xgrammar is not installed")
 
-from test_server import MODEL, assert_error_body, live, pool_is_free, wait_until  # noqa: E402,F401 (live: the fixture)
+from test_server import KEY, MODEL, assert_error_body, live, pool_is_free, wait_until  # noqa: E402,F401 (live: the fixture)
 
 MESSAGES = [{"role": "user", "content": "Where is the Eiffel tower? Answer in JSON."}]
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "floors": {"type": "integer",
@@ -37,6 +39,32 @@ def test_chat_json_schema_streamed_or_not(live):
     chunks = live.client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, temperature=0,
                                                  max_completion_tokens=40, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+
+
+LINE_BREAKS_JSON_KEEPS = "a\u2028b\x85c\u2029d"  # str.splitlines breaks at each; JSON need not escape them
+
+
+def test_streamed_text_with_unicode_line_breaks_reads_back_whole(live):
+    """A grammar makes the output hold the characters that str.splitlines takes for line ends:
+    a client that reads the stream with httpx's aiter_lines (which splits that way) still gets
+    each event whole, and so does the load generator's own SSE reader."""
+    from nanovllm.entrypoints.serve_bench import sse_lines
+
+    body = {"model": MODEL, "prompt": "Say it:", "max_tokens": 30, "temperature": 0, "stream": True,
+            "structured_outputs": {"choice": [LINE_BREAKS_JSON_KEEPS]}}
+
+    async def read(split_by_httpx: bool) -> str:
+        text = []
+        async with httpx.AsyncClient(base_url=live.url, headers={"Authorization": f"Bearer {KEY}"}) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                lines = resp.aiter_lines() if split_by_httpx else sse_lines(resp.aiter_bytes())
+                async for line in lines:
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        text += [c["text"] for c in json.loads(line[6:])["choices"]]
+        return "".join(text)
+
+    assert asyncio.run(read(split_by_httpx=True)) == LINE_BREAKS_JSON_KEEPS
+    assert asyncio.run(read(split_by_httpx=False)) == LINE_BREAKS_JSON_KEEPS
 
 
 def test_openai_client_parse_returns_the_pydantic_object(live):

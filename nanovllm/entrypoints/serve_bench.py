@@ -30,7 +30,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 from urllib.parse import urlparse
 
 if TYPE_CHECKING:
@@ -134,6 +134,20 @@ def _headers(cfg: ServeBenchConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
 
 
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of an event stream, split where the SSE format ends a line (LF, CRLF), not
+    where str.splitlines would (httpx's aiter_lines also breaks at U+2028, U+0085, ..., which
+    JSON may carry unescaped inside a string)."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r").decode()
+    if buffer:
+        yield buffer.removesuffix(b"\r").decode()
+
+
 async def _one_request(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: str, prompt: list[int]) -> _RequestResult:
     import httpx
 
@@ -155,7 +169,7 @@ async def _one_request(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: 
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 return _RequestResult(False, f"HTTP {resp.status_code}: {text[:200]}")
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp.aiter_bytes()):
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]

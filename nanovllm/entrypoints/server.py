@@ -334,10 +334,17 @@ async def _json_body(request: Request) -> Any:
         raise bad_request("the request body must be JSON sent with 'Content-Type: application/json'") from None
 
 
+# Characters JSON leaves unescaped (inside strings) that str.splitlines, and so line readers
+# built on it (httpx's aiter_lines), take for line ends: escaped in events, so that such a
+# client reads each event whole. Any JSON parser reads the escapes back as the characters.
+_SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(payload: Any) -> str:
-    if hasattr(payload, "model_dump_json"):
-        return f"data: {payload.model_dump_json()}\n\n"
-    return f"data: {json.dumps(payload)}\n\n"
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    if not data.isascii():
+        data = data.translate(_SPLITLINES_BREAKS)
+    return f"data: {data}\n\n"
 
 
 class _TokenText:
