@@ -500,16 +500,28 @@ class ModelRunner:
             self.bitmask_staging = BitmaskStaging(self.device)
         return self.bitmask_staging.build(num_rows, masks)
 
-    def sample(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
-        """Sample one token per row of `logits` under each row's parameters (and seed); a
-        penalized row's token is added to its sequence's counts (runner/penalty_state.py); a row
-        with a grammar samples only what its bitmask allows (structured/bitmask.py)."""
+    def _ban(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+        """logits with the rows' banned tokens (min_tokens) at -inf (fp32 then), or as they are."""
         banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]
         if banned:
             r, c = zip(*banned)
             logits = logits.float()
             index = to_device(torch.tensor([r, c], dtype=torch.int64), logits.device)
             logits[index[0], index[1]] = float("-inf")
+        return logits
+
+    def greedy_under_masks(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
+        """`sample` for rows that are all greedy, without logprobs, penalties or a logit bias,
+        and each carry a grammar mask (DeferredSample.resample): the largest allowed logit."""
+        logits = self._ban(rows, logits)
+        bitmask = self._token_bitmask(len(rows), [(i, s.token_bitmask) for i, s in enumerate(rows)])
+        return SamplerOutput(bitmask.argmax(logits), None, None, None)
+
+    def sample(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
+        """Sample one token per row of `logits` under each row's parameters (and seed); a
+        penalized row's token is added to its sequence's counts (runner/penalty_state.py); a row
+        with a grammar samples only what its bitmask allows (structured/bitmask.py)."""
+        logits = self._ban(rows, logits)
         params = [s.params for s in rows]
         step_seeds = None
         if self.sampler.wants_step_seeds(params, self.device):
@@ -581,6 +593,18 @@ class DeferredSample:
         with torch.inference_mode():
             index = to_device(torch.tensor(indices, dtype=torch.int64), runner.device)
             rows = [self._rows[i] for i in indices]
-            sampled = runner.sample(rows, self._logits.index_select(0, index))
+            logits = self._logits.index_select(0, index)
+            if all(_lean_resample(s) for s in rows):
+                sampled = runner.greedy_under_masks(rows, logits)
+            else:
+                sampled = runner.sample(rows, logits)
             runner.prev_tokens.index_copy_(0, index, sampled.token_ids)
         return PendingOutput(rows, sampled, runner.device)
+
+
+def _lean_resample(item: ScheduledSeq) -> bool:
+    """Whether ModelRunner.greedy_under_masks can sample this row again (greedy under a grammar
+    mask, nothing else to apply)."""
+    p = item.params
+    return (item.token_bitmask is not None and p.greedy and p.logprobs is None and not p.penalized
+            and p.logit_bias is None)
