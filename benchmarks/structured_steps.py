@@ -30,6 +30,7 @@ def main() -> None:
 
     import nanovllm.engine.grammars as grammars
     import nanovllm.engine.llm_engine as llm_engine
+    import nanovllm.layers.sampler as sampler
     import nanovllm.runner.model_runner as model_runner
     import nanovllm.step_result as step_result
     import nanovllm.structured.bitmask as bitmask
@@ -62,6 +63,11 @@ def main() -> None:
     timed(bitmask.BitmaskStaging, "build", "stage the masks")
     timed(model_runner.DeferredSample, "sample", "launch sampling (constrained)")
     timed(llm_engine.LLMEngine, "_check_in_flight", "check unmasked greedy tokens, sample refused ones again")
+    timed(grammars.Grammars, "check", "  of which: matchers take the unmasked tokens")
+    timed(model_runner.DeferredSample, "resample", "  of which: sample refused rows again")
+    timed(grammars.Grammars, "_fill", "  xgrammar fills masks (in refresh and check)")
+    timed(sampler.SamplingTensors, "from_params", "  sampling parameters to tensors")
+    timed(sampler.Sampler, "forward", "  sampler launches")
 
     llm = LLM(args.model, max_model_len=1024, decode_burst=1)
     timed(type(llm.engine.scheduler), "schedule", "schedule")
