@@ -500,20 +500,10 @@ class ModelRunner:
             self.bitmask_staging = BitmaskStaging(self.device)
         return self.bitmask_staging.build(num_rows, masks)
 
-    def _ban(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
-        """logits with the rows' banned tokens (min_tokens) at -inf (fp32 then), or as they are."""
-        banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]
-        if banned:
-            r, c = zip(*banned)
-            logits = logits.float()
-            index = to_device(torch.tensor([r, c], dtype=torch.int64), logits.device)
-            logits[index[0], index[1]] = float("-inf")
-        return logits
-
     def greedy_under_masks(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
         """`sample` for rows that are all greedy, without logprobs, penalties or a logit bias,
         and each carry a grammar mask (DeferredSample.resample): the largest allowed logit."""
-        logits = self._ban(rows, logits)
+        logits = _with_bans(rows, logits)
         bitmask = self._token_bitmask(len(rows), [(i, s.token_bitmask) for i, s in enumerate(rows)])
         return SamplerOutput(bitmask.argmax(logits), None, None, None)
 
@@ -521,7 +511,7 @@ class ModelRunner:
         """Sample one token per row of `logits` under each row's parameters (and seed); a
         penalized row's token is added to its sequence's counts (runner/penalty_state.py); a row
         with a grammar samples only what its bitmask allows (structured/bitmask.py)."""
-        logits = self._ban(rows, logits)
+        logits = _with_bans(rows, logits)
         params = [s.params for s in rows]
         step_seeds = None
         if self.sampler.wants_step_seeds(params, self.device):
@@ -600,6 +590,17 @@ class DeferredSample:
                 sampled = runner.sample(rows, logits)
             runner.prev_tokens.index_copy_(0, index, sampled.token_ids)
         return PendingOutput(rows, sampled, runner.device)
+
+
+def _with_bans(rows: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+    """logits with the rows' banned tokens (min_tokens) at -inf (fp32 then), or as they are."""
+    banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]
+    if banned:
+        r, c = zip(*banned)
+        logits = logits.float()
+        index = to_device(torch.tensor([r, c], dtype=torch.int64), logits.device)
+        logits[index[0], index[1]] = float("-inf")
+    return logits
 
 
 def _lean_resample(item: ScheduledSeq) -> bool:
