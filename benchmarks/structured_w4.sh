@@ -25,7 +25,9 @@ bench() {  # clients, then extra serve_bench options; prints output tok/s, the s
   { python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$1" \
     --num-requests "${W4_REQUESTS:-$(( $1 < 16 ? 8 : 8 * $1 ))}" --input-len "${W4_INPUT_LEN:-128}" \
     --output-len "${W4_OUTPUT_LEN:-128}" --json "${@:2}" || true; } | python3 -c \
-    'import json, sys; line = sys.stdin.read(); sys.stderr.write(line); print(json.loads(line)["output_tok_per_s"])'
+    'import json, sys; line = sys.stdin.read(); sys.stderr.write(line); s = json.loads(line)
+if s["requests_failed"]: sys.stderr.write("%d requests failed, the first: %s\n" % (s["requests_failed"], s["first_error"]))
+print(s["output_tok_per_s"])'
 }
 W4_REQUESTS=8 bench 4 >/dev/null  # warm-up: the first constrained request builds the tokenizer's tables
 W4_REQUESTS=8 bench 4 --json-schema "$schema" >/dev/null
