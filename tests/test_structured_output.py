@@ -102,7 +102,7 @@ def test_greedy_rows_checked_after_sampling_equal_masking_first(qwen3_tiny, llm,
     grammar's narrow stretches; with 0, everywhere) and the grammar checks their tokens
     afterwards (Grammars.check); a refused token is sampled again under the mask. The tokens
     must be those of masking first (the synchronous engine), for those rows (also with n=2, a
-    min_tokens ban and a logit_bias) and for rows that cannot be checked afterwards in the same
+    min_tokens ban with and without a logit_bias) and for rows that cannot be checked afterwards in the same
     batches (logprobs, a seeded temperature, a penalty), under chunked prefill and preemption
     too, and the path must really refuse and accept tokens."""
     from nanovllm.engine import grammars
@@ -114,7 +114,7 @@ def test_greedy_rows_checked_after_sampling_equal_masking_first(qwen3_tiny, llm,
     specs = SPECS[:24]
     kinds = [dict(temperature=0), dict(temperature=0, logprobs=2), dict(temperature=0.8, seed=3),
              dict(temperature=0, presence_penalty=0.5), dict(temperature=0, n=2),
-             dict(temperature=0, min_tokens=2, logit_bias={5: 2.0})]
+             dict(temperature=0, min_tokens=2, logit_bias={5: 2.0}), dict(temperature=0, min_tokens=3)]
     params = [SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=s, **kinds[i % len(kinds)])
               for i, s in enumerate(specs)]
     prompts = [PROMPT] * len(specs) + PLAIN_PROMPTS
