@@ -221,6 +221,13 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def takes_argmax(self) -> bool:
+        """Whether this request's token is the argmax of its logits and nothing else is read from
+        them or kept from it: greedy, no logprobs, no penalty counts. A grammar may then check
+        the token after sampling, and a refused one is the masked argmax (engine/grammars.py)."""
+        return self.greedy and self.logprobs is None and not self.penalized
+
+    @property
     def edits_logits(self) -> bool:
         """Whether a penalty, a logit bias or a grammar's token mask changes the logits before
         sampling: such a request never takes the fused temperature kernels; a lone stream of one

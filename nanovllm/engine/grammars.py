@@ -12,8 +12,8 @@ tokens, so the matcher stays where it is.
 
 Checked after sampling: filling a mask costs tens of microseconds a row on a large vocabulary,
 on the host, every step. A greedy row needs none when the grammar allows its argmax, which it
-mostly does in free text. With `refresh(check_after=True)` such rows (`checkable`) sample
-without a mask; `check` then advances their matchers by their tokens before any later step
+mostly does in free text. With `refresh(check_after=True)` such rows
+(SamplingParams.takes_argmax) sample without a mask; `check` then advances their matchers by their tokens before any later step
 reads them, and the few tokens the grammar refuses are sampled again under the mask (the
 masked argmax). The tokens are the ones masking first would give. Where the grammar is narrow
 (a new output's opening, a key and its punctuation, a number) most unmasked tokens would be
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.step import ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -129,28 +129,21 @@ class Grammars:
         """Whether a step samples some sequence with a grammar (whose next mask needs its token)."""
         return bool(self.matchers) and any(item.sample and item.seq_id in self.matchers for item in sched.seqs)
 
-    @staticmethod
-    def checkable(params: SamplingParams) -> bool:
-        """Whether a row may sample without its mask and be checked afterwards (`check`): a
-        greedy row, whose token is the argmax of its logits (the masked argmax too, when the
-        grammar allows it), with no logprobs reported and no penalty counts kept from it."""
-        return params.greedy and params.logprobs is None and not params.penalized
-
     def refresh(self, sched: SchedulerOutput, check_after: bool = False) -> tuple[list[int], list[int]]:
         """Fill the masks of the step's constrained sampling rows for their matchers' current
         state (every token before the step's accepted) and attach them to the rows
         (ScheduledSeq.token_bitmask). Returns (done, unchecked): the seq ids among them whose
         output is complete (SequenceMatcher.done: the caller ends those, and drops their rows'
         tokens), and, with check_after, the indices among the step's sampling rows that were
-        left without a mask (`checkable`, grammar not yet complete): the caller passes their
-        tokens to `check` before any later step reads them."""
+        left without a mask (SamplingParams.takes_argmax, grammar not yet complete): the
+        caller passes their tokens to `check` before any later step reads them."""
         if not self.matchers:
             return [], []
         items = [(i, item) for i, item in enumerate(s for s in sched.seqs if s.sample) if item.seq_id in self.matchers]
         unchecked, filled = [], []
         for i, item in items:
             matcher = self.matchers[item.seq_id]
-            checkable = (check_after and self.checkable(item.params) and not matcher.terminated
+            checkable = (check_after and item.params.takes_argmax and not matcher.terminated
                          and not matcher.xgr_matcher.is_completed())
             if checkable and item.seq_id not in self._mask_first:
                 item.token_bitmask = None
@@ -160,8 +153,7 @@ class Grammars:
         self._fill([item.seq_id for item, _ in filled if not self.matchers[item.seq_id].terminated])
         done = []
         for item, checkable in filled:
-            row = self._rows[item.seq_id]
-            item.token_bitmask = self._masks[row : row + 1]
+            self._attach_mask(item)
             if self.matchers[item.seq_id].done(item.token_bitmask):
                 done.append(item.seq_id)
             elif checkable:
@@ -212,9 +204,13 @@ class Grammars:
                 self._sample_masked_first(item.seq_id)
         self._fill([rows[j].seq_id for j in refused])
         for j in refused:
-            row = self._rows[rows[j].seq_id]
-            rows[j].token_bitmask = self._masks[row : row + 1]
+            self._attach_mask(rows[j])
         return refused
+
+    def _attach_mask(self, item: ScheduledSeq) -> None:
+        """item's sequence's row of the mask table becomes item's mask (ScheduledSeq.token_bitmask)."""
+        row = self._rows[item.seq_id]
+        item.token_bitmask = self._masks[row : row + 1]
 
     def accept(self, seq_id: int, token: int) -> str | None:
         """Advance seq_id's matcher by token (unless `check` did already): "stop" when it was a

@@ -606,6 +606,4 @@ def _with_bans(rows: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
 def _lean_resample(item: ScheduledSeq) -> bool:
     """Whether ModelRunner.greedy_under_masks can sample this row again (greedy under a grammar
     mask, nothing else to apply)."""
-    p = item.params
-    return (item.token_bitmask is not None and p.greedy and p.logprobs is None and not p.penalized
-            and p.logit_bias is None)
+    return item.token_bitmask is not None and item.params.takes_argmax and item.params.logit_bias is None
