@@ -371,6 +371,27 @@ def test_logprobs_are_raw_log_softmax(device, dtype):
     assert torch.equal(out.token_ids[[0, 5]], logits.float().argmax(dim=-1)[[0, 5]])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("logprobs", [None, 3])
+def test_a_logit_bias_moves_the_token_not_the_logprobs_or_the_callers_logits(device, dtype, logprobs):
+    """The bias edits a copy of the logits: the caller's tensor is unchanged, logprobs are
+    those of the raw logits, and the greedy token is the biased argmax."""
+    vocab = 300
+    logits = (torch.randn(3, vocab, device=device) * 4).to(dtype)
+    before = logits.clone()
+    low = logits.float().argmin(dim=-1).tolist()  # each row's least likely token, lifted to the top
+    params = [SamplingParams(temperature=0.0, logprobs=logprobs, logit_bias={low[r]: 100.0}) for r in range(3)]
+    out = run(logits, params)
+    assert out.token_ids.tolist() == low
+    assert torch.equal(logits, before)
+    if logprobs is None:
+        assert out.sampled_logprobs is None
+    else:
+        ref = torch.log_softmax(logits.float(), dim=-1)
+        torch.testing.assert_close(out.sampled_logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
+
+
 def test_logprobs_zero_gives_sampled_only_and_k_is_capped():
     logits = torch.randn(2, 4)
     out = run(logits, [SamplingParams(logprobs=0), SamplingParams(temperature=0.0)])

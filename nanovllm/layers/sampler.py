@@ -253,9 +253,11 @@ class Sampler(nn.Module):
             seed = torch.randint(0, 2**31 - 1, (1,), device=logits.device, dtype=torch.int64)
             return SamplerOutput(gumbel_argmax(logits.contiguous(), st.temperature, seed), None, None, None)
         # May alias the caller's tensor when it is already fp32: nothing below writes into it.
+        converted = logits.dtype != torch.float32
         logits = raw = logits.float()
         if st.logit_bias is not None or st.penalties is not None or st.token_mask is not None:
-            logits = raw.clone()
+            # Edited in place: a copy, unless raw is one already and no logprobs read it.
+            logits = raw if converted and st.max_num_logprobs is None else raw.clone()
             if st.logit_bias is not None:
                 st.logit_bias.apply_(logits)
             if st.penalties is not None:
