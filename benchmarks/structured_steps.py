@@ -5,11 +5,12 @@ schema (benchmarks/structured_schema.json), offline: 64 greedy requests of 128 p
     python benchmarks/structured_steps.py MODEL        # a model directory (152k vocabulary on the H200:
                                                        # see docs/benchmarks.md, Structured output)
 
-Prints, for each of two rounds of each kind, tok/s, ms per engine step, and per step the time
+Prints, for each of two rounds of each kind, tok/s, ms per engine step, how many greedy tokens
+sampled without their masks were checked and refused, and per step the time
 spent in the engine's phases (wall time around the engine's and runner's methods; nested ones
 are counted in their callers too): scheduling, building the forward pass's inputs and
-launching it, checking the previous step's unmasked greedy tokens (and sampling refused ones
-again), waiting for and processing the previous step's tokens, filling the step's masks,
+launching it, checking the previous step's unmasked greedy tokens (and rolling back refused
+ones), waiting for and processing the previous step's tokens, filling the step's masks,
 staging them for the device, launching the sampling.
 """
 from __future__ import annotations
@@ -62,12 +63,21 @@ def main() -> None:
     timed(grammars.Grammars, "refresh", "fill the masks")
     timed(bitmask.BitmaskStaging, "build", "stage the masks")
     timed(model_runner.DeferredSample, "sample", "launch sampling (constrained)")
-    timed(llm_engine.LLMEngine, "_check_in_flight", "check unmasked greedy tokens, sample refused ones again")
+    timed(llm_engine.LLMEngine, "_check", "check unmasked greedy tokens, roll back refused ones")
     timed(grammars.Grammars, "check", "  of which: matchers take the unmasked tokens")
-    timed(model_runner.DeferredSample, "resample", "  of which: sample refused rows again")
-    timed(grammars.Grammars, "_fill", "  xgrammar fills masks (in refresh and check)")
+    timed(grammars.Grammars, "_fill", "  xgrammar fills masks (in refresh)")
     timed(sampler.SamplingTensors, "from_params", "  sampling parameters to tensors")
     timed(sampler.Sampler, "forward", "  sampler launches")
+    checks = collections.Counter()
+    check = grammars.Grammars.check
+
+    def counted_check(self, rows, tokens):
+        refused = check(self, rows, tokens)
+        checks["checked"] += len(rows)
+        checks["refused"] += len(refused)
+        return refused
+
+    grammars.Grammars.check = counted_check
 
     llm = LLM(args.model, max_model_len=1024, decode_burst=1)
     timed(type(llm.engine.scheduler), "schedule", "schedule")
@@ -81,13 +91,15 @@ def main() -> None:
     for name, params in [("unconstrained", plain), ("JSON schema", constrained)] * 2:
         seconds.clear()
         calls.clear()
+        checks.clear()
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         steps = calls["engine step"]
         print(f"{name}: {tokens} tokens in {elapsed:.3f} s, {tokens / elapsed:.0f} tok/s, {steps} steps, "
-              f"{elapsed / steps * 1e3:.2f} ms per step")
+              f"{elapsed / steps * 1e3:.2f} ms per step; unmasked tokens checked {checks['checked']}, "
+              f"refused {checks['refused']}")
         for label in seconds:
             print(f"    {label:45s} {seconds[label] / steps * 1e3:6.3f} ms per step")
 

@@ -73,19 +73,3 @@ class Done:
 
     def result(self) -> RunnerOutput:
         return self.output
-
-
-class PatchedOutput:
-    """A step's result with some rows' tokens replaced by those of a later launch (rows sampled
-    again: ModelRunner's DeferredSample.resample); the rest, logprobs included, as they were."""
-
-    def __init__(self, output: RunnerOutput, indices: list[int], patch: StepResult) -> None:
-        self.output = output
-        self.indices = indices
-        self.patch = patch
-
-    def result(self) -> RunnerOutput:
-        token_ids = list(self.output.token_ids)
-        for i, token in zip(self.indices, self.patch.result().token_ids):
-            token_ids[i] = token
-        return RunnerOutput(token_ids, self.output.logprobs)

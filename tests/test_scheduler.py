@@ -23,12 +23,19 @@ class FakeEngine:
     deterministic function of that prefix, so any wrong cache reuse changes the output."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs, budget, prefix_caching=True, async_mode=False, decode_burst=1,
-                 stop_every=0):
+                 stop_every=0, refuse_every=0):
         self.async_mode = async_mode
         self.decode_burst = decode_burst
         self.bursts = 0
         self.stop_every = stop_every  # a sampled token t with t % stop_every == 0 stops its sequence
-        self.in_flight = None  # async: (output, sampled) of the launched step not yet resolved
+        # Async, one-step rows: a right token t with t % refuse_every == 1 comes out as t + 1000,
+        # a token "the grammar refuses", unless the sequence samples "under its mask" (`masked`,
+        # after a refusal). The host finds it only once the next step is launched and rolls the
+        # sequence back, as LLMEngine._check does.
+        self.refuse_every = refuse_every
+        self.masked: set[int] = set()
+        self.rollbacks = 0
+        self.in_flight = None  # async: (output, sampled, void seq ids) of the launched step not yet resolved
         self.device_prev: dict[int, int] = {}  # async: the last step's sampled ids, "on the device"
         self.sampled_at: dict[int, dict[int, int]] = {}  # every id sampled, by sequence and index
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
@@ -56,6 +63,7 @@ class FakeEngine:
         assert out.num_batched_tokens <= self.sched.max_num_batched_tokens
         assert len(self.sched.running) <= self.sched.max_num_seqs
         assert all(len(s.token_ids) == 1 for s in out.seqs[: out.num_decodes])
+        assert all(s.token_ids for s in out.seqs)  # a step computes at least one token of each
         decode_contexts = [s.start_pos for s in out.seqs[: out.num_decodes]]
         assert decode_contexts == sorted(decode_contexts, reverse=True)  # longest context first
         sampled, device_now = [], {}
@@ -85,15 +93,21 @@ class FakeEngine:
                     pos = item.start_pos + j
                     self.kv[self.slot(item.block_table, pos)] = tuple(full[: pos + 1])
                 token = hash(tuple(full)) % 1000
+                if item.num_steps == 1 and self.refuse_every and item.seq_id not in self.masked \
+                        and token % self.refuse_every == 1:
+                    token += 1000
+                self.masked.discard(item.seq_id)
                 sampled_at[len(full)] = token
                 sampled.append(token)
                 device_now[item.seq_id] = token
         self.device_prev = device_now
         self.sched.advance(out, self.seqs)
         if self.async_mode:
-            previous, self.in_flight = self.in_flight, (out, sampled)
+            previous, self.in_flight = self.in_flight, (out, sampled, set())
             if previous is not None:
-                self._resolve(*previous)
+                rolled_back = self._check(*previous)
+                self.in_flight[2].update(item.seq_id for item in out.seqs if item.sample and item.seq_id in rolled_back)
+                self._resolve(previous[0], previous[1], previous[2] | rolled_back)
             if out.is_empty:
                 self._resolve(*self.in_flight)
                 self.in_flight = None
@@ -103,8 +117,22 @@ class FakeEngine:
         self.bm.check_invariants(live)
         return out
 
-    def _resolve(self, out, sampled):
-        for seq, index in self.sched.resolve(out, self.seqs, sampled):
+    def _check(self, out, sampled, void):
+        """Roll back the live sequences whose token of this step came out refused."""
+        rolled_back = set()
+        tokens = iter(sampled)
+        for item in out.seqs:
+            row = [next(tokens) for _ in range(item.num_steps)] if item.sample else []
+            seq = self.seqs[item.seq_id]
+            if row and row[0] >= 1000 and item.seq_id not in void and not seq.is_finished:
+                self.sched.roll_back(seq, item.start_pos + len(item.token_ids))
+                self.masked.add(seq.seq_id)
+                rolled_back.add(seq.seq_id)
+                self.rollbacks += 1
+        return rolled_back
+
+    def _resolve(self, out, sampled, void=frozenset()):
+        for seq, index in self.sched.resolve(out, self.seqs, sampled, void):
             if seq.is_finished:
                 continue  # a burst's tokens after its stop, as LLMEngine._process skips them
             if self.stop_every and seq.token_ids[index] % self.stop_every == 0:
@@ -214,10 +242,12 @@ def test_prefix_hit_skips_cached_tokens():
     async_mode=st.booleans(),
     decode_burst=st.sampled_from([1, 1, 2, 3, 8]),
     stop_every=st.sampled_from([0, 0, 7]),
+    refuse_every=st.sampled_from([0, 0, 3]),
 )
 def test_random_workloads_never_leak_or_corrupt(data, block_size, num_blocks, max_num_seqs, budget, prefix_caching, async_mode,
-                                                decode_burst, stop_every):
-    eng = FakeEngine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, async_mode, decode_burst, stop_every)
+                                                decode_burst, stop_every, refuse_every):
+    eng = FakeEngine(num_blocks, block_size, max_num_seqs, budget, prefix_caching, async_mode, decode_burst, stop_every,
+                     refuse_every if async_mode else 0)
     rng = random.Random(data.draw(st.integers(0, 2**31)))
     shared = [rng.randrange(50) for _ in range(12)]
     capacity = num_blocks * block_size
@@ -259,6 +289,23 @@ def test_async_mode_gives_the_same_tokens_with_preemption():
     for p, s in zip(prompts, seqs):
         assert s.completion_token_ids == reference_tokens(p, 10)
         assert PLACEHOLDER_TOKEN not in s.token_ids
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
+@pytest.mark.parametrize("num_blocks", [9, 64])
+def test_tokens_refused_after_the_next_launch_are_rolled_back_and_sampled_again(num_blocks):
+    """Async: a third of the unmasked samples come out wrong and are found only after the next
+    step, which read them, was launched. Rolling back (Scheduler.roll_back, that step's token
+    void) must give every sequence the right tokens, with every cached position holding the
+    right prefix (FakeEngine checks it each step), under preemption too, and leak nothing."""
+    prompts = [list(range(i * 10, i * 10 + 7)) for i in range(4)]
+    eng = FakeEngine(num_blocks=num_blocks, block_size=4, max_num_seqs=4, budget=64, async_mode=True, refuse_every=3)
+    seqs = [eng.add(p, max_tokens=12) for p in prompts]
+    eng.run()
+    assert eng.rollbacks >= 4
+    assert eng.sched.num_preemptions > 0 or num_blocks == 64
+    for p, s in zip(prompts, seqs):
+        assert s.completion_token_ids == reference_tokens(p, 12)
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
 
 

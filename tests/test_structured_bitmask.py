@@ -61,23 +61,6 @@ def test_triton_kernel_matches_reference():
     assert torch.equal(logits, expected)
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_is_the_largest_allowed_logit_of_each_row(device, dtype):
-    """Every row constrained (the batch a greedy resample takes): the allowed token with the
-    largest logit, found by looking at each allowed token, including bit 31 of a word (the sign
-    bit of its int32) and the last, partial word."""
-    allowed = {0: {0, 5, 31, 32, 76}, 1: set(range(40, 77)), 2: {63}, 3: {31, 63}, 4: set(range(VOCAB))}
-    logits = torch.randn(len(allowed), VOCAB, generator=torch.Generator().manual_seed(1)).to(dtype)
-    logits[3, 0] = 100.0  # the row's largest logit, not allowed
-    mask = TokenBitmask.from_rows(len(allowed), [(r, host_bitmask(a, VOCAB)) for r, a in allowed.items()], device)
-    expected = [max(a, key=lambda t: logits[r, t].item()) for r, a in allowed.items()]
-    assert mask.argmax(logits.to(device)).tolist() == expected
-
-
 def test_no_constrained_row_means_no_mask():
     assert TokenBitmask.from_rows(3, [], "cpu") is None
 

@@ -100,7 +100,8 @@ def test_greedy_rows_checked_after_sampling_equal_masking_first(qwen3_tiny, llm,
                                                                  engine_args):
     """With async scheduling, greedy constrained rows sample without their masks (outside the
     grammar's narrow stretches; with 0, everywhere) and the grammar checks their tokens
-    afterwards (Grammars.check); a refused token is sampled again under the mask. The tokens
+    afterwards (Grammars.check); a refused token is dropped and its sequence rolled back and
+    sampled again under the mask. The tokens
     must be those of masking first (the synchronous engine), for those rows (also with n=2, a
     min_tokens ban with and without a logit_bias) and for rows that cannot be checked afterwards in the same
     batches (logprobs, a seeded temperature, a penalty), under chunked prefill and preemption
@@ -163,9 +164,17 @@ def test_aborting_a_request_whose_tokens_await_their_check_harms_nothing(qwen3_t
             engine.add_request(str(i), PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                               structured_outputs=spec))
         finished = {}
-        for _ in range(4):
+
+        def unchecked_seq_ids():
+            step = engine._in_flight
+            rows = [item for item in step.sched.seqs if item.sample] if step is not None else []
+            return {rows[i].seq_id for i in step.unchecked} if step is not None else set()
+
+        for _ in range(MAX_TOKENS // 2):  # until request 0's token in flight awaits its check
             finished.update((o.request_id, o) for o in engine.step() if o.finished)
-        assert engine._unchecked is not None and "0" not in finished
+            if engine.requests["0"].seqs[0].seq_id in unchecked_seq_ids():
+                break
+        assert engine.requests["0"].seqs[0].seq_id in unchecked_seq_ids() and "0" not in finished
         engine.abort_request("0")
         while engine.has_unfinished_requests():
             finished.update((o.request_id, o) for o in engine.step() if o.finished)

@@ -13,13 +13,18 @@ tokens, so the matcher stays where it is.
 Checked after sampling: filling a mask costs tens of microseconds a row on a large vocabulary,
 on the host, every step. A greedy row needs none when the grammar allows its argmax, which it
 mostly does in free text. With `refresh(check_after=True)` such rows
-(SamplingParams.takes_argmax) sample without a mask; `check` then advances their matchers by their tokens before any later step
-reads them, and the few tokens the grammar refuses are sampled again under the mask (the
-masked argmax). The tokens are the ones masking first would give. Where the grammar is narrow
-(a new output's opening, a key and its punctuation, a number) most unmasked tokens would be
-refused, and each refusal costs a second sampling launch; so a sequence samples under its mask
-first when it is new or its last unmasked token was refused, and goes on doing so until
-WIDE_MASKS_TO_UNMASK masks in a row have allowed at least NARROW_FRACTION of the vocabulary.
+(SamplingParams.takes_argmax) sample without a mask; `check` then advances their matchers by
+their tokens before the engine appends them. A token the grammar refuses is dropped: the
+engine rolls its sequence back and samples that position again under the mask (the masked
+argmax), so the tokens are the ones masking first would give. Where the grammar is narrow (a
+new output's opening, a key and its punctuation, a number) most unmasked tokens would be
+refused, and each refusal costs the sequence two steps; so a sequence samples under its mask
+first while it is new, until WIDE_MASKS_TO_UNMASK masks in a row have allowed at least
+NARROW_FRACTION of the vocabulary. A refusal doubles the wide masks in a row that its sequence
+needs before it samples unmasked again (up to MAX_WIDE_MASKS_TO_UNMASK): a model whose argmax
+the grammar keeps refusing (a random one; a poor fit of model and schema) ends up masked
+nearly always, and one that follows the grammar (most trained models on most schemas) is
+rarely masked.
 
 On CUDA the table is in pinned memory: the runner copies it to the device without a host copy
 first (structured/bitmask.py, BitmaskStaging). The copy runs later, on the device's stream;
@@ -50,6 +55,7 @@ logger = logging.getLogger("nanovllm")
 # (refresh's check_after).
 NARROW_FRACTION = 0.5
 WIDE_MASKS_TO_UNMASK = 2
+MAX_WIDE_MASKS_TO_UNMASK = 64
 # Fewer masks than this are filled one by one: xgrammar's batch call hands rows to a thread
 # pool, which costs more than a few rows' work (~0.4 ms a call on a 16-core host).
 BATCH_FILL_MIN_ROWS = 16
@@ -74,6 +80,8 @@ class Grammars:
         # Sequences whose next step samples under their mask even where it could be checked
         # after -> how many wide masks in a row they still need to leave (module docstring).
         self._mask_first: dict[int, int] = {}
+        # seq id -> how many wide masks in a row it needs to leave masking (doubled by refusals).
+        self._wide_to_unmask: dict[int, int] = {}
 
     def submit(self, request_id: str, spec: StructuredOutputsParams) -> Future:
         """Check spec and start compiling it (ValueError naming the field; nothing is kept then)."""
@@ -129,17 +137,20 @@ class Grammars:
         """Whether a step samples some sequence with a grammar (whose next mask needs its token)."""
         return bool(self.matchers) and any(item.sample and item.seq_id in self.matchers for item in sched.seqs)
 
-    def refresh(self, sched: SchedulerOutput, check_after: bool = False) -> tuple[list[int], list[int]]:
+    def refresh(self, sched: SchedulerOutput, check_after: bool = False,
+                skip: set[int] = frozenset()) -> tuple[list[int], list[int]]:
         """Fill the masks of the step's constrained sampling rows for their matchers' current
         state (every token before the step's accepted) and attach them to the rows
-        (ScheduledSeq.token_bitmask). Returns (done, unchecked): the seq ids among them whose
-        output is complete (SequenceMatcher.done: the caller ends those, and drops their rows'
+        (ScheduledSeq.token_bitmask); rows of the `skip` sequences (whose token the caller will
+        drop) are left alone. Returns (done, unchecked): the seq ids among them whose output
+        is complete (SequenceMatcher.done: the caller ends those, and drops their rows'
         tokens), and, with check_after, the indices among the step's sampling rows that were
         left without a mask (SamplingParams.takes_argmax, grammar not yet complete): the
-        caller passes their tokens to `check` before any later step reads them."""
+        caller passes their tokens to `check` before it appends them."""
         if not self.matchers:
             return [], []
-        items = [(i, item) for i, item in enumerate(s for s in sched.seqs if s.sample) if item.seq_id in self.matchers]
+        items = [(i, item) for i, item in enumerate(s for s in sched.seqs if s.sample)
+                 if item.seq_id in self.matchers and item.seq_id not in skip]
         unchecked, filled = [], []
         for i, item in items:
             matcher = self.matchers[item.seq_id]
@@ -166,9 +177,10 @@ class Grammars:
         return done, unchecked
 
     def _sample_masked_first(self, seq_id: int) -> None:
-        """seq_id samples under its mask first until WIDE_MASKS_TO_UNMASK wide masks in a row."""
-        if WIDE_MASKS_TO_UNMASK > 0:
-            self._mask_first[seq_id] = WIDE_MASKS_TO_UNMASK
+        """seq_id samples under its mask first until as many wide masks in a row as it needs."""
+        needed = self._wide_to_unmask.get(seq_id, WIDE_MASKS_TO_UNMASK)
+        if needed > 0:
+            self._mask_first[seq_id] = needed
 
     def _narrow(self, mask: torch.Tensor) -> bool:
         """Whether a mask row allows under NARROW_FRACTION of the vocabulary."""
@@ -186,9 +198,9 @@ class Grammars:
 
     def check(self, rows: list[ScheduledSeq], tokens: list[int]) -> list[int]:
         """Advance the matchers of rows sampled without a mask (refresh's unchecked) by their
-        tokens. Returns the indices (into rows) of the tokens their grammar
-        refuses: those matchers stay where they were, and the rows get their masks
-        (token_bitmask) to be sampled again. The accepted tokens are remembered, so that
+        tokens. Returns the indices (into rows) of the tokens their grammar refuses: those
+        matchers stay where they were, and their sequences sample under their masks next
+        (the caller drops the refused tokens). The accepted tokens are remembered, so that
         `accept` does not advance by them twice. Rows whose request ended meanwhile are
         skipped."""
         # One call per matcher (about 4 us each on the H200's host).
@@ -201,10 +213,10 @@ class Grammars:
                 self._accepted_ahead[item.seq_id] = tokens[j]
             else:
                 refused.append(j)
+                # At least one: unmasked, its next step would sample the refused token again.
+                needed = self._wide_to_unmask.get(item.seq_id, WIDE_MASKS_TO_UNMASK)
+                self._wide_to_unmask[item.seq_id] = min(max(2 * needed, 1), MAX_WIDE_MASKS_TO_UNMASK)
                 self._sample_masked_first(item.seq_id)
-        self._fill([rows[j].seq_id for j in refused])
-        for j in refused:
-            self._attach_mask(rows[j])
         return refused
 
     def _attach_mask(self, item: ScheduledSeq) -> None:
@@ -232,6 +244,7 @@ class Grammars:
         for seq_id in seq_ids:
             self._accepted_ahead.pop(seq_id, None)
             self._mask_first.pop(seq_id, None)
+            self._wide_to_unmask.pop(seq_id, None)
             if self.matchers.pop(seq_id, None) is not None:
                 self._free_rows.append(self._rows.pop(seq_id))
 

@@ -27,10 +27,10 @@ from nanovllm.loaders.source import resolve_model
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.step import SchedulerOutput
-from nanovllm.step_result import Done, PatchedOutput
 
 if TYPE_CHECKING:
     from nanovllm.runner.model_runner import RunnerOutput
+    from nanovllm.step_result import StepResult
 
 logger = logging.getLogger("nanovllm")
 
@@ -66,6 +66,20 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens the host has not read yet (async scheduling)."""
+
+    sched: SchedulerOutput
+    result: StepResult
+    # Indices of its sampling rows that sampled without their grammar's mask (Grammars.refresh's
+    # check_after): the grammar checks their tokens before they are processed.
+    unchecked: list[int] = field(default_factory=list)
+    # Sequences whose token from this step is void: their input was a token that the grammar
+    # refused after this step was launched (LLMEngine._check).
+    void: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -118,10 +132,7 @@ class LLMEngine:
         if wanted is None:
             wanted = self.executor.device_type == "cuda"
         self.async_scheduling = wanted and self.executor.supports_async
-        self._in_flight = None
-        # (its forward pass, indices of its sampling rows) where the step in flight sampled
-        # some grammar's rows without their masks: checked before the next launch.
-        self._unchecked = None
+        self._in_flight: InFlight | None = None
         t = time.perf_counter()
         _freeze_startup_objects()
         self._mark("gc_freeze", t)
@@ -294,73 +305,76 @@ class LLMEngine:
                 self.grammars.wait(timeout=0.05)  # nothing else to do
             outputs += self._admit_compiled()
         deferred = self.async_scheduling and self.executor.defers_sampling
-        if self._in_flight is not None and not deferred and self.grammars.samples_constrained(self._in_flight[0]):
+        if self._in_flight is not None and not deferred and self.grammars.samples_constrained(self._in_flight.sched):
             # A grammar's next mask needs the token in flight: take it before scheduling.
-            outputs += self._process(self._in_flight[0], self._in_flight[1].result())
-            self._in_flight = None
+            outputs += self._take_in_flight()
         sched = self.scheduler.schedule(self.executor.decode_burst)
         decode_tokens = sched.num_decode_tokens
         self.last_step = StepStats(sched.num_batched_tokens - decode_tokens, decode_tokens, 0.0)
-        constrained_deferred = deferred and not sched.is_empty and self.grammars.samples_constrained(sched)
-        if self._unchecked is not None and not constrained_deferred:  # before any step reads the tokens in flight
-            self._check_in_flight()
         if not self.async_scheduling:
             complete, _ = self.grammars.refresh(sched)
             result = self.executor.execute(sched)
             self.scheduler.advance(sched, self.seqs)
             outputs += self._end_complete(complete)
             outputs += self._process(sched, result)
-        elif constrained_deferred:
-            # The forward pass runs while the host takes the step in flight and fills this
-            # step's grammar masks from its tokens; then the sampling is launched. Greedy rows
-            # sample without a mask, and their tokens are checked at the next step
-            # (Grammars.check, _check_in_flight), once its inputs are built and before its
-            # forward pass reads them.
-            prepared = self.executor.prepare_forward(sched)
-            if self._unchecked is not None:
-                self._check_in_flight()
-            forward = prepared.launch()
+        elif deferred and not sched.is_empty and self.grammars.samples_constrained(sched):
+            # The forward pass runs while the host takes the step in flight (checking the
+            # tokens that sampled without their masks) and fills this step's masks from its
+            # tokens; then the sampling is launched. Greedy rows sample without a mask; a row
+            # whose token the grammar then refuses is rolled back (_check), and its token from
+            # this step, whose input was the refused one, is void.
+            forward = self.executor.prepare_forward(sched).launch()
             self.scheduler.advance(sched, self.seqs)
-            outputs += self._take_in_flight()
-            complete, unchecked = self.grammars.refresh(sched, check_after=True)
+            taken, rolled_back = self._take_and_check_in_flight()
+            outputs += taken
+            void = {item.seq_id for item in sched.seqs if item.sample and item.seq_id in rolled_back}
+            complete, unchecked = self.grammars.refresh(sched, check_after=True, skip=void)
             outputs += self._end_complete(complete)
-            self._in_flight = (sched, forward.sample())
-            if unchecked:
-                self._unchecked = (forward, unchecked)
+            self._in_flight = InFlight(sched, forward.sample(), unchecked, void)
         else:
             complete, _ = self.grammars.refresh(sched)
             launched = self.executor.execute_async(sched)
             self.scheduler.advance(sched, self.seqs)
             outputs += self._end_complete(complete)
             outputs += self._take_in_flight()
-            self._in_flight = (sched, launched)
+            self._in_flight = InFlight(sched, launched)
             if sched.is_empty:  # nothing was launched: drain now instead of on the next call
                 outputs += self._take_in_flight()
         self.last_step.seconds = time.perf_counter() - t0
         return outputs
 
-    def _check_in_flight(self) -> None:
-        """Check the tokens of the step in flight that sampled without their grammar's mask
-        (Grammars.refresh's unchecked rows): the matchers take them, and the rows whose token
-        the grammar refuses are sampled again under their masks, before the next step's
-        forward pass reads them; the step's result then carries the new tokens."""
-        (forward, unchecked), self._unchecked = self._unchecked, None
-        sched, launched = self._in_flight
-        output = launched.result()
-        rows = [item for item in sched.seqs if item.sample]
-        refused = self.grammars.check([rows[i] for i in unchecked], [output.token_ids[i] for i in unchecked])
-        result = Done(output)
-        if refused:
-            indices = [unchecked[j] for j in refused]
-            result = PatchedOutput(output, indices, forward.resample(indices))
-        self._in_flight = (sched, result)
-
     def _take_in_flight(self) -> list[RequestOutput]:
-        """Wait for the step in flight, if any, and process its tokens."""
+        """Wait for the step in flight, if any, and process its tokens (checked first)."""
+        return self._take_and_check_in_flight()[0]
+
+    def _take_and_check_in_flight(self) -> tuple[list[RequestOutput], set[int]]:
+        """Wait for the step in flight, if any, check the tokens it sampled without their
+        masks, and process its tokens. Returns the outputs and the sequences rolled back."""
         if self._in_flight is None:
-            return []
-        (sched, launched), self._in_flight = self._in_flight, None
-        return self._process(sched, launched.result())
+            return [], set()
+        step, self._in_flight = self._in_flight, None
+        output = step.result.result()
+        rolled_back = self._check(step, output) if step.unchecked else set()
+        return self._process(step.sched, output, step.void | rolled_back), rolled_back
+
+    def _check(self, step: InFlight, output: RunnerOutput) -> set[int]:
+        """Hand the tokens that step sampled without their masks to their grammars
+        (Grammars.check), which advance by the tokens they allow. A refused token is dropped
+        and its sequence rolled back by one more token (Scheduler.roll_back): its next step
+        computes the token before the refused one again and samples under the mask. The token
+        before has to be computed again because the step launched since may have read the
+        refused token as its input. Returns the sequences rolled back."""
+        rows = [item for item in step.sched.seqs if item.sample]
+        unchecked = step.unchecked  # never a void row: refresh skipped those
+        refused = self.grammars.check([rows[i] for i in unchecked], [output.token_ids[i] for i in unchecked])
+        rolled_back = set()
+        for j in refused:
+            item = rows[unchecked[j]]
+            seq = self.seqs.get(item.seq_id)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.roll_back(seq, item.start_pos + len(item.token_ids))
+                rolled_back.add(seq.seq_id)
+        return rolled_back
 
     def _end_complete(self, seq_ids: list[int]) -> list[RequestOutput]:
         """End the sequences whose grammar is complete and allows only a stop token next
@@ -380,9 +394,10 @@ class LLMEngine:
                 outputs.append(self._make_output(request))
         return outputs
 
-    def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        """Resolve a finished step: tokens in, stop rules, outputs for the requests it touched."""
-        grew = self.scheduler.resolve(sched, self.seqs, result.token_ids)
+    def _process(self, sched: SchedulerOutput, result: RunnerOutput, void: set[int] = frozenset()) -> list[RequestOutput]:
+        """Resolve a finished step: tokens in (but those of the `void` sequences), stop rules,
+        outputs for the requests it touched."""
+        grew = self.scheduler.resolve(sched, self.seqs, result.token_ids, void)
         touched: dict[str, Request] = {}
         now = time.monotonic()
         sample_row = {item.seq_id: i for i, item in enumerate(s for s in sched.seqs if s.sample)} if result.logprobs else None

@@ -209,17 +209,27 @@ class Scheduler:
             if item.sample:
                 seq.token_ids.extend([PLACEHOLDER_TOKEN] * item.num_steps)
 
-    def resolve(self, output: SchedulerOutput, seqs: dict[int, Sequence], sampled: list[int]) -> list[tuple[Sequence, int]]:
+    def roll_back(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop seq's tokens from index num_tokens on (a sampled token that turned out wrong, and
+        the placeholders of steps launched after it) and count the last token kept as not
+        computed, so that seq's next step feeds it again and samples in place of the dropped
+        one. Steps in flight for the dropped tokens must not be resolved for seq."""
+        seq.truncate(num_tokens)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens - 1)
+
+    def resolve(self, output: SchedulerOutput, seqs: dict[int, Sequence], sampled: list[int],
+                void: set[int] = frozenset()) -> list[tuple[Sequence, int]]:
         """Write the step's sampled ids over their placeholders (in order of the sampling rows; a
         burst's row has its num_steps ids in a row) and register newly full blocks in the prefix
         cache. Returns (sequence, index of a new token) for every new token of every live
-        sequence, in order; sequences finished meanwhile are skipped."""
+        sequence, in order; sequences finished meanwhile, and the `void` ones (rolled back
+        since the step was launched: roll_back), are skipped."""
         grew: list[tuple[Sequence, int]] = []
         it = iter(sampled)
         for item in output.seqs:
             seq = seqs.get(item.seq_id)
             tokens = [next(it) for _ in range(item.num_steps)] if item.sample else []
-            if seq is None or seq.is_finished:
+            if seq is None or seq.is_finished or item.seq_id in void:
                 continue
             first = item.start_pos + len(item.token_ids)
             for j, token in enumerate(tokens):

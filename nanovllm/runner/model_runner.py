@@ -416,8 +416,7 @@ class ModelRunner:
     def prepare_forward(self, out: SchedulerOutput) -> PreparedForward:
         """Build an ordinary step's inputs (no fast path, no burst) and queue them for the
         device, while an earlier step may still run. `.launch()` on the result gathers the
-        previous step's tokens (which may be sampled again meanwhile: DeferredSample.resample)
-        and launches the forward pass, leaving its sampling to the `.sample()` of what it
+        previous step's tokens and launches the forward pass, leaving its sampling to the `.sample()` of what it
         returns, so the host can prepare what the sampling reads (the rows' grammar masks,
         ScheduledSeq.token_bitmask) while the device runs the forward. Nothing else may launch
         on this runner in between."""
@@ -500,13 +499,6 @@ class ModelRunner:
             self.bitmask_staging = BitmaskStaging(self.device)
         return self.bitmask_staging.build(num_rows, masks)
 
-    def greedy_under_masks(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
-        """`sample` for rows that are all greedy, without logprobs, penalties or a logit bias,
-        and each carry a grammar mask (DeferredSample.resample): the largest allowed logit."""
-        logits = _with_bans(rows, logits)
-        bitmask = self._token_bitmask(len(rows), [(i, s.token_bitmask) for i, s in enumerate(rows)])
-        return SamplerOutput(bitmask.argmax(logits), None, None, None)
-
     def sample(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
         """Sample one token per row of `logits` under each row's parameters (and seed); a
         penalized row's token is added to its sequence's counts (runner/penalty_state.py); a row
@@ -574,23 +566,6 @@ class DeferredSample:
             sampled = self._runner.sample_rows(self._rows, self._logits)
         return PendingOutput(self._rows, sampled, self._runner.device)
 
-    def resample(self, indices: list[int]) -> StepResult:
-        """Sample the rows at `indices` (of this step's sampling rows) again, after `sample()`
-        and before any later step is launched, under what they carry now (a grammar mask
-        attached since: engine/grammars.py, Grammars.check); their new tokens replace the old
-        ones as the next step's inputs. Returns the new tokens, in the order of `indices`."""
-        runner = self._runner
-        with torch.inference_mode():
-            index = to_device(torch.tensor(indices, dtype=torch.int64), runner.device)
-            rows = [self._rows[i] for i in indices]
-            logits = self._logits.index_select(0, index)
-            if all(_lean_resample(s) for s in rows):
-                sampled = runner.greedy_under_masks(rows, logits)
-            else:
-                sampled = runner.sample(rows, logits)
-            runner.prev_tokens.index_copy_(0, index, sampled.token_ids)
-        return PendingOutput(rows, sampled, runner.device)
-
 
 def _with_bans(rows: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
     """logits with the rows' banned tokens (min_tokens) at -inf (fp32 then), or as they are."""
@@ -601,9 +576,3 @@ def _with_bans(rows: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
         index = to_device(torch.tensor([r, c], dtype=torch.int64), logits.device)
         logits[index[0], index[1]] = float("-inf")
     return logits
-
-
-def _lean_resample(item: ScheduledSeq) -> bool:
-    """Whether ModelRunner.greedy_under_masks can sample this row again (greedy under a grammar
-    mask, nothing else to apply)."""
-    return item.token_bitmask is not None and item.params.takes_argmax and item.params.logit_bias is None

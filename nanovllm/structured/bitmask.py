@@ -38,17 +38,6 @@ class TokenBitmask:
         xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=logits.shape[-1],
                                         indices=self.rows, backend=self.backend)
 
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """The allowed token with the largest logit, per row ([B] int64), for a batch whose every
-        row has a grammar: what `apply_` and an argmax give, in a few plain tensor ops instead
-        of the sampler's setup and a kernel launch (a greedy row sampled again after its grammar
-        refused its token: engine/grammars.py, Grammars.check)."""
-        num_rows, vocab = logits.shape
-        shifts = torch.arange(32, dtype=torch.int32, device=self.bitmask.device)
-        bits = (self.bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]: bit t of word w
-        allowed = bits.view(num_rows, -1)[:, :vocab].bool()
-        return logits.masked_fill(~allowed, float("-inf")).argmax(-1)
-
 
 class BitmaskStaging:
     """TokenBitmask.from_rows for a CUDA device, without a host wait or host memory allocated
