@@ -298,3 +298,45 @@ def test_a_request_waits_for_its_grammar_while_others_run(llm, monkeypatch):
     engine.grammars.waiting.pop("again")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
+
+
+def test_each_refusal_doubles_the_wide_masks_a_sequence_needs_before_it_samples_unmasked(tokenizer_dir):
+    """Grammars' rationing of unmasked samples, which the engine's roll-backs make costly: a
+    new sequence is masked until WIDE_MASKS_TO_UNMASK wide masks in a row; after its k-th
+    refusal it is masked for 2**k times as many (up to MAX_WIDE_MASKS_TO_UNMASK)."""
+    from transformers import AutoTokenizer
+
+    from nanovllm.engine import grammars
+    from nanovllm.engine.grammars import Grammars
+    from nanovllm.step import ScheduledSeq, SchedulerOutput
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    vocab = len(tokenizer)
+    g = Grammars(tokenizer, vocab, [tokenizer.eos_token_id])
+    spec = StructuredOutputsParams(regex="[^x]*!")  # wide masks: every token without an x (and not done)
+    g.submit("r", spec).result()
+    (_, compiled), = g.compiled()
+    g.start(0, compiled)
+    refused_token = next(t for t in range(vocab) if "x" in tokenizer.decode([t]))
+    params = SamplingParams(temperature=0, structured_outputs=spec)
+    item = ScheduledSeq(0, [1], 5, [0], True, params, None, None)
+    sched = SchedulerOutput([item], 1, 1)
+
+    def masked_steps() -> int:
+        """Refreshes until the row is left unmasked; their number."""
+        for n in range(200):
+            done, unchecked = g.refresh(sched, check_after=True)
+            assert not done
+            if unchecked == [0]:
+                return n
+            assert item.token_bitmask is not None
+        raise AssertionError("never unmasked")
+
+    assert masked_steps() == grammars.WIDE_MASKS_TO_UNMASK
+    for k in range(1, 8):
+        assert g.check([item], [refused_token]) == [0]
+        assert masked_steps() == min(grammars.WIDE_MASKS_TO_UNMASK * 2**k, grammars.MAX_WIDE_MASKS_TO_UNMASK)
+    allowed = next(t for t in range(vocab) if tokenizer.decode([t]).isalpha() and "x" not in tokenizer.decode([t]))
+    assert g.check([item], [allowed]) == []
+    g.drop([0])
+    g.shutdown()

@@ -23,8 +23,7 @@ first while it is new, until WIDE_MASKS_TO_UNMASK masks in a row have allowed at
 NARROW_FRACTION of the vocabulary. A refusal doubles the wide masks in a row that its sequence
 needs before it samples unmasked again (up to MAX_WIDE_MASKS_TO_UNMASK): a model whose argmax
 the grammar keeps refusing (a random one; a poor fit of model and schema) ends up masked
-nearly always, and one that follows the grammar (most trained models on most schemas) is
-rarely masked.
+nearly always, and one whose argmax the grammar mostly allows is rarely masked.
 
 On CUDA the table is in pinned memory: the runner copies it to the device without a host copy
 first (structured/bitmask.py, BitmaskStaging). The copy runs later, on the device's stream;
