@@ -4,6 +4,7 @@ schema (benchmarks/structured_schema.json), offline: 64 greedy requests of 128 p
 
     python benchmarks/structured_steps.py MODEL        # a model directory (152k vocabulary on the H200:
                                                        # see docs/benchmarks.md, Structured output)
+    python benchmarks/structured_steps.py MODEL --arrivals steady   # 512 requests, 64 in flight, as under load
 
 Prints, for each of two rounds of each kind, tok/s, ms per engine step, how many greedy tokens
 sampled without their masks were checked and refused, and per step the time
@@ -27,6 +28,10 @@ SCHEMA_FILE = Path(__file__).with_name("structured_schema.json")
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
+    ap.add_argument("--arrivals", choices=["together", "steady"], default="together",
+                    help="together: 64 requests start at once; steady: 512 requests, 64 in flight, a new one "
+                         "as one ends, the first 64 of staggered lengths (new requests arrive every other step, "
+                         "as under W4's load)")
     args = ap.parse_args()
 
     import nanovllm.engine.grammars as grammars
@@ -42,7 +47,9 @@ def main() -> None:
     calls: collections.Counter = collections.Counter()
 
     def timed(owner, name: str, label: str) -> None:
-        inner = getattr(owner, name)
+        inner = getattr(owner, name, None)
+        if inner is None:  # a phase this checkout does not have (comparing with another tree)
+            return
 
         def wrapper(*a, **k):
             t = time.perf_counter()
@@ -88,20 +95,50 @@ def main() -> None:
                                  structured_outputs=StructuredOutputsParams(json=schema))
     llm.generate(prompts[:4], constrained, use_tqdm=False)  # the grammar compiled, both paths warm
     llm.generate(prompts, plain, use_tqdm=False)
+    run = run_together if args.arrivals == "together" else run_steady
     for name, params in [("unconstrained", plain), ("JSON schema", constrained)] * 2:
         seconds.clear()
         calls.clear()
         checks.clear()
         t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens = run(llm, prompts, params)
         elapsed = time.perf_counter() - t
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         steps = calls["engine step"]
         print(f"{name}: {tokens} tokens in {elapsed:.3f} s, {tokens / elapsed:.0f} tok/s, {steps} steps, "
               f"{elapsed / steps * 1e3:.2f} ms per step; unmasked tokens checked {checks['checked']}, "
               f"refused {checks['refused']}")
         for label in seconds:
             print(f"    {label:45s} {seconds[label] / steps * 1e3:6.3f} ms per step")
+
+
+def run_together(llm, prompts, params) -> int:
+    """Every prompt at once; the tokens generated."""
+    return sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
+
+
+def run_steady(llm, prompts, params, total: int = 512) -> int:
+    """`total` requests, len(prompts) in flight: the first ones end after 2, 4, ... tokens (up
+    to params.max_tokens), and each that ends is replaced by one of params.max_tokens, so
+    requests start and end all the time. The tokens generated."""
+    from dataclasses import replace
+
+    engine = llm.engine
+    started = tokens = 0
+
+    def start(max_tokens: int) -> None:
+        nonlocal started
+        engine.add_request(f"steady-{started}", prompts[started % len(prompts)], replace(params, max_tokens=max_tokens))
+        started += 1
+
+    for i in range(len(prompts)):
+        start(max(1, params.max_tokens * (i + 1) // len(prompts)))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+                if started < total:
+                    start(params.max_tokens)
+    return tokens
 
 
 if __name__ == "__main__":
