@@ -416,10 +416,10 @@ class ModelRunner:
     def prepare_forward(self, out: SchedulerOutput) -> PreparedForward:
         """Build an ordinary step's inputs (no fast path, no burst) and queue them for the
         device, while an earlier step may still run. `.launch()` on the result gathers the
-        previous step's tokens and launches the forward pass, leaving its sampling to the `.sample()` of what it
-        returns, so the host can prepare what the sampling reads (the rows' grammar masks,
-        ScheduledSeq.token_bitmask) while the device runs the forward. Nothing else may launch
-        on this runner in between."""
+        previous step's tokens and launches the forward pass, leaving its sampling to the
+        `.sample()` of what it returns, so the host can prepare what the sampling reads (the
+        rows' grammar masks, ScheduledSeq.token_bitmask) while the device runs the forward.
+        Nothing else may launch on this runner in between."""
         if any(s.num_steps > 1 for s in out.seqs):
             raise ValueError("prepare_forward: a decode burst samples inside its launch")
         self._release_finished(out)
