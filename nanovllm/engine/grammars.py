@@ -66,6 +66,7 @@ class Grammars:
         self._pin_memory = pin_memory
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
+        self._stop_token_set = frozenset(stop_token_ids)
         self._compiler: GrammarCompiler | None = None  # built on the first constrained request
         self._batch = None  # xgrammar's BatchGrammarMatcher, with the first matcher
         self.waiting: dict[str, Future] = {}  # request id -> its grammar's compile
@@ -73,6 +74,7 @@ class Grammars:
         # The mask table: row self._rows[seq id] holds that sequence's next-token mask.
         self._masks: torch.Tensor | None = None
         self._rows: dict[int, int] = {}
+        self._row_views: dict[int, torch.Tensor] = {}  # seq id -> its row of the table, as [1, W]
         self._free_rows: list[int] = []
         # seq id -> a token its matcher was advanced by in `check`, before the engine appends it.
         self._accepted_ahead: dict[int, int] = {}
@@ -131,6 +133,7 @@ class Grammars:
             table[: old.shape[0]] = old
         self._free_rows.extend(range(rows - 1, (0 if old is None else old.shape[0]) - 1, -1))
         self._masks = table
+        self._row_views.clear()
 
     def samples_constrained(self, sched: SchedulerOutput) -> bool:
         """Whether a step samples some sequence with a grammar (whose next mask needs its token)."""
@@ -148,31 +151,36 @@ class Grammars:
         caller passes their tokens to `check` before it appends them."""
         if not self.matchers:
             return [], []
-        items = [(i, item) for i, item in enumerate(s for s in sched.seqs if s.sample)
-                 if item.seq_id in self.matchers and item.seq_id not in skip]
+        matchers, mask_first = self.matchers, self._mask_first
         unchecked, filled = [], []
-        for i, item in items:
-            matcher = self.matchers[item.seq_id]
-            checkable = (check_after and item.params.takes_argmax and not matcher.terminated
-                         and not matcher.xgr_matcher.is_completed())
-            if checkable and item.seq_id not in self._mask_first:
+        for i, item in enumerate(s for s in sched.seqs if s.sample):
+            matcher = matchers.get(item.seq_id)
+            if matcher is None or item.seq_id in skip:
+                continue
+            # (A terminated matcher, one that took a stop token, is also completed.)
+            checkable = check_after and item.params.takes_argmax and not matcher.xgr_matcher.is_completed()
+            if checkable and item.seq_id not in mask_first:
                 item.token_bitmask = None
                 unchecked.append(i)
             else:
-                filled.append((item, checkable))
-        self._fill([item.seq_id for item, _ in filled if not self.matchers[item.seq_id].terminated])
-        done = []
-        for item, checkable in filled:
+                filled.append((item, matcher, checkable))
+        if not filled:
+            return [], unchecked
+        self._fill([item.seq_id for item, matcher, _ in filled if not matcher.terminated])
+        done, judged = [], []
+        for item, matcher, checkable in filled:
             self._attach_mask(item)
-            if self.matchers[item.seq_id].done(item.token_bitmask):
+            if matcher.done(item.token_bitmask):
                 done.append(item.seq_id)
             elif checkable:
-                if self._narrow(item.token_bitmask):
-                    self._sample_masked_first(item.seq_id)
-                elif self._mask_first[item.seq_id] > 1:
-                    self._mask_first[item.seq_id] -= 1
-                else:
-                    del self._mask_first[item.seq_id]
+                judged.append(item.seq_id)
+        for seq_id, narrow in zip(judged, self._narrow(judged)):
+            if narrow:
+                self._sample_masked_first(seq_id)
+            elif mask_first[seq_id] > 1:
+                mask_first[seq_id] -= 1
+            else:
+                del mask_first[seq_id]
         return done, unchecked
 
     def _sample_masked_first(self, seq_id: int) -> None:
@@ -181,9 +189,12 @@ class Grammars:
         if needed > 0:
             self._mask_first[seq_id] = needed
 
-    def _narrow(self, mask: torch.Tensor) -> bool:
-        """Whether a mask row allows under NARROW_FRACTION of the vocabulary."""
-        return int(np.bitwise_count(mask.numpy().view(np.uint32)).sum()) < NARROW_FRACTION * self._vocab_size
+    def _narrow(self, seq_ids: list[int]) -> list[bool]:
+        """Whether each of these sequences' masks allows under NARROW_FRACTION of the vocabulary."""
+        if not seq_ids:
+            return []
+        rows = self._masks.numpy().view(np.uint32)[[self._rows[i] for i in seq_ids]]
+        return (np.bitwise_count(rows).sum(axis=1) < NARROW_FRACTION * self._vocab_size).tolist()
 
     def _fill(self, seq_ids: list[int]) -> None:
         """The masks of these sequences' matchers into their rows of the table (one
@@ -220,8 +231,11 @@ class Grammars:
 
     def _attach_mask(self, item: ScheduledSeq) -> None:
         """item's sequence's row of the mask table becomes item's mask (ScheduledSeq.token_bitmask)."""
-        row = self._rows[item.seq_id]
-        item.token_bitmask = self._masks[row : row + 1]
+        view = self._row_views.get(item.seq_id)
+        if view is None:
+            row = self._rows[item.seq_id]
+            view = self._row_views[item.seq_id] = self._masks[row : row + 1]
+        item.token_bitmask = view
 
     def accept(self, seq_id: int, token: int) -> str | None:
         """Advance seq_id's matcher by token (unless `check` did already): "stop" when it was a
@@ -237,13 +251,15 @@ class Grammars:
         if ahead is None and not matcher.accept(token):
             logger.error("sequence %d sampled token %d that its grammar does not allow; it is aborted", seq_id, token)
             return "abort"
-        return "stop" if matcher.terminated else None
+        # A matcher terminates only by taking a stop token.
+        return "stop" if token in self._stop_token_set and matcher.terminated else None
 
     def drop(self, seq_ids) -> None:
         for seq_id in seq_ids:
             self._accepted_ahead.pop(seq_id, None)
             self._mask_first.pop(seq_id, None)
             self._wide_to_unmask.pop(seq_id, None)
+            self._row_views.pop(seq_id, None)
             if self.matchers.pop(seq_id, None) is not None:
                 self._free_rows.append(self._rows.pop(seq_id))
 
