@@ -63,8 +63,7 @@ def main() -> None:
 
     timed(llm_engine.LLMEngine, "step", "engine step")
     timed(model_runner.ModelRunner, "execute_async", "launch forward + sampling (unconstrained)")
-    timed(model_runner.ModelRunner, "prepare_forward", "build the forward's inputs (constrained)")
-    timed(model_runner.PreparedForward, "launch", "launch forward (constrained)")
+    timed(model_runner.ModelRunner, "launch_forward", "build the inputs and launch forward (constrained)")
     timed(step_result.PendingOutput, "result", "wait for the previous tokens")
     timed(llm_engine.LLMEngine, "_process", "process the previous tokens")
     timed(grammars.Grammars, "refresh", "fill the masks")

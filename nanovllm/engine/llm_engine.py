@@ -323,7 +323,7 @@ class LLMEngine:
             # tokens; then the sampling is launched. Greedy rows sample without a mask; a row
             # whose token the grammar then refuses is rolled back (_check), and its token from
             # this step, whose input was the refused one, is void.
-            forward = self.executor.prepare_forward(sched).launch()
+            forward = self.executor.launch_forward(sched)
             self.scheduler.advance(sched, self.seqs)
             taken, rolled_back = self._take_and_check_in_flight()
             outputs += taken

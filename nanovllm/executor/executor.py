@@ -12,7 +12,7 @@ from typing import Protocol
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
 from nanovllm.loaders.source import ModelSource
-from nanovllm.runner.model_runner import ModelRunner, PreparedForward, RunnerOutput
+from nanovllm.runner.model_runner import DeferredSample, ModelRunner, RunnerOutput
 from nanovllm.step_result import StepResult
 from nanovllm.step import SchedulerOutput
 
@@ -22,7 +22,7 @@ class Executor(Protocol):
     decode_burst: int  # decode steps a lone greedy or plain-temperature sequence may run per step
     device_type: str  # "cuda" or "cpu": where the steps run
     supports_async: bool  # execute_async launches a step without waiting for it
-    # prepare_forward builds a step's inputs; its launch leaves the sampling for later
+    # launch_forward launches a step's forward pass and leaves its sampling for later
     defers_sampling: bool
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
@@ -32,11 +32,9 @@ class Executor(Protocol):
         where supports_async)."""
         ...
 
-    def prepare_forward(self, out: SchedulerOutput) -> PreparedForward:
-        """Build the step's inputs now; `.launch()` on the return value reads the previous
-        step's tokens and launches the forward pass, and `.sample()` on what that returns
-        launches its sampling and returns what execute_async would (only where
-        defers_sampling)."""
+    def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
+        """Launch the step's forward pass; `.sample()` on the return value launches its
+        sampling and returns what execute_async would (only where defers_sampling)."""
         ...
 
     def shutdown(self) -> None: ...
@@ -69,8 +67,8 @@ class InProcessExecutor:
     def execute_async(self, out: SchedulerOutput) -> StepResult:
         return self.runner.execute_async(out)
 
-    def prepare_forward(self, out: SchedulerOutput) -> PreparedForward:
-        return self.runner.prepare_forward(out)
+    def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
+        return self.runner.launch_forward(out)
 
     def shutdown(self) -> None:
         pass

@@ -413,17 +413,17 @@ class ModelRunner:
         return PendingOutput(*launched, self.device)
 
     @torch.inference_mode()
-    def prepare_forward(self, out: SchedulerOutput) -> PreparedForward:
-        """Build an ordinary step's inputs (no fast path, no burst) and queue them for the
-        device, while an earlier step may still run. `.launch()` on the result gathers the
-        previous step's tokens and launches the forward pass, leaving its sampling to the
-        `.sample()` of what it returns, so the host can prepare what the sampling reads (the
-        rows' grammar masks, ScheduledSeq.token_bitmask) while the device runs the forward.
-        Nothing else may launch on this runner in between."""
+    def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
+        """Launch an ordinary step's forward pass (no fast path, no burst), leaving its sampling
+        to the `.sample()` of what it returns, so the host can prepare what the sampling reads
+        (the rows' grammar masks, ScheduledSeq.token_bitmask) while the device runs the
+        forward. Nothing else may launch on this runner in between."""
         if any(s.num_steps > 1 for s in out.seqs):
-            raise ValueError("prepare_forward: a decode burst samples inside its launch")
+            raise ValueError("launch_forward: a decode burst samples inside its launch")
         self._release_finished(out)
-        return PreparedForward(self, out, None if out.is_empty else self._prepare(out))
+        forward = None if out.is_empty else self._forward(out)
+        rows, logits = forward if forward is not None else ([], None)
+        return DeferredSample(self, rows, logits)
 
     def _release_finished(self, out: SchedulerOutput) -> None:
         """Drop what the runner kept for the sequences that finished before this step (their
@@ -448,10 +448,10 @@ class ModelRunner:
         self.prev_rows = {s.seq_id: i for i, s in enumerate(rows)}
         return sampled
 
-    def _forward(self, out: SchedulerOutput, prepared: tuple | None = None) -> tuple[list[ScheduledSeq], torch.Tensor] | None:
+    def _forward(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor] | None:
         """The forward pass and LM head of one ordinary step: (sampling rows, their logits), or
-        None where this rank samples nothing. prepared: `_prepare(out)`, done earlier."""
-        input_ids, positions, meta, logits_indices = self._gather_pending(prepared or self._prepare(out))
+        None where this rank samples nothing."""
+        input_ids, positions, meta, logits_indices = self.prepare(out)
         if self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
             hidden = self.graph_runner.run(input_ids, positions, meta)
         else:
@@ -533,25 +533,9 @@ class ModelRunner:
         return sampled
 
 
-class PreparedForward:
-    """A step whose inputs are on their way to the device and whose forward pass is not yet
-    launched (ModelRunner.prepare_forward)."""
-
-    def __init__(self, runner: ModelRunner, out: SchedulerOutput, prepared: tuple | None) -> None:
-        self._runner = runner
-        self._out = out
-        self._prepared = prepared
-
-    def launch(self) -> DeferredSample:
-        with torch.inference_mode():
-            forward = None if self._prepared is None else self._runner._forward(self._out, self._prepared)
-        rows, logits = forward if forward is not None else ([], None)
-        return DeferredSample(self._runner, rows, logits)
-
-
 class DeferredSample:
     """A step whose forward pass is launched and whose sampling is not yet
-    (PreparedForward.launch): `sample()` launches it and returns the step's result (logits
+    (ModelRunner.launch_forward): `sample()` launches it and returns the step's result (logits
     None: the step samples nothing)."""
 
     def __init__(self, runner: ModelRunner, rows: list[ScheduledSeq], logits: torch.Tensor | None) -> None:
