@@ -142,6 +142,14 @@ class SamplingParams:
     # Sampled (not greedy) with a top-k / top-p / min-p filter or a seed of its own: on CUDA such
     # a row takes layers/filtered_sampler.py (Sampler.wants_step_seeds reads it every step).
     filters_or_seed: bool = field(init=False, repr=False, compare=False)
+    # A presence, frequency or repetition penalty is on: the runner then keeps this sequence's
+    # token counts on the device (runner/penalty_state.py).
+    penalized: bool = field(init=False, repr=False, compare=False)
+    # This request's token is the argmax of its logits and nothing else is read from them or
+    # kept from it: greedy, no logprobs, no penalty counts. A grammar may then check the token
+    # after sampling, and a refused one is the masked argmax (engine/grammars.py). (Both are
+    # read for every row of every step, so they are worked out once, here.)
+    takes_argmax: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -198,6 +206,9 @@ class SamplingParams:
             raise bad("stop", "stop strings must not be empty")
         # Frozen: the normalized values are set once, here, through object.__setattr__.
         object.__setattr__(self, "stop_list", stops)
+        penalized = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        object.__setattr__(self, "penalized", penalized)
+        object.__setattr__(self, "takes_argmax", self.greedy and self.logprobs is None and not penalized)
         object.__setattr__(self, "filters_or_seed", not self.greedy and (
             self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0 or self.seed is not None))
         if self.stop_token_ids is None:
@@ -213,19 +224,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this request samples greedily (argmax): temperature below GREEDY_EPS."""
         return self.temperature < GREEDY_EPS
-
-    @property
-    def penalized(self) -> bool:
-        """Whether a presence, frequency or repetition penalty is on: the runner then keeps this
-        sequence's token counts on the device (runner/penalty_state.py)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @property
-    def takes_argmax(self) -> bool:
-        """Whether this request's token is the argmax of its logits and nothing else is read from
-        them or kept from it: greedy, no logprobs, no penalty counts. A grammar may then check
-        the token after sampling, and a refused one is the masked argmax (engine/grammars.py)."""
-        return self.greedy and self.logprobs is None and not self.penalized
 
     @property
     def edits_logits(self) -> bool:
