@@ -104,6 +104,86 @@ def test_vocabulary_splits_give_the_same_tokens():
             fused_sampler.gumbel_argmax(logits, t, seed, num_splits=bad)
 
 
+def random_masks(rows_masked: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, list[set[int]]]:
+    """int32 [rows_masked, ceil(vocab / 32)] bitmask rows and the token sets they allow (about
+    a third of the vocabulary each, always the last token and bit 31 of some word)."""
+    allowed = []
+    for _ in range(rows_masked):
+        keep = set(torch.nonzero(torch.rand(vocab, generator=gen) < 0.3).flatten().tolist()) | {vocab - 1, 31}
+        allowed.append(keep)
+    words = torch.zeros(rows_masked, (vocab + 31) // 32, dtype=torch.int64)
+    for r, keep in enumerate(allowed):
+        for t in keep:
+            words[r, t // 32] |= 1 << (t % 32)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words, allowed
+
+
+def test_grammar_masks_are_read_in_the_scan():
+    """A masked row samples what the kernel samples from its logits with every disallowed
+    token at -inf (the same noise), greedy or not, for every split count; rows whose row_of is
+    -1 are left alone; each sampled token is allowed; the masked rows' order in `words` is the
+    caller's (row_of names them)."""
+    v = fused_sampler.BLOCK_V * 2 + 45
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(6, v, generator=gen) * 3).to(DEV)
+    words, allowed = random_masks(3, v, gen)
+    row_of = torch.tensor([2, -1, 0, -1, 1, 0], dtype=torch.int32)
+    masked_logits = logits.clone()
+    for b, r in enumerate(row_of.tolist()):
+        if r >= 0:
+            banned = [t for t in range(v) if t not in allowed[r]]
+            masked_logits[b, banned] = float("-inf")
+    t = torch.tensor([0.0, 0.0, 0.8, 1.0, 0.0, 1.3], device=DEV)
+    seed = torch.tensor([7], device=DEV)
+    expected = fused_sampler.gumbel_argmax(masked_logits, t, seed, 2).tolist()
+    assert expected[0] == masked_logits[0].argmax().item() and expected[4] == masked_logits[4].argmax().item()
+    mask = (words.to(DEV), row_of.to(DEV))
+    for splits in (1, 2, 4):
+        assert fused_sampler.gumbel_argmax(logits, t, seed, splits, mask).tolist() == expected
+    for b, r in enumerate(row_of.tolist()):
+        if r >= 0:
+            assert expected[b] in allowed[r]
+    assert expected[1] == logits[1].argmax().item()  # unmasked, greedy: its own argmax
+    with pytest.raises(ValueError, match="row_of"):
+        fused_sampler.gumbel_argmax(logits, t, seed, 2, (words.to(DEV), row_of[:5].to(DEV)))
+
+
+def test_greedy_batches_under_grammar_masks_take_the_kernel_and_match_the_reference():
+    """Greedy rows with grammar masks (structured/bitmask.py TokenBitmask) sample in the kernel,
+    and give the reference sampler's masked argmax, beside unmasked rows."""
+    pytest.importorskip("xgrammar", reason="xgrammar is not installed")
+    from nanovllm.structured.bitmask import TokenBitmask
+
+    v = 300
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, v, generator=gen) * 2).to(DEV)
+    words, allowed = random_masks(3, v, gen)
+    masks = [(0, words[1:2]), (2, words[0:1]), (3, words[2:3])]
+    params = [SamplingParams(temperature=0)] * 5
+    calls = []
+    real = fused_sampler.gumbel_argmax
+
+    def counting(*a):
+        calls.append(1)
+        return real(*a)
+
+    fused = fused_sampler_on()
+    st = SamplingTensors.from_params(params, None, v, DEV)
+    st.token_mask = TokenBitmask.from_rows(5, masks, DEV)
+    try:
+        fused_sampler.gumbel_argmax = counting
+        got = fused(logits, st).token_ids.tolist()
+    finally:
+        fused_sampler.gumbel_argmax = real
+    reference = Sampler(fused=False)
+    st = SamplingTensors.from_params(params, None, v, DEV)
+    st.token_mask = TokenBitmask.from_rows(5, masks, DEV)
+    assert calls == [1]
+    assert got == reference(logits, st).token_ids.tolist()
+    assert got[0] in allowed[1] and got[2] in allowed[0] and got[3] in allowed[2]
+
+
 def test_choose_num_splits():
     # Enough 8-warp programs to fill 132 SMs 8 times over, each chunk at least two tiles.
     assert fused_sampler.choose_num_splits(256, 151936, 132) == 8

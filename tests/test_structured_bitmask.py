@@ -56,8 +56,9 @@ def test_triton_kernel_matches_reference():
     expected = reference(logits)
     indices = torch.tensor(mask.rows, dtype=torch.int32)
     block = 64
-    apply_token_bitmask_inplace_kernel[(2,)](logits, mask.bitmask, indices, len(mask.rows), VOCAB,
-                                             logits.stride(0), mask.bitmask.stride(0), 2, block)
+    bitmask = mask.per_row()
+    apply_token_bitmask_inplace_kernel[(2,)](logits, bitmask, indices, len(mask.rows), VOCAB,
+                                             logits.stride(0), bitmask.stride(0), 2, block)
     assert torch.equal(logits, expected)
 
 

@@ -24,7 +24,8 @@ precise log runs instead; the noise function is checked against float64 on both.
 
 Only batches without top-k / top-p / min-p, without seeded requests (they keep their own
 torch.Generator stream, so they are reproducible whatever the batch) and without logprobs take
-this path; everything else stays on the reference path. Ties go to the lowest token id, as
+this path; everything else stays on the reference path. Grammar masks (one bitmask row per
+constrained row) are read in the same scan: a disallowed token never scores. Ties go to the lowest token id, as
 torch.argmax does.
 """
 from __future__ import annotations
@@ -99,9 +100,17 @@ def gumbel_score(x, cols, inv_t, seed, BLOCK: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _keep_best(best_val, best_idx, row_ptr, cols, hi, u, inv_t, noise_scale, FAST: tl.constexpr):
-    """Fold one quarter-tile into the per-lane running best (no cross-lane reduction)."""
+def _keep_best(best_val, best_idx, row_ptr, cols, hi, u, inv_t, noise_scale, words_ptr, mask_row,
+               FAST: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Fold one quarter-tile into the per-lane running best (no cross-lane reduction). With
+    HAS_MASK, a row whose mask_row is not -1 keeps only the columns whose bit is set in its
+    mask words (bit c % 32 of word c // 32)."""
     valid = cols < hi
+    if HAS_MASK:
+        # (mask_row broadcast over the columns first: Triton's interpreter cannot combine a
+        # block's mask with a scalar condition; the compiler folds cols * 0 away.)
+        words = tl.load(words_ptr + cols // 32, mask=valid & ((cols * 0 + mask_row) >= 0), other=-1)
+        valid = valid & (((words >> (cols % 32)) & 1) != 0)
     x = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
     score = tl.where(valid, x * inv_t + _gumbel(u, FAST) * noise_scale, float("-inf"))
     better = score > best_val  # strict: each lane sees its columns in increasing order
@@ -119,8 +128,12 @@ def _gumbel_argmax_kernel(
     vocab_size,
     chunk,
     num_splits,
+    mask_ptr,
+    mask_row_ptr,
+    mask_stride,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     """Program (row, split) scans columns [split * chunk, (split + 1) * chunk) of its row.
 
@@ -130,7 +143,9 @@ def _gumbel_argmax_kernel(
     uniform an element gets), lane = which quarter. Each lane keeps its own running best and
     the lanes are reduced once at the end: a reduction per tile (a barrier across 8 warps)
     would cost more than the tile's loads. Columns and counters are 32-bit (the caller checks
-    that rows x vocabulary fits): the loop is bound by instruction issue, not by memory."""
+    that rows x vocabulary fits): the loop is bound by instruction issue, not by memory.
+    HAS_MASK: row r samples among the tokens allowed by row mask_row_ptr[r] of the int32 bitmask
+    at mask_ptr (mask_stride words a row), or among all where that is -1."""
     QUARTER: tl.constexpr = BLOCK // 4
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -143,16 +158,25 @@ def _gumbel_argmax_kernel(
     best_val = tl.full((QUARTER,), float("-inf"), tl.float32)
     best_idx = tl.full((QUARTER,), 0, tl.int32)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    words_ptr = mask_ptr
+    mask_row = -1
+    if HAS_MASK:
+        mask_row = tl.load(mask_row_ptr + row)
+        words_ptr = mask_ptr + tl.maximum(mask_row, 0).to(tl.int64) * mask_stride
     row_counter = row * tl.cdiv(vocab_size, BLOCK) * QUARTER
     lo = split * chunk
     hi = tl.minimum(vocab_size, lo + chunk)
     for start in range(lo, hi, BLOCK):
         u0, u1, u2, u3 = tl.rand4x(seed, row_counter + start // 4 + offs)
         cols = start + offs
-        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols, hi, u0, inv_t, noise_scale, FAST_LOG)
-        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols + QUARTER, hi, u1, inv_t, noise_scale, FAST_LOG)
-        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols + 2 * QUARTER, hi, u2, inv_t, noise_scale, FAST_LOG)
-        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols + 3 * QUARTER, hi, u3, inv_t, noise_scale, FAST_LOG)
+        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols, hi, u0, inv_t, noise_scale,
+                                        words_ptr, mask_row, FAST_LOG, HAS_MASK)
+        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols + QUARTER, hi, u1, inv_t, noise_scale,
+                                        words_ptr, mask_row, FAST_LOG, HAS_MASK)
+        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols + 2 * QUARTER, hi, u2, inv_t, noise_scale,
+                                        words_ptr, mask_row, FAST_LOG, HAS_MASK)
+        best_val, best_idx = _keep_best(best_val, best_idx, row_ptr, cols + 3 * QUARTER, hi, u3, inv_t, noise_scale,
+                                        words_ptr, mask_row, FAST_LOG, HAS_MASK)
     top = tl.max(best_val, axis=0)
     # Lowest column among the lanes holding the maximum (ties go to the lowest token id).
     top_idx = tl.min(tl.where(best_val == top, best_idx, tl.full((QUARTER,), 2**31 - 1, tl.int32)), axis=0)
@@ -171,13 +195,18 @@ def _best_split_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_splits, MAX: tl.
 
 
 def gumbel_argmax(
-    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, num_splits: int | None = None
+    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, num_splits: int | None = None,
+    mask: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of logits [B, V] at the row's temperature (0 = greedy).
 
     temperature: [B] float32 on the device; seed: a one-element int64 device tensor.
     num_splits: vocabulary chunks per row (a power of two up to MAX_SPLITS); None chooses from
-    the shapes. It is a runtime argument: one compiled kernel serves every batch."""
+    the shapes. It is a runtime argument: one compiled kernel serves every batch.
+    mask: (words, row_of), grammar masks (structured/bitmask.py TokenBitmask): words int32
+    [R, ceil(V / 32)] on the device, bit t of a row set = token t allowed; row_of int32 [B], the
+    row of words that batch row samples under, -1 for none. A row samples among its allowed
+    tokens as it would from logits whose other tokens were -inf (the noise is the same)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"gumbel_argmax: logits must be [B, V] with contiguous rows, got {tuple(logits.shape)}")
     rows, vocab = logits.shape
@@ -194,10 +223,21 @@ def gumbel_argmax(
     chunk = triton.cdiv(triton.cdiv(vocab, num_splits), BLOCK_V) * BLOCK_V  # whole tiles per chunk
     best_val = torch.empty((rows, num_splits), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, num_splits), dtype=torch.int64, device=logits.device)
+    if mask is not None:
+        words, row_of = mask
+        if words.dtype != torch.int32 or words.stride(1) != 1 or words.shape[1] * 32 < vocab:
+            raise ValueError(f"gumbel_argmax: mask words must be int32 [R, >= {triton.cdiv(vocab, 32)}] with "
+                             f"contiguous rows, got {words.dtype} {tuple(words.shape)}")
+        if row_of.dtype != torch.int32 or row_of.shape != (rows,):
+            raise ValueError(f"gumbel_argmax: mask row_of must be int32 [{rows}], got {row_of.dtype} {tuple(row_of.shape)}")
+        mask_args = (words, row_of, words.stride(0))
+    else:
+        mask_args = (best_idx, best_idx, 0)  # not read
     launch(
         _gumbel_argmax_kernel, (rows, num_splits),
-        logits, temperature, seed, best_val, best_idx, logits.stride(0), vocab, chunk, num_splits,
-        BLOCK=BLOCK_V, FAST_LOG=logits.is_cuda, num_warps=8,  # CPU tensors: the interpreter, no PTX
+        logits, temperature, seed, best_val, best_idx, logits.stride(0), vocab, chunk, num_splits, *mask_args,
+        BLOCK=BLOCK_V, FAST_LOG=logits.is_cuda, HAS_MASK=mask is not None,
+        num_warps=8,  # CPU tensors: the interpreter, no PTX
     )
     launch(_best_split_kernel, (rows,), best_val, best_idx, out, num_splits, MAX=MAX_SPLITS, num_warps=1)
     return out

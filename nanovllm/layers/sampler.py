@@ -218,14 +218,16 @@ class Sampler(nn.Module):
         self._filtered = None  # filtered_sampler.FilteredSampler, made at the first batch that needs it
 
     # The fused kernel runs one program per row: it pays for large batches that sample (one pass
-    # instead of ~6); a small or all-greedy batch is faster as torch's own argmax.
+    # instead of ~6); a small batch, or an all-greedy one without grammar masks, is faster as
+    # torch's own argmax.
     fast_path_min_rows = 32
 
     def fast_path_ok(self, st: SamplingTensors) -> bool:
-        """Temperature sampling only: no filters, penalties or biases, no seeded rows, no
-        logprobs, enough rows."""
-        return not (st.all_greedy or st.num_rows < self.fast_path_min_rows
-                    or st.logit_bias is not None or st.penalties is not None or st.token_mask is not None
+        """Temperature sampling, and greedy rows where grammar masks apply (the kernel reads the
+        masks in its scan, where the reference path would copy, mask and scan the logits): no
+        filters, penalties or biases, no seeded rows, no logprobs, enough rows."""
+        return not ((st.all_greedy and st.token_mask is None) or st.num_rows < self.fast_path_min_rows
+                    or st.logit_bias is not None or st.penalties is not None
                     or st.any_top_k or st.any_top_p or st.any_min_p or st.max_num_logprobs is not None
                     or any(g is not None for g in st.generators))
 
@@ -251,7 +253,11 @@ class Sampler(nn.Module):
             from nanovllm.layers.fused_sampler import gumbel_argmax
 
             seed = torch.randint(0, 2**31 - 1, (1,), device=logits.device, dtype=torch.int64)
-            return SamplerOutput(gumbel_argmax(logits.contiguous(), st.temperature, seed), None, None, None)
+            mask = None if st.token_mask is None else (st.token_mask.words, st.token_mask.row_of)
+            temperature = st.temperature  # None where every row is greedy (then masked: fast_path_ok)
+            if temperature is None:
+                temperature = torch.zeros(st.num_rows, dtype=torch.float32, device=logits.device)
+            return SamplerOutput(gumbel_argmax(logits.contiguous(), temperature, seed, None, mask), None, None, None)
         # May alias the caller's tensor when it is already fp32: nothing below writes into it.
         converted = logits.dtype != torch.float32
         logits = raw = logits.float()
