@@ -48,11 +48,12 @@ class TokenBitmask:
 
 
 class BitmaskStaging:
-    """TokenBitmask.from_rows for a CUDA device, without a host wait or host memory allocated
-    each step. The engine's masks are rows of its one pinned table (engine/grammars.py): the
-    table is copied to the device as it is, and each batch row names its sequence's row there.
-    Masks that are not rows of one pinned table are gathered into a pinned buffer of this
-    object's instead, reused once the last step's copy has run (an event marks it)."""
+    """TokenBitmask.from_rows for a CUDA device, without host memory allocated each step. The
+    engine's masks are rows of its one pinned table (engine/grammars.py): the table is copied to
+    the device as it is, and each batch row names its sequence's row there. Masks that are not
+    rows of one pinned table are gathered into a pinned buffer of this object's instead. Its
+    pinned buffers are refilled once the last step's copies have run (an event marks them; in
+    the engine they have, since that step's tokens came back first)."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
