@@ -299,7 +299,6 @@ def test_a_request_waits_for_its_grammar_while_others_run(llm, monkeypatch):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-
 def test_each_refusal_doubles_the_wide_masks_a_sequence_needs_before_it_samples_unmasked(tokenizer_dir):
     """Grammars' rationing of unmasked samples, which the engine's roll-backs make costly: a
     new sequence is masked until WIDE_MASKS_TO_UNMASK wide masks in a row; after its k-th

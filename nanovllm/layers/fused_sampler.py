@@ -25,8 +25,8 @@ precise log runs instead; the noise function is checked against float64 on both.
 Only batches without top-k / top-p / min-p, without seeded requests (they keep their own
 torch.Generator stream, so they are reproducible whatever the batch) and without logprobs take
 this path; everything else stays on the reference path. Grammar masks (one bitmask row per
-constrained row) are read in the same scan: a disallowed token never scores. Ties go to the lowest token id, as
-torch.argmax does.
+constrained row) are read in the same scan: a disallowed token never scores. Ties go to the
+lowest token id, as torch.argmax does.
 """
 from __future__ import annotations
 
