@@ -51,6 +51,11 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # The field that is set (one of STRUCTURED_KINDS), and the constraint as canonical text: with
+    # `kind`, the key of the grammar compile cache. Worked out once, here (a server admits every
+    # constrained request through them).
+    kind: str = field(init=False, repr=False, compare=False)
+    spec: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -68,12 +73,12 @@ class StructuredOutputsParams:
                     raise bad("json", f"is not valid JSON text ({e})") from None
             else:
                 schema = self.json
-                try:
-                    _json.dumps(schema)
-                except (TypeError, ValueError) as e:
-                    raise bad("json", f"is not JSON-serializable ({e})") from None
             if not isinstance(schema, dict):
                 raise bad("json", "must be a JSON schema: a dict or the JSON text of an object")
+            try:  # key order kept: a schema's property order is the order the output writes them in
+                spec = _json.dumps(schema, separators=(",", ":"))
+            except (TypeError, ValueError) as e:
+                raise bad("json", f"is not JSON-serializable ({e})") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -85,25 +90,15 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", list(self.choice))
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise bad("json_object", "must be a bool")
-
-    @property
-    def kind(self) -> str:
-        """The field that is set: one of STRUCTURED_KINDS."""
-        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
-
-    @property
-    def spec(self) -> str:
-        """The constraint as canonical text: with `kind`, the key of the grammar compile cache."""
-        value = getattr(self, self.kind)
-        if self.kind == "json":
-            schema = _json.loads(value) if isinstance(value, str) else value
-            # Key order kept: a schema's property order is the order the output writes them in.
-            return _json.dumps(schema, separators=(",", ":"))
-        if self.kind == "choice":
-            return _json.dumps(value)
-        if self.kind == "json_object":
-            return ""
-        return value
+        kind = set_fields[0]
+        if kind == "choice":
+            spec = _json.dumps(self.choice)
+        elif kind == "json_object":
+            spec = ""
+        elif kind != "json":
+            spec = getattr(self, kind)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "spec", spec)
 
     def __hash__(self) -> int:
         return hash((self.kind, self.spec))
