@@ -34,6 +34,6 @@ clients=${W4_CLIENTS:-16}
 # Warm-up: one short request per client first (the first steps build the CPU kernels for their shapes),
 # with other prompts than the run's, which would otherwise find theirs in the prefix cache.
 python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$rport" --served-model m --num-clients "${W4_CLIENTS:-16}" \
-  --num-requests "${W4_CLIENTS:-16}" --input-len "${W4_INPUT_LEN:-128}" --output-len 8 --seed 1 --json >/dev/null
+  --num-requests "${W4_CLIENTS:-16}" --input-len "${W4_INPUT_LEN:-128}" --output-len 8 --prompt-seed 1 --json >/dev/null
 python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$rport" --served-model m --num-clients "$clients" \
   --num-requests "${W4_REQUESTS:-$((2 * clients))}" --input-len "${W4_INPUT_LEN:-128}" --output-len "${W4_OUTPUT_LEN:-128}" --json

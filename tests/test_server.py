@@ -427,7 +427,7 @@ def test_serve_bench_against_live_server(live):
         asyncio.run(run_serve_bench(ServeBenchConfig(url="http://example.com:8000")))
 
 
-def test_serve_bench_seed_option_chooses_the_prompts_seed():
+def test_serve_bench_prompt_seed_option_chooses_the_prompts_seed():
     import argparse
 
     from nanovllm.entrypoints.serve_bench import add_serve_bench_args, config_from_args
@@ -435,7 +435,7 @@ def test_serve_bench_seed_option_chooses_the_prompts_seed():
     parser = argparse.ArgumentParser()
     add_serve_bench_args(parser)
     assert config_from_args(parser.parse_args([])).seed == 0
-    assert config_from_args(parser.parse_args(["--seed", "7"])).seed == 7
+    assert config_from_args(parser.parse_args(["--prompt-seed", "7"])).seed == 7
 
 
 def test_serve_bench_splits_event_streams_only_where_sse_ends_lines():

@@ -297,7 +297,7 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=128, help="generated tokens per request (EOS ignored)")
     g.add_argument("--time-limit", type=float, default=300.0, help="stop sending new requests after this many seconds")
     g.add_argument("--api-key", default=None)
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--prompt-seed", type=int, default=0,
                    help="seed of the random prompts (a warm-up with another seed leaves the run's prompts uncached)")
     g.add_argument("--token-counts", dest="count_tokens", action="store_true",
                    help="ask for logprobs=0 so ITL is per token (default: per chunk, as vllm bench serve)")
@@ -311,7 +311,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         url=args.url, model=args.served_model, num_clients=args.num_clients,
         num_requests=args.num_requests if args.num_requests is not None else 4 * args.num_clients,
         input_len=args.input_len, output_len=args.output_len, time_limit_s=args.time_limit, api_key=args.api_key,
-        count_tokens=args.count_tokens, seed=args.seed,
+        count_tokens=args.count_tokens, seed=args.prompt_seed,
         json_schema=_read_schema(args.json_schema_file) if args.json_schema_file else None,
     )
 
