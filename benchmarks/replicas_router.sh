@@ -27,7 +27,7 @@ for url in "${urls[@]}"; do
   wait_healthy "$url"
 done
 rport=$(free_port)
-vllm-router --host 127.0.0.1 --port "$rport" --worker-urls "${urls[@]}" --policy round_robin >/tmp/router.log 2>&1 &
+vllm-router --host 127.0.0.1 --port "$rport" --prometheus-port "$(free_port)" --worker-urls "${urls[@]}" --policy round_robin >/tmp/router.log 2>&1 &
 pids+=($!)
 wait_healthy "http://127.0.0.1:$rport" 120
 clients=${W4_CLIENTS:-16}

@@ -68,7 +68,9 @@ def start_replica(model: str, port: int, log) -> subprocess.Popen:
 
 def start_router(port: int, workers: list[str], log) -> subprocess.Popen:
     return subprocess.Popen(
-        [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", "round_robin",
+        # The router's own metrics listener defaults to the fixed port 29000: another port, free now.
+        [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
+         "--worker-urls", *workers, "--policy", "round_robin",
          "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--retry-max-retries", "3",
          "--retry-initial-backoff-ms", "50", "--cb-failure-threshold", "1", "--worker-startup-timeout-secs", "60"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
