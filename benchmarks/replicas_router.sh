@@ -23,13 +23,13 @@ for i in $(seq 0 $((n - 1))); do
     >"/tmp/replica$i.log" 2>&1 &
   pids+=($!); urls+=("http://127.0.0.1:$port")
 done
-for url in "${urls[@]}"; do
-  wait_healthy "$url"
+for i in "${!urls[@]}"; do
+  wait_healthy "${urls[$i]}" 600 "${pids[$i]}" "/tmp/replica$i.log"
 done
 rport=$(free_port)
 vllm-router --host 127.0.0.1 --port "$rport" --prometheus-port "$(free_port)" --worker-urls "${urls[@]}" --policy round_robin >/tmp/router.log 2>&1 &
 pids+=($!)
-wait_healthy "http://127.0.0.1:$rport" 120
+wait_healthy "http://127.0.0.1:$rport" 120 $! /tmp/router.log
 clients=${W4_CLIENTS:-16}
 # Warm-up: one short request per client first (the first steps build the CPU kernels for their shapes),
 # with other prompts than the run's, which would otherwise find theirs in the prefix cache.

@@ -14,7 +14,7 @@ trap 'kill $server ${router:-} 2>/dev/null; wait 2>/dev/null || true' EXIT
 wait_healthy "http://127.0.0.1:$port" 600 $server /tmp/replica.log
 vllm-router --host 127.0.0.1 --port "$rport" --prometheus-port "$(free_port)" --worker-urls "http://127.0.0.1:$port" --policy round_robin >/tmp/router.log 2>&1 &
 router=$!
-wait_healthy "http://127.0.0.1:$rport" 120
+wait_healthy "http://127.0.0.1:$rport" 120 $router /tmp/router.log
 clients=${W4_CLIENTS:-64}
 load() {  # $1: label, $2: port
   echo -n "$1 "
