@@ -75,10 +75,6 @@ class StructuredOutputsParams:
                 schema = self.json
             if not isinstance(schema, dict):
                 raise bad("json", "must be a JSON schema: a dict or the JSON text of an object")
-            try:  # key order kept: a schema's property order is the order the output writes them in
-                spec = _json.dumps(schema, separators=(",", ":"))
-            except (TypeError, ValueError) as e:
-                raise bad("json", f"is not JSON-serializable ({e})") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -91,11 +87,16 @@ class StructuredOutputsParams:
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise bad("json_object", "must be a bool")
         kind = set_fields[0]
-        if kind == "choice":
+        if kind == "json":
+            try:  # key order kept: a schema's property order is the order the output writes them in
+                spec = _json.dumps(schema, separators=(",", ":"))
+            except (TypeError, ValueError) as e:
+                raise bad("json", f"is not JSON-serializable ({e})") from None
+        elif kind == "choice":
             spec = _json.dumps(self.choice)
         elif kind == "json_object":
             spec = ""
-        elif kind != "json":
+        else:
             spec = getattr(self, kind)
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "spec", spec)
