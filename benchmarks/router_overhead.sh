@@ -16,10 +16,11 @@ vllm-router --host 127.0.0.1 --port "$rport" --prometheus-port "$(free_port)" --
 router=$!
 wait_healthy "http://127.0.0.1:$rport" 120 $router /tmp/router.log
 clients=${W4_CLIENTS:-64}
-load() {  # $1: label, $2: port
+load() {  # $1: label, $2: port, $3: prompt seed (each run its own: repeated prompts would hit the prefix cache)
   echo -n "$1 "
   python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$2" --served-model m --num-clients "$clients" \
+    --prompt-seed "$3" \
     --num-requests "${W4_REQUESTS:-$((8 * clients))}" --input-len "${W4_INPUT_LEN:-128}" --output-len "${W4_OUTPUT_LEN:-128}" --json
 }
-load warmup "$port" >/dev/null
-for _ in $(seq "${ROUNDS:-3}"); do load replica "$port"; load router "$rport"; done
+load warmup "$port" 1 >/dev/null
+for round in $(seq "${ROUNDS:-3}"); do load replica "$port" "$((10 * round))"; load router "$rport" "$((10 * round + 1))"; done

@@ -17,8 +17,12 @@ tree=${W4_SERVER_PYTHONPATH:-}
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 wait_healthy "http://127.0.0.1:$port" 600 $server "$log"
+# Each run sends prompts of its own (a seed per run): with one seed, a run's prompts would begin
+# with the previous run's, which the prefix cache still holds.
+seed=0
 for n in ${W4_CLIENTS:-1 16 64 256}; do
-  python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$n" \
+  seed=$((seed + 1))
+  python3 -m nanovllm.entrypoints.serve_bench --url "http://127.0.0.1:$port" --num-clients "$n" --prompt-seed "$seed" \
     --num-requests "$(( n < 16 ? 8 : 2 * n ))" --input-len "${W4_INPUT_LEN:-128}" --output-len "${W4_OUTPUT_LEN:-128}" --json
 done
 curl -s "http://127.0.0.1:$port/metrics" | grep -E '^(nanovllm_kv_cache|vllm:request_success|vllm:num_requests)' || true

@@ -29,12 +29,14 @@ bench() {  # clients, then extra serve_bench options; prints output tok/s, the s
 if s["requests_failed"]: sys.stderr.write("%d requests failed, the first: %s\n" % (s["requests_failed"], s["first_error"]))
 print(s["output_tok_per_s"])'
 }
-W4_REQUESTS=8 bench 4 >/dev/null  # warm-up: the first constrained request builds the tokenizer's tables
-W4_REQUESTS=8 bench 4 --json-schema "$schema" >/dev/null
+# Every run sends prompts of its own (--prompt-seed): a run that repeated another's would find
+# them in the prefix cache and skip their prefill.
+W4_REQUESTS=8 bench 4 --prompt-seed 1 >/dev/null  # warm-up: the first constrained request builds the tokenizer's tables
+W4_REQUESTS=8 bench 4 --prompt-seed 2 --json-schema "$schema" >/dev/null
 for n in ${W4_CLIENTS:-64}; do
   for round in $(seq "${W4_ROUNDS:-2}"); do
-    plain=$(bench "$n")
-    constrained=$(bench "$n" --json-schema "$schema")
+    plain=$(bench "$n" --prompt-seed "$((1000 * n + 10 * round))")
+    constrained=$(bench "$n" --prompt-seed "$((1000 * n + 10 * round + 1))" --json-schema "$schema")
     python3 -c "print(f'clients $n round $round: unconstrained $plain tok/s, json schema $constrained tok/s, ratio {$constrained / $plain:.3f}')"
   done
 done
