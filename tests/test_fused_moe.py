@@ -49,10 +49,11 @@ def test_route_matches_softmax_topk(tokens, experts, top_k, hidden, inter, renor
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_align_groups_every_slot_once_in_its_experts_blocks(block_m):
-    experts, top_k = 7, 3
+@pytest.mark.parametrize("experts, top_k, tokens", [(7, 3, 23), (40, 3, 150)],
+                         ids=["one-program", "several-programs"])  # slots and blocks over several programs
+def test_align_groups_every_slot_once_in_its_experts_blocks(block_m, experts, top_k, tokens):
     gen = torch.Generator().manual_seed(3)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(23)]).int()
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
     ids[:10, 0] = 2  # one crowded expert spanning several blocks
     ids[:10, 1:] = torch.tensor([4, 5], dtype=torch.int32)
     layout = fused_moe.align_by_expert(ids.to(DEVICE), experts, block_m)

@@ -10,10 +10,11 @@ S = T * top_k (token, choice) slots:
 2. `align_by_expert` (vLLM's moe_align_block_size, written here; for S <= 64, instead, `route`
    gives each slot a block of its own): the S slots grouped by expert,
    each expert's group padded to a multiple of BLOCK_M, so that every block of BLOCK_M rows
-   belongs to one expert. Three launches: per chunk of slots, each slot's rank within its
-   expert (a one-hot cumsum inside the chunk plus an atomic add of the chunk's counts); one
-   program lays out the blocks (each expert's padded start, each block's expert and its last
-   valid row); per chunk, each slot written to its row. Every size is a bound computed from
+   belongs to one expert. Two launches: per chunk of slots, each slot's rank within its
+   expert (a one-hot cumsum inside the chunk plus an atomic add of the chunk's counts); then
+   every program lays out the groups from the counts (each expert's padded start, a cumsum over
+   E that each program repeats), writes each slot of its chunk to its row, and gives each block
+   of its chunk of blocks its expert and its last valid row. Every size is a bound computed from
    shapes (S, E, BLOCK_M), never from the routing, so nothing is read back to the host. Rows
    within an expert come in whatever order the atomics gave; each row of a GEMM is computed on
    its own, so the results do not depend on it.
@@ -48,7 +49,7 @@ from nanovllm.precompile import launch
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ALIGN_CHUNK = 64  # slots per program in the rank and scatter launches
 # Up to this many slots (a decode graph of 8 rows at top-8), each slot takes a block of its own,
-# laid out by the routing launch: the grouping's four launches cost more than the few experts
+# laid out by the routing launch: the grouping's launches cost more than the few experts
 # two slots share would save.
 ONE_SLOT_PER_BLOCK_MAX_SLOTS = 64
 
@@ -211,36 +212,34 @@ def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, S, E, BLOCK: tl.constexpr, E_PAD
     tl.store(rank_ptr + offs, base + rank_in_chunk, mask=offs < S)
 
 
-@triton.jit(do_not_specialize=["num_blocks"])
-def _layout_kernel(
-    counts_ptr, padded_start_ptr, block_expert_ptr, block_row_end_ptr, E, num_blocks,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+@triton.jit(do_not_specialize=["S", "num_blocks"])
+def _scatter_kernel(
+    ids_ptr, rank_ptr, counts_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr, S, E, num_blocks,
+    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
+    """Each program lays out the padded groups from the experts' counts (a cumsum over E, cheap
+    enough to repeat in every program), writes the rows of its chunk of BLOCK slots, and the
+    expert and last valid row of its chunk of BLOCK_B blocks."""
     experts = tl.arange(0, E_PAD)
     real = experts < E
     counts = tl.load(counts_ptr + experts, mask=real, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, axis=0)
     start = end - padded
-    tl.store(padded_start_ptr + experts, start, mask=real)
-    for b0 in range(0, num_blocks, BLOCK_B):
-        blocks = b0 + tl.arange(0, BLOCK_B)
-        first_row = blocks * BLOCK_M
-        # A block's expert: how many experts end at or before its first row (E past the last).
-        expert = tl.sum(((end[None, :] <= first_row[:, None]) & real[None, :]).to(tl.int32), axis=1)
-        row_end = tl.sum(tl.where(experts[None, :] == expert[:, None], (start + counts)[None, :], 0), axis=1)
-        tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
-        tl.store(block_row_end_ptr + blocks, row_end, mask=blocks < num_blocks)
-
-
-@triton.jit(do_not_specialize=["S"])
-def _scatter_kernel(ids_ptr, rank_ptr, padded_start_ptr, sorted_slots_ptr, S, E, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + offs, mask=offs < S, other=E)
     mask = (offs < S) & (ids < E)
     rank = tl.load(rank_ptr + offs, mask=mask, other=0)
-    row = tl.load(padded_start_ptr + ids, mask=mask, other=0) + rank
+    # Each slot's expert's padded start: the start of the expert whose id it holds.
+    row = tl.sum(tl.where(experts[None, :] == ids[:, None], start[None, :], 0), axis=1) + rank
     tl.store(sorted_slots_ptr + row, offs, mask=mask)
+    blocks = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    first_row = blocks * BLOCK_M
+    # A block's expert: how many experts end at or before its first row (E past the last).
+    expert = tl.sum(((end[None, :] <= first_row[:, None]) & real[None, :]).to(tl.int32), axis=1)
+    row_end = tl.sum(tl.where(experts[None, :] == expert[:, None], (start + counts)[None, :], 0), axis=1)
+    tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
+    tl.store(block_row_end_ptr + blocks, row_end, mask=blocks < num_blocks)
 
 
 def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -257,20 +256,16 @@ def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
     e_pad = triton.next_power_of_2(num_experts)
     counts = torch.zeros(e_pad, dtype=torch.int32, device=device)
     rank = torch.empty(num_slots, dtype=torch.int32, device=device)
-    padded_start = torch.empty(e_pad, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     block_row_end = torch.empty(num_blocks, dtype=torch.int32, device=device)
     sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
-    chunks = triton.cdiv(num_slots, ALIGN_CHUNK)
     if num_slots:
-        launch(_rank_kernel, (chunks,), flat, counts, rank, num_slots, num_experts, BLOCK=ALIGN_CHUNK, E_PAD=e_pad)
-    launch(
-        _layout_kernel, (1,), counts, padded_start, block_expert, block_row_end, num_experts, num_blocks,
-        BLOCK_M=block_m, E_PAD=e_pad, BLOCK_B=max(16, min(128, 4096 // e_pad)),
-    )
-    if num_slots:
-        launch(_scatter_kernel, (chunks,), flat, rank, padded_start, sorted_slots, num_slots, num_experts,
-               BLOCK=ALIGN_CHUNK)
+        launch(_rank_kernel, (triton.cdiv(num_slots, ALIGN_CHUNK),), flat, counts, rank, num_slots, num_experts,
+               BLOCK=ALIGN_CHUNK, E_PAD=e_pad)
+    block_b = max(16, min(128, 4096 // e_pad))
+    programs = max(triton.cdiv(num_slots, ALIGN_CHUNK), triton.cdiv(num_blocks, block_b))
+    launch(_scatter_kernel, (programs,), flat, rank, counts, sorted_slots, block_expert, block_row_end, num_slots,
+           num_experts, num_blocks, BLOCK=ALIGN_CHUNK, BLOCK_M=block_m, E_PAD=e_pad, BLOCK_B=block_b)
     return ExpertLayout(sorted_slots, block_expert, block_row_end, block_m)
 
 
