@@ -72,6 +72,10 @@ def write_config(model_dir: Path) -> Path:
 def candidates(num_tokens: int):
     from nanovllm.layers.fused_moe import MoEKernelConfig
 
+    if num_tokens <= 8:  # decode of a few rows: one row per block, the weights' bytes are everything
+        for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256), (2, 4), (3, 4, 5)):
+            yield MoEKernelConfig(16, bn, bk, warps, stages)
+        return
     block_ms = (16, 32) if num_tokens <= 512 else (32, 64, 128)
     for bm, bn, bk, warps, stages in itertools.product(block_ms, (32, 64, 128), (64, 128), (4, 8), (3, 4)):
         if bm * bn >= 128 * 128 and warps == 4:
