@@ -132,6 +132,11 @@ def profile_decode(llm, batch: int, replays: int = 20) -> None:
     graphs.slot_mapping[:size] = -1
     graphs.slot_mapping[:batch] = torch.arange(batch, device=graphs.slot_mapping.device)
     graphs.seq_lens[:batch] = 128
+    graphs.positions[:batch] = 127
+    # Distinct random tokens, so that the rows route to different experts as a real batch's do
+    # (rows of one token would all read the same eight).
+    graphs.input_ids[:batch] = torch.randint(0, llm.engine.executor.runner.hf_config.vocab_size, (batch,),
+                                             generator=torch.Generator().manual_seed(0)).to(graphs.input_ids.device)
     graphs.graphs[size].replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
