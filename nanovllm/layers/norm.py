@@ -14,6 +14,7 @@ reference the kernels are tested against, and runs on CPU or when fused ops are 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -26,6 +27,11 @@ class RMSNorm(nn.Module):
         self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cpu:
+            # torch's rms_norm on the CPU runs these very operations (to fp32, pow, mean, add,
+            # rsqrt, mul, back to x's dtype) in one call instead of one Python dispatch each:
+            # bit for bit the same, and a decoded token on the CPU dispatches 60 of them.
+            return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
         xf = x.float()
         variance = xf.pow(2).mean(-1, keepdim=True)
         return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(x.dtype)
