@@ -422,6 +422,8 @@ def test_serve_bench_against_live_server(live):
     result = asyncio.run(run_serve_bench(cfg))
     assert result.num_ok == 8 and result.num_failed == 0, result.errors
     assert result.output_tokens == 48 and result.pool_free_after is True
+    assert 8 <= result.output_chunks <= 48  # each stream: between one chunk and one per token
+    assert 1 <= result.summary()["tokens_per_chunk"] <= 6
     assert result.summary()["ttft_ms_p50"] is not None
     with pytest.raises(ValueError, match="127.0.0.1"):
         asyncio.run(run_serve_bench(ServeBenchConfig(url="http://example.com:8000")))

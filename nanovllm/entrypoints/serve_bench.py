@@ -77,6 +77,7 @@ class _RequestResult:
     itls: list[float] = field(default_factory=list)
     tpot: float | None = None
     output_tokens: int = 0
+    chunks: int = 0  # stream chunks that carried output
 
 
 @dataclass
@@ -86,6 +87,7 @@ class ServeBenchResult:
     num_ok: int
     num_failed: int
     output_tokens: int
+    output_chunks: int  # stream chunks that carried output, over the completed requests
     ttft: list[float]
     itl: list[float]
     tpot: list[float]
@@ -116,6 +118,9 @@ class ServeBenchResult:
             "requests_per_s": round(self.requests_per_s, 3),
             "output_tok_per_s": round(self.output_tok_per_s, 1),
             "output_tokens_per_request": round(self.output_tokens / self.num_ok, 1) if self.num_ok else None,
+            # How many tokens a streamed chunk carries: above 1 where the server merges the tokens
+            # that arrived while it was busy with other streams.
+            "tokens_per_chunk": round(self.output_tokens / self.output_chunks, 2) if self.output_chunks else None,
             "json_schema": self.config.json_schema is not None,
             "ttft_ms_p50": ms(pct(self.ttft, 50)), "ttft_ms_p99": ms(pct(self.ttft, 99)),
             "itl_ms_p50": ms(pct(self.itl, 50)), "itl_ms_p99": ms(pct(self.itl, 99)),
@@ -204,7 +209,7 @@ async def _one_request(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: 
             return _RequestResult(False, f"a constrained output is not JSON: {''.join(text)[:200]!r}")
     elif tokens != cfg.output_len:
         return _RequestResult(False, f"got {tokens} tokens, expected {cfg.output_len}")
-    result = _RequestResult(True, output_tokens=tokens)
+    result = _RequestResult(True, output_tokens=tokens, chunks=len(chunks))
     if chunks:
         first, last = chunks[0][0], chunks[-1][0]
         result.ttft = first - start
@@ -279,6 +284,7 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
         num_ok=len(ok),
         num_failed=len(failed) + (cfg.num_requests - len(results)),
         output_tokens=sum(r.output_tokens for r in ok),
+        output_chunks=sum(r.chunks for r in ok),
         ttft=[r.ttft for r in ok if r.ttft is not None],
         itl=[x for r in ok for x in r.itls],
         tpot=[r.tpot for r in ok if r.tpot is not None],
