@@ -259,12 +259,11 @@ def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     block_row_end = torch.empty(num_blocks, dtype=torch.int32, device=device)
     sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
-    if num_slots:
+    if num_slots:  # without slots there are no blocks either
         launch(_rank_kernel, (triton.cdiv(num_slots, ALIGN_CHUNK),), flat, counts, rank, num_slots, num_experts,
                BLOCK=ALIGN_CHUNK, E_PAD=e_pad)
-    block_b = max(16, min(128, 4096 // e_pad))
-    programs = max(triton.cdiv(num_slots, ALIGN_CHUNK), triton.cdiv(num_blocks, block_b))
-    if programs:  # none without slots: there are no blocks either
+        block_b = max(16, min(128, 4096 // e_pad))
+        programs = max(triton.cdiv(num_slots, ALIGN_CHUNK), triton.cdiv(num_blocks, block_b))
         launch(_scatter_kernel, (programs,), flat, rank, counts, sorted_slots, block_expert, block_row_end, num_slots,
                num_experts, num_blocks, BLOCK=ALIGN_CHUNK, BLOCK_M=block_m, E_PAD=e_pad, BLOCK_B=block_b)
     return ExpertLayout(sorted_slots, block_expert, block_row_end, block_m)
