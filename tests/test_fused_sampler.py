@@ -151,28 +151,30 @@ def test_grammar_masks_are_read_in_the_scan():
 
 def test_greedy_batches_under_grammar_masks_take_the_kernel_and_match_the_reference(monkeypatch):
     """Greedy rows with grammar masks (structured/bitmask.py TokenBitmask) sample in the kernel,
-    and give the reference sampler's masked argmax, beside unmasked rows."""
+    and give the reference sampler's masked argmax, beside unmasked rows; one sampler serves
+    batches of several sizes in turn (a larger one after a smaller one, and back)."""
     pytest.importorskip("xgrammar", reason="xgrammar is not installed")
     from nanovllm.structured.bitmask import TokenBitmask
 
     v = 300
     gen = torch.Generator().manual_seed(3)
-    logits = (torch.randn(5, v, generator=gen) * 2).to(DEV)
-    words, allowed = random_masks(3, v, gen)
-    masks = [(0, words[1:2]), (2, words[0:1]), (3, words[2:3])]
-    params = [SamplingParams(temperature=0)] * 5
     calls = []
     real = fused_sampler.gumbel_argmax
     monkeypatch.setattr(fused_sampler, "gumbel_argmax", lambda *a: calls.append(1) or real(*a))
-    st = SamplingTensors.from_params(params, None, v, DEV)
-    st.token_mask = TokenBitmask.from_rows(5, masks, DEV)
-    got = fused_sampler_on()(logits, st).token_ids.tolist()
-    reference = Sampler(fused=False)
-    st = SamplingTensors.from_params(params, None, v, DEV)
-    st.token_mask = TokenBitmask.from_rows(5, masks, DEV)
-    assert calls == [1]
-    assert got == reference(logits, st).token_ids.tolist()
-    assert got[0] in allowed[1] and got[2] in allowed[0] and got[3] in allowed[2]
+    fused, reference = fused_sampler_on(), Sampler(fused=False)
+    for rows in (5, 70, 5):
+        logits = (torch.randn(rows, v, generator=gen) * 2).to(DEV)
+        words, allowed = random_masks(3, v, gen)
+        masks = [(0, words[1:2]), (2, words[0:1]), (3, words[2:3])]
+        params = [SamplingParams(temperature=0)] * rows
+        st = SamplingTensors.from_params(params, None, v, DEV)
+        st.token_mask = TokenBitmask.from_rows(rows, masks, DEV)
+        got = fused(logits, st).token_ids.tolist()
+        st = SamplingTensors.from_params(params, None, v, DEV)
+        st.token_mask = TokenBitmask.from_rows(rows, masks, DEV)
+        assert got == reference(logits, st).token_ids.tolist()
+        assert got[0] in allowed[1] and got[2] in allowed[0] and got[3] in allowed[2]
+    assert len(calls) == 3
 
 
 def test_choose_num_splits():

@@ -53,6 +53,9 @@ logger = logging.getLogger("nanovllm")
 # grammar; a sequence masked first samples unmasked again after this many wider masks in a row
 # (refresh's check_after).
 NARROW_FRACTION = 0.5
+# The fraction is estimated from every NARROW_SAMPLE_STRIDE-th word of a mask (32 tokens each):
+# a threshold this coarse needs no exact count.
+NARROW_SAMPLE_STRIDE = 16
 WIDE_MASKS_TO_UNMASK = 2
 MAX_WIDE_MASKS_TO_UNMASK = 64
 # Fewer masks than this are filled one by one: xgrammar's batch call hands rows to a thread
@@ -73,6 +76,7 @@ class Grammars:
         self.matchers: dict[int, SequenceMatcher] = {}  # seq id -> its matcher
         # The mask table: row self._rows[seq id] holds that sequence's next-token mask.
         self._masks: torch.Tensor | None = None
+        self._mask_words: np.ndarray | None = None  # the same table as uint32 words
         self._rows: dict[int, int] = {}
         self._row_views: dict[int, torch.Tensor] = {}  # seq id -> its row of the table, as [1, W]
         self._free_rows: list[int] = []
@@ -133,6 +137,7 @@ class Grammars:
             table[: old.shape[0]] = old
         self._free_rows.extend(range(rows - 1, (0 if old is None else old.shape[0]) - 1, -1))
         self._masks = table
+        self._mask_words = table.numpy().view(np.uint32)
         self._row_views.clear()
 
     def samples_constrained(self, sched: SchedulerOutput) -> bool:
@@ -147,8 +152,10 @@ class Grammars:
         drop) are left alone. Returns (done, unchecked): the seq ids among them whose output
         is complete (SequenceMatcher.done: the caller ends those, and drops their rows'
         tokens), and, with check_after, the indices among the step's sampling rows that were
-        left without a mask (SamplingParams.takes_argmax, grammar not yet complete): the
-        caller passes their tokens to `check` before it appends them."""
+        left without a mask (SamplingParams.takes_argmax): the caller passes their tokens to
+        `check` before it appends them. (An unmasked row whose grammar has matched is ended
+        by its stop token, which the check accepts, or, for any other token, by the refusal
+        and the masked step after it, where `done` sees the match.)"""
         if not self.matchers:
             return [], []
         matchers, mask_first = self.matchers, self._mask_first
@@ -157,8 +164,7 @@ class Grammars:
             matcher = matchers.get(item.seq_id)
             if matcher is None or item.seq_id in skip:
                 continue
-            # (A terminated matcher, one that took a stop token, is also completed.)
-            checkable = check_after and item.params.takes_argmax and not matcher.xgr_matcher.is_completed()
+            checkable = check_after and item.params.takes_argmax
             if checkable and item.seq_id not in mask_first:
                 item.token_bitmask = None
                 unchecked.append(i)
@@ -193,8 +199,9 @@ class Grammars:
         """Whether each of these sequences' masks allows under NARROW_FRACTION of the vocabulary."""
         if not seq_ids:
             return []
-        rows = self._masks.numpy().view(np.uint32)[[self._rows[i] for i in seq_ids]]
-        return (np.bitwise_count(rows).sum(axis=1) < NARROW_FRACTION * self._vocab_size).tolist()
+        sample = self._mask_words[[self._rows[i] for i in seq_ids], ::NARROW_SAMPLE_STRIDE]
+        allowed = np.bitwise_count(sample).sum(axis=1, dtype=np.int64) * NARROW_SAMPLE_STRIDE
+        return (allowed < NARROW_FRACTION * self._vocab_size).tolist()
 
     def _fill(self, seq_ids: list[int]) -> None:
         """The masks of these sequences' matchers into their rows of the table (one
@@ -219,7 +226,7 @@ class Grammars:
             matcher = self.matchers.get(item.seq_id)
             if matcher is None:
                 continue
-            if matcher.accept(tokens[j]):
+            if matcher.xgr_matcher.accept_token(tokens[j]):
                 self._accepted_ahead[item.seq_id] = tokens[j]
             else:
                 refused.append(j)

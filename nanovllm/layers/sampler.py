@@ -216,6 +216,7 @@ class Sampler(nn.Module):
             fused = fused_ops_from_env()
         self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
         self._filtered = None  # filtered_sampler.FilteredSampler, made at the first batch that needs it
+        self._greedy: tuple[torch.Tensor, torch.Tensor] | None = None  # _greedy_inputs
 
     # The fused kernel runs one program per row: it pays for large batches that sample (one pass
     # instead of ~6); a small batch, or an all-greedy one without grammar masks, is faster as
@@ -237,6 +238,15 @@ class Sampler(nn.Module):
         caller then passes one step seed per row to SamplingTensors.from_params."""
         return device.type in self.fused_devices and any(p.filters_or_seed for p in params)
 
+    def _greedy_inputs(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(zero temperatures [rows], a seed) on device for an all-greedy batch of the fused
+        kernel; kept, and grown as batches grow. Nothing writes into them."""
+        kept = self._greedy
+        if kept is None or kept[0].device != device or kept[0].shape[0] < rows:
+            kept = self._greedy = (torch.zeros(max(rows, 64), dtype=torch.float32, device=device),
+                                   torch.zeros(1, dtype=torch.int64, device=device))
+        return kept[0][:rows], kept[1]
+
     def _filtered_sample(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         from nanovllm.layers.filtered_sampler import FilteredSampler
 
@@ -252,11 +262,12 @@ class Sampler(nn.Module):
         if logits.device.type in self.fused_devices and self.fast_path_ok(st):
             from nanovllm.layers.fused_sampler import gumbel_argmax
 
-            seed = torch.randint(0, 2**31 - 1, (1,), device=logits.device, dtype=torch.int64)
             mask = None if st.token_mask is None else (st.token_mask.words, st.token_mask.row_of)
             temperature = st.temperature  # None where every row is greedy (then masked: fast_path_ok)
-            if temperature is None:
-                temperature = torch.zeros(st.num_rows, dtype=torch.float32, device=logits.device)
+            if temperature is None:  # no noise is drawn: fixed zeros serve every step
+                temperature, seed = self._greedy_inputs(st.num_rows, logits.device)
+            else:
+                seed = torch.randint(0, 2**31 - 1, (1,), device=logits.device, dtype=torch.int64)
             return SamplerOutput(gumbel_argmax(logits.contiguous(), temperature, seed, None, mask), None, None, None)
         # May alias the caller's tensor when it is already fp32: nothing below writes into it.
         converted = logits.dtype != torch.float32

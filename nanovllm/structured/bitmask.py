@@ -84,10 +84,9 @@ class BitmaskStaging:
             self._row_of = torch.empty(max(num_rows, 64), dtype=torch.int32, pin_memory=True)
         if fill:
             torch.cat([m for _, m in masks], out=table[: len(masks)])
-        row_of = [-1] * num_rows
-        for (r, _), t in zip(masks, table_rows):
-            row_of[r] = t
-        self._row_of[:num_rows] = torch.tensor(row_of, dtype=torch.int32)
+        row_of = self._row_of.numpy()  # the pinned buffer itself
+        row_of[:num_rows] = -1
+        row_of[[r for r, _ in masks]] = table_rows
         words = table[: max(table_rows) + 1].to(self.device, non_blocking=True)
         row_of_dev = self._row_of[:num_rows].to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
