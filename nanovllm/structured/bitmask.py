@@ -48,23 +48,29 @@ class TokenBitmask:
 
 
 class BitmaskStaging:
-    """TokenBitmask.from_rows for a CUDA device, without host memory allocated each step. The
+    """TokenBitmask.from_rows for a CUDA device, without memory allocated each step. The
     engine's masks are rows of its one pinned table (engine/grammars.py): the table is copied to
     the device as it is, and each batch row names its sequence's row there. Masks that are not
     rows of one pinned table are gathered into a pinned buffer of this object's instead. Its
     pinned buffers are refilled once the last step's copies have run (an event marks them; in
-    the engine they have, since that step's tokens came back first)."""
+    the engine they have, since that step's tokens came back first). The device copies land in
+    buffers kept from step to step: a step's copies are queued on the stream after the last
+    step's sampling, which read them. (Each CUDA call costs the host tens of microseconds.)"""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._masks: torch.Tensor | None = None  # pinned [capacity, W] int32
         self._row_of: torch.Tensor | None = None  # pinned [capacity] int32
-        self._copied: torch.cuda.Event | None = None
+        self._copied: torch.cuda.Event | None = None  # recorded after each step's copies
+        self._words_dev: torch.Tensor | None = None  # [capacity, W] int32 on the device
+        self._row_of_dev: torch.Tensor | None = None  # [capacity] int32 on the device
 
     def build(self, num_rows: int, masks: list[tuple[int, torch.Tensor]]) -> TokenBitmask | None:
         if not masks:
             return None
-        if self._copied is not None:  # the last step's copies read the pinned buffers
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        else:  # the last step's copies read the pinned buffers
             self._copied.synchronize()
         in_table = _rows_of_pinned_table(masks)
         if in_table is not None:
@@ -87,11 +93,24 @@ class BitmaskStaging:
         row_of = self._row_of.numpy()  # the pinned buffer itself
         row_of[:num_rows] = -1
         row_of[[r for r, _ in masks]] = table_rows
-        words = table[: max(table_rows) + 1].to(self.device, non_blocking=True)
-        row_of_dev = self._row_of[:num_rows].to(self.device, non_blocking=True)
-        self._copied = torch.cuda.Event()
+        used = max(table_rows) + 1
+        words = self._device_buffers(used, table.shape[1], num_rows)
+        words.copy_(table[:used], non_blocking=True)
+        row_of_dev = self._row_of_dev[:num_rows]
+        row_of_dev.copy_(self._row_of[:num_rows], non_blocking=True)
         self._copied.record()
         return TokenBitmask(words, row_of_dev, [r for r, _ in masks])
+
+    def _device_buffers(self, rows: int, width: int, num_rows: int) -> torch.Tensor:
+        """The kept device buffers, grown to hold `rows` mask rows of `width` words and row_of
+        for num_rows batch rows; returns the first `rows` rows of the words buffer."""
+        words = self._words_dev
+        if words is None or words.shape[0] < rows or words.shape[1] != width:
+            capacity = max(rows, 64 if words is None or words.shape[1] != width else 2 * words.shape[0])
+            words = self._words_dev = torch.empty((capacity, width), dtype=torch.int32, device=self.device)
+        if self._row_of_dev is None or self._row_of_dev.shape[0] < num_rows:
+            self._row_of_dev = torch.empty(max(num_rows, 64), dtype=torch.int32, device=self.device)
+        return words[:rows]
 
 
 def _rows_of_pinned_table(masks: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list[int]] | None:
