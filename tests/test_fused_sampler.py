@@ -44,10 +44,12 @@ def test_bf16_logits_are_read_as_they_are():
 def test_temperature_sampling_matches_softmax():
     torch.manual_seed(0)
     base = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -3.0], device=DEV)
-    temperature = 0.7
-    rows = 4000 if DEV == "cuda" else 400  # the interpreter runs programs one by one
+    # Far enough from 1 that ignoring it is caught in a few hundred draws, every token's
+    # expected count above 5 (a sound chi-squared test).
+    temperature = 2.0
+    rows = 4000 if DEV == "cuda" else 200  # the interpreter runs programs one by one
     counts = torch.zeros(6)
-    for _ in range(5 if DEV == "cuda" else 3):  # each call draws a new seed from torch's RNG
+    for _ in range(5 if DEV == "cuda" else 2):  # each call draws a new seed from torch's RNG
         st = SamplingTensors.from_params([SamplingParams(temperature=temperature)] * rows, None, 6, DEV)
         out = fused_sampler_on()(base.expand(rows, 6).contiguous(), st)
         counts += torch.bincount(out.token_ids.cpu(), minlength=6).float()
@@ -55,7 +57,7 @@ def test_temperature_sampling_matches_softmax():
     chi2 = (((counts - expected) ** 2) / expected).sum().item()
     assert chi2 < 25.0  # 5 degrees of freedom: p < 1e-4 for a correct sampler
     wrong = torch.softmax(base.cpu(), -1) * counts.sum()  # ignoring the temperature is caught
-    assert (((counts - wrong) ** 2) / wrong).sum().item() > 50  # expected ~109 at 1,200 draws
+    assert (((counts - wrong) ** 2) / wrong).sum().item() > 50  # expected ~160 at 400 draws
 
 
 def test_only_plain_batches_take_the_fast_path(monkeypatch):
@@ -267,7 +269,7 @@ def test_gumbel_score_draws_what_gumbel_argmax_draws(vocab):
     torch.manual_seed(1)
     logits = torch.randn(1, vocab, device=DEV).to(torch.bfloat16)
     seen = set()
-    for seed in (0, 1, 7, 12345, 2**31 - 2):
+    for seed in (0, 12345, 2**31 - 2):
         for temperature in (0.3, 1.0, 2.5):
             t = torch.tensor([temperature], device=DEV)
             s = torch.tensor([seed], dtype=torch.int64, device=DEV)

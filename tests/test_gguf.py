@@ -61,7 +61,28 @@ def smol():
 
 
 @pytest.fixture(scope="module")
-def hf_smol(smol):
+def shared_smol_reader(smol):
+    """transformers reads the SmolLM2 file with gguf-py's GGUFReader for its config, again for its
+    weights and again for its tokenizer, seconds each (the 49k-token vocabulary): here those
+    reads share one reader of the file. Other files are read as usual."""
+    real = gguf.GGUFReader
+    path = Path(smol[0]).resolve()
+    shared = []
+
+    def reader(file, *args, **kwargs):
+        if args or kwargs or Path(file).resolve() != path:
+            return real(file, *args, **kwargs)
+        if not shared:
+            shared.append(real(file))
+        return shared[0]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        yield
+
+
+@pytest.fixture(scope="module")
+def hf_smol(smol, shared_smol_reader):
     from transformers import AutoModelForCausalLM
 
     path = Path(smol[0])
@@ -97,7 +118,7 @@ def test_smol_weights_match_transformers(smol, hf_smol):
 
 
 @needs_smollm2
-def test_smol_tokenizer_matches_transformers(smol, smol_tokenizer):
+def test_smol_tokenizer_matches_transformers(smol, smol_tokenizer, shared_smol_reader):
     from transformers import AutoTokenizer
 
     path = Path(smol[0])

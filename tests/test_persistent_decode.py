@@ -150,11 +150,17 @@ def test_stepwise_fused_mlp_matches_model(checkpoint_factory, case, programs, fu
         torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)
 
 
-def test_fused_mlp_is_on_with_the_shared_memory_slots_only(checkpoint_factory):
+@pytest.fixture(scope="module")
+def stepwise_decoder(checkpoint_factory):
+    """A decoder with its defaults on the stepwise launches, after one step."""
+    return decode_both(checkpoint_factory("qwen3"), 5, persistent=False, num_programs=3)[-1]
+
+
+def test_fused_mlp_is_on_with_the_shared_memory_slots_only(stepwise_decoder):
     """By default the MLP is fused where the weights go through shared memory (the small models
     a lone sequence's latency is about; it keeps a transposed copy of the down weights), so the
     stepwise launches, which never take the slots, keep two MLP stages unless asked."""
-    _, _, _, _, decoder = decode_both(checkpoint_factory("qwen3"), 5, persistent=False, num_programs=3)
+    decoder = stepwise_decoder
     assert not decoder.fused_mlp and decoder.down_t == [None] * decoder.num_layers
     assert not decoder.fused_attn and decoder.o_perm == [None] * decoder.num_layers
     with pytest.raises(ValueError, match="fused_attn needs fused_mlp"):
@@ -375,7 +381,7 @@ class EagerFilteredReplay:
 
 def eager_fast_path(model, config, k_caches, v_caches):
     """A FastPath on the CPU over a runner reduced to what it uses, the stepwise kernel for the
-    persistent one; no graph captured yet."""
+    persistent one (few programs and small context splits, as above); no graph captured yet."""
     from nanovllm.fastpath.seam import FastPath
     from nanovllm.layers.sampler import Sampler
     from nanovllm.runner.model_runner import ModelRunner
@@ -390,7 +396,7 @@ def eager_fast_path(model, config, k_caches, v_caches):
     )
     runner.sample = lambda rows, logits: ModelRunner.sample(runner, rows, logits)
     runner.run_steps = lambda item, launch: ModelRunner.run_steps(runner, item, launch)
-    decoder = PersistentDecoder(model, num_programs=3, persistent=False)
+    decoder = PersistentDecoder(model, num_programs=3, persistent=False, max_splits=4, block_t=16)
     decoder.bind(k_caches, v_caches)
     fast = FastPath(runner, decoder)
     fast._dry_pass = None  # no background compile: the "graph" runs eagerly
@@ -457,7 +463,7 @@ def test_fast_path_takes_a_penalized_lone_stream_through_the_filtered_graph(chec
     prompt = torch.randint(config.vocab_size, (context,), generator=gen)
     params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
                             logit_bias={int(prompt[0]): 0.5, 3: -100.0})
-    steps = 7
+    steps = 6
 
     def edited(logits: torch.Tensor, output: list[int]) -> torch.Tensor:
         x = logits[0].clone()
@@ -503,7 +509,7 @@ def test_fast_path_takes_a_penalized_lone_stream_through_the_filtered_graph(chec
         logits = model.compute_logits(model(torch.tensor(got[-1:]), torch.tensor([pos]), meta_for(table, pos, 1, 1)))
         got += runner.sample([item], logits).token_ids.tolist()
         runner.prev_tokens, runner.prev_rows = torch.tensor(got[-1:]), {7: 0}
-        got += lone(pos + 1, num_steps=3)  # alone again: the counts come back with the batch's token
+        got += lone(pos + 1, num_steps=2)  # alone again: the counts come back with the batch's token
     assert got == expected
     counts = Counter(expected)
     row = state.counts[state.slots[7]] if fast.penalties.owner is None else fast.penalties.counts
@@ -962,10 +968,9 @@ def test_k_split_down_program_refuses_a_hidden_size_off_4():
         down_asm(2, 130, 256, torch.bfloat16)
 
 
-def test_weights_through_shared_memory_only_on_a_persistent_cuda_launch(checkpoint_factory):
+def test_weights_through_shared_memory_only_on_a_persistent_cuda_launch(stepwise_decoder):
     """The stepwise launches (the CPU reference path) never take the shared-memory slots."""
-    _, _, _, _, decoder = decode_both(checkpoint_factory("qwen3"), 5, persistent=False, num_programs=3)
-    assert not decoder.smem_weights
+    assert not stepwise_decoder.smem_weights
 
 
 def test_reserving_shared_memory_patches_the_launch_size_once():
