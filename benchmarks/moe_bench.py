@@ -69,18 +69,20 @@ def write_config(model_dir: Path) -> Path:
     return model_dir
 
 
-def candidates(num_tokens: int):
+def candidates(num_tokens: int, weight_reads: tuple[bool, ...]):
+    """Block configurations to time at `num_tokens`, each with the weights read through pointers
+    (tma False) and through tensor descriptors (tma True), as `weight_reads` lists."""
     from nanovllm.layers.fused_moe import MoEKernelConfig
 
     if num_tokens <= 8:  # decode of a few rows: one row per block, the weights' bytes are everything
-        for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256), (2, 4), (3, 4, 5)):
-            yield MoEKernelConfig(16, bn, bk, warps, stages)
-        return
-    block_ms = (16, 32) if num_tokens <= 512 else (32, 64, 128)
-    for bm, bn, bk, warps, stages in itertools.product(block_ms, (32, 64, 128), (64, 128), (4, 8), (3, 4)):
+        grid = itertools.product((16,), (16, 32, 64), (128, 256), (2, 4), (3, 4, 5), weight_reads)
+    else:
+        block_ms = (16, 32) if num_tokens <= 512 else (32, 64, 128)
+        grid = itertools.product(block_ms, (32, 64, 128), (64, 128), (4, 8), (3, 4, 5), weight_reads)
+    for bm, bn, bk, warps, stages, tma in grid:
         if bm * bn >= 128 * 128 and warps == 4:
             continue
-        yield MoEKernelConfig(bm, bn, bk, warps, stages)
+        yield MoEKernelConfig(bm, bn, bk, warps, stages, tma)
 
 
 def sweep(out_path: str, token_counts: list[int]) -> dict:
@@ -88,7 +90,7 @@ def sweep(out_path: str, token_counts: list[int]) -> dict:
     import torch
 
     from common import graph_time_us
-    from nanovllm.layers.fused_moe import default_config, fused_experts, route
+    from nanovllm.layers.fused_moe import default_config, fused_experts, route, tma_supported
 
     cfg = QWEN3_30B_A3B
     experts, top_k, hidden, inter = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"], cfg["moe_intermediate_size"]
@@ -97,13 +99,14 @@ def sweep(out_path: str, token_counts: list[int]) -> dict:
     w13 = (torch.randn(experts, 2 * inter, hidden, device=dev) * 0.02).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, device=dev) * 0.02).to(dtype)
     weight_bytes = (w13.numel() + w2.numel()) * 2
+    weight_reads = (False, True) if tma_supported(w13[0], w13, w2) else (False,)
     best: dict[str, dict] = {}
     for tokens in token_counts:
         x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
         weights, ids = route(torch.randn(tokens, experts, device=dev), top_k, True)
         touched = min(experts, len(torch.unique(ids))) / experts
         results = []
-        for config in [default_config(tokens, experts, top_k), *candidates(tokens)]:
+        for config in [default_config(tokens, experts, top_k), *candidates(tokens, weight_reads)]:
             try:
                 us = graph_time_us(lambda i, c=config: fused_experts(x, w13, w2, weights, ids, c), replays=10)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is skipped
@@ -113,9 +116,12 @@ def sweep(out_path: str, token_counts: list[int]) -> dict:
         default_us = results[0][0]
         us, config = min(results, key=lambda r: r[0])
         gbps = weight_bytes * touched / (us * 1e-6) / 1e9
+        by_reads = "; ".join(f"best with tma={tma} {min(r[0] for r in results if r[1].tma is tma):.1f} us"
+                             for tma in weight_reads)
         print(f"tokens {tokens:6d}: best {us:9.1f} us ({gbps:6.0f} GB/s of expert weights touched) {config}; "
-              f"default {default_us:9.1f} us", flush=True)
-        best[str(tokens)] = {k: getattr(config, k) for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages")}
+              f"default {default_us:9.1f} us; {by_reads}", flush=True)
+        best[str(tokens)] = {k: getattr(config, k)
+                             for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")}
     with open(out_path, "w") as f:
         json.dump(best, f, indent=1)
     print(f"wrote {out_path} (use: NANOVLLM_MOE_CONFIG={out_path})")

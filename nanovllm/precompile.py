@@ -41,6 +41,8 @@ def _launch_key(kernel: Any, args: tuple, kwargs: dict) -> tuple:
     def describe(a: Any) -> tuple:
         if hasattr(a, "data_ptr"):
             return ("tensor", a.dtype, a.data_ptr() % 16)
+        if hasattr(a, "block_shape") and hasattr(a, "base"):  # a tensor descriptor (not hashable)
+            return ("descriptor", a.base.dtype, tuple(a.shape), tuple(a.block_shape))
         return (type(a).__name__, a)
 
     return (id(kernel), tuple(map(describe, args)), tuple((k, describe(v)) for k, v in sorted(kwargs.items())))

@@ -7,6 +7,8 @@ test runs the Qwen3-30B-A3B layer shape in bf16 at decode and prefill token coun
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -148,3 +150,70 @@ def test_small_and_large_batches_around_the_layout_switch(tokens, top_k):
     assert torch.equal(got[-2:], torch.zeros_like(got[-2:]))
     want = moe_reference(x[:-2], logits[:-2], w13, w2, top_k, False)
     torch.testing.assert_close(got[:-2], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(fused_moe.TensorDescriptor is None, reason="this Triton has no tensor descriptors")
+@pytest.mark.parametrize("config", [fused_moe.MoEKernelConfig(16, 16, 16), fused_moe.MoEKernelConfig(16, 32, 32)],
+                         ids=["tiles-16", "tiles-32-past-the-edges"])
+@pytest.mark.parametrize("tokens", [5, 30], ids=["one-slot-per-block", "grouped"])
+def test_weights_read_through_tensor_descriptors_give_the_pointer_path_result(config, tokens):
+    """The TMA kernels (weights through tensor descriptors) against the pointer kernels and the
+    reference, bf16. Intermediate 24 and hidden 40 are not multiples of 32: a tile runs into the
+    next expert's rows (masked at the store) and past K (read as zeros); the last expert's tile
+    runs past the tensor's end."""
+    x, logits, w13, w2 = make_inputs(tokens, 5, 2, 40, 24, torch.bfloat16)
+    weights, ids = fused_moe.route(logits, 2, True)
+    by_pointer = fused_moe.fused_experts(x, w13, w2, weights, ids, replace(config, tma=False))
+    by_descriptor = fused_moe.fused_experts(x, w13, w2, weights, ids, replace(config, tma=True))
+    torch.testing.assert_close(by_descriptor, by_pointer, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(by_descriptor, moe_reference(x, logits, w13, w2, 2, True), atol=3e-2, rtol=3e-2)
+
+
+def test_tensor_descriptor_reads_refuse_fp32_weights():
+    x, logits, w13, w2 = make_inputs(4, 5, 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="tma=True"):
+        fused_moe.fused_experts(x, w13, w2, *route_reference(logits, 2, True), fused_moe.MoEKernelConfig(tma=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (the 30B-A3B layer shape is too slow interpreted)")
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512, 4096])
+def test_qwen3_30b_layer_shape_tma_and_pointer_reads_agree(tokens):
+    x, logits, w13, w2 = make_inputs(tokens, 128, 8, 2048, 768, torch.bfloat16)
+    weights, ids = fused_moe.route(logits, 8, True)
+    if not fused_moe.tma_supported(x, w13, w2):
+        pytest.skip("this Triton has no tensor descriptors")
+    config = fused_moe.default_config(tokens, 128, 8)
+    by_pointer = fused_moe.fused_experts(x, w13, w2, weights, ids, replace(config, tma=False))
+    by_descriptor = fused_moe.fused_experts(x, w13, w2, weights, ids, replace(config, tma=True))
+    torch.testing.assert_close(by_descriptor, by_pointer, atol=1e-2, rtol=1e-2)
+    want = experts_reference(x, w13, w2, *route_reference(logits, 8, True))
+    torch.testing.assert_close(by_descriptor, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_ranks_from_the_routing_launch_group_every_slot_once(block_m):
+    """route_and_rank's atomic ranks, given to align_by_expert, lay out every real slot once in a
+    block of its expert (padding rows' slots nowhere), as the rank launch's do; and fused_moe,
+    which groups so, equals the reference."""
+    tokens, experts, top_k = 40, 7, 3
+    x, logits, w13, w2 = make_inputs(tokens, experts, top_k, 32, 24, torch.float32)
+    slots = torch.arange(tokens, device=DEVICE)
+    slots[-4:] = -1
+    weights, ids, ranks = fused_moe.route_and_rank(logits, top_k, True, slots)
+    want_weights, want_ids = fused_moe.route(logits, top_k, True, slots)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    flat = ids.reshape(-1).tolist()
+    assert ranks.counts[:experts].tolist() == [flat.count(e) for e in range(experts)]
+    layout = fused_moe.align_by_expert(ids, experts, block_m, ranks)
+    sorted_slots, row_end = layout.sorted_slots.cpu().tolist(), layout.block_row_end.cpu().tolist()
+    seen = []
+    for b, e in enumerate(layout.block_expert.cpu().tolist()):
+        if e < experts:
+            for r in range(b * block_m, min((b + 1) * block_m, row_end[b])):
+                assert flat[sorted_slots[r]] == e
+                seen.append(sorted_slots[r])
+    assert sorted(seen) == list(range((tokens - 4) * top_k))
+    got = fused_moe.fused_moe(x, logits, w13, w2, top_k, True, slot_mapping=slots)
+    assert torch.equal(got[-4:], torch.zeros_like(got[-4:]))
+    torch.testing.assert_close(got[:-4], moe_reference(x[:-4], logits[:-4], w13, w2, top_k, True), atol=1e-5, rtol=1e-5)

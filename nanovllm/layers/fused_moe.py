@@ -6,22 +6,30 @@ S = T * top_k (token, choice) slots:
 
 1. `route`: one program per token: softmax of the router logits in fp32, the top_k largest
    (ties to the lower expert id, as torch.topk), optionally renormalised to sum to 1. Gives
-   weights [T, top_k] fp32 and expert ids [T, top_k] int32.
+   weights [T, top_k] fp32 and expert ids [T, top_k] int32. `route_and_rank` also takes each
+   slot's rank within its expert by an atomic add on the experts' counts (`SlotRanks`).
 2. `align_by_expert` (vLLM's moe_align_block_size, written here; for S <= 64, instead, `route`
    gives each slot a block of its own): the S slots grouped by expert,
    each expert's group padded to a multiple of BLOCK_M, so that every block of BLOCK_M rows
-   belongs to one expert. Two launches: per chunk of slots, each slot's rank within its
-   expert (a one-hot cumsum inside the chunk plus an atomic add of the chunk's counts); then
-   every program lays out the groups from the counts (each expert's padded start, a cumsum over
-   E that each program repeats), writes each slot of its chunk to its row, and gives each block
-   of its chunk of blocks its expert and its last valid row. Every size is a bound computed from
-   shapes (S, E, BLOCK_M), never from the routing, so nothing is read back to the host. Rows
-   within an expert come in whatever order the atomics gave; each row of a GEMM is computed on
-   its own, so the results do not depend on it.
+   belongs to one expert. Each slot's rank within its expert comes from the routing launch, or
+   from a launch of its own (per chunk of slots, a one-hot cumsum inside the chunk plus an
+   atomic add of the chunk's counts); then every program of one launch lays out the groups from
+   the counts (each expert's padded start, a cumsum over E that each program repeats), writes
+   each slot of its chunk to its row, and gives each block of its chunk of blocks its expert and
+   its last valid row. Every size is a bound computed from shapes (S, E, BLOCK_M), never from
+   the routing, so nothing is read back to the host. Rows within an expert come in whatever
+   order the atomics gave; each row of a GEMM is computed on its own, so the results do not
+   depend on it.
 3. `_gate_up_kernel`: per block of rows and of intermediate columns, x[token] @ w13[e].T for the
    gate and the up halves, then silu(gate) * up, into a [S, I] buffer (rows by slot).
 4. `_down_kernel`: per block, act[slot] @ w2[e].T times the slot's routing weight, into [S, H];
    `_sum_kernel` adds each token's top_k rows into [T, H].
+
+Weight reads: on a GPU with the tensor memory accelerator (Hopper and newer), 3. and 4. run as
+`_gate_up_tma_kernel` and `_down_tma_kernel`, the same arithmetic with the weight tiles read
+through tensor descriptors (`MoEKernelConfig.tma`; an H200 runs prefill-sized batches 6-8%
+faster so, decode-sized ones, which the weights' bytes bound, at the same speed). The pointer
+kernels are the reference, and what runs elsewhere.
 
 Padding rows: a CUDA-graph decode batch is padded to the captured size, and a padding row
 routed like a token would make the GEMMs read its experts' weights too (a lone sequence padded to
@@ -37,6 +45,7 @@ expert; any call can pass its own (benchmarks/moe_bench.py --sweep measures the 
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -45,6 +54,11 @@ import triton
 import triton.language as tl
 
 from nanovllm.precompile import launch
+
+try:  # Triton's host-side tensor descriptors (tensor memory accelerator reads on Hopper and newer)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # an older Triton: the expert weights are read through pointers
+    TensorDescriptor = None
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ALIGN_CHUNK = 64  # slots per program in the rank and scatter launches
@@ -61,6 +75,9 @@ class MoEKernelConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    # Read the expert weights through tensor descriptors (the tensor memory accelerator) or
+    # through pointers; None: descriptors where the GPU and the weights allow them (_reads_by_tma).
+    tma: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -79,7 +96,7 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEKernelCo
     if rows_per_expert < 32:
         return MoEKernelConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if rows_per_expert <= 64:
-        return MoEKernelConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
+        return MoEKernelConfig(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=3)
     return MoEKernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
@@ -99,6 +116,15 @@ class ExpertLayout:
         return self.block_expert.numel()
 
 
+@dataclass
+class SlotRanks:
+    """Each slot's rank among the slots of its expert, and each expert's count of slots: what
+    the grouping's scatter needs (from `_rank_kernel`, or from the routing launch)."""
+
+    counts: torch.Tensor  # [E_PAD] int32
+    rank: torch.Tensor  # [S] int32
+
+
 # ---- 1. routing ------------------------------------------------------------------------------
 
 
@@ -108,6 +134,7 @@ def _route_kernel(
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
     sorted_slots_ptr, block_expert_ptr, block_row_end_ptr, LAYOUT_BLOCK_M: tl.constexpr,
+    counts_ptr, rank_ptr, RANK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -134,6 +161,9 @@ def _route_kernel(
         values = tl.where(padding, 0.0, values)
     tl.store(weights_ptr + row * TOP_K + koffs, values, mask=kmask)
     tl.store(ids_ptr + row * TOP_K + koffs, ids, mask=kmask)
+    if RANK:  # each slot's rank among its expert's slots, in the order the atomics come (ids distinct per token)
+        rank = tl.atomic_add(counts_ptr + ids, 1, mask=kmask & (ids < E))
+        tl.store(rank_ptr + row * TOP_K + koffs, rank, mask=kmask)
     if LAYOUT_BLOCK_M > 0:  # one block per slot (small batches): no grouping launches
         slots = row * TOP_K + koffs
         tl.store(sorted_slots_ptr + slots * LAYOUT_BLOCK_M, slots.to(tl.int32), mask=kmask)
@@ -147,8 +177,17 @@ def route(
     """(weights [T, top_k] fp32, expert ids [T, top_k] int32) of softmax(router_logits)'s top_k.
     With slot_mapping [T] (the step's KV slots), rows whose slot is negative are the padding of
     a CUDA-graph batch: they get expert id E and weight 0, so no expert computes them."""
-    weights, ids, _ = _route(router_logits, top_k, renormalize, slot_mapping, 0)
+    weights, ids, _, _ = _route(router_logits, top_k, renormalize, slot_mapping, 0, False)
     return weights, ids
+
+
+def route_and_rank(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, SlotRanks]:
+    """`route`, plus from the same launch each slot's rank within its expert and the experts'
+    counts (`SlotRanks`, for `align_by_expert`): the grouping's first launch is not needed."""
+    weights, ids, _, ranks = _route(router_logits, top_k, renormalize, slot_mapping, 0, True)
+    return weights, ids, ranks
 
 
 def route_one_slot_per_block(
@@ -156,13 +195,14 @@ def route_one_slot_per_block(
 ) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout]:
     """`route`, plus the `ExpertLayout` of one block per slot (block s holds slot s alone) from
     the same launch: what small batches use instead of `align_by_expert`'s grouping."""
-    return _route(router_logits, top_k, renormalize, slot_mapping, block_m)
+    weights, ids, layout, _ = _route(router_logits, top_k, renormalize, slot_mapping, block_m, False)
+    return weights, ids, layout
 
 
 def _route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None,
-    layout_block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout | None]:
+    layout_block_m: int, rank: bool,
+) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout | None, SlotRanks | None]:
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"route: top_k={top_k} must be in [1, {num_experts}] (the experts)")
@@ -180,6 +220,10 @@ def _route(
             torch.empty(num_slots, dtype=torch.int32, device=device),
             layout_block_m,
         )
+    ranks = None
+    if rank:
+        ranks = SlotRanks(torch.zeros(triton.next_power_of_2(num_experts), dtype=torch.int32, device=device),
+                          torch.empty(num_slots, dtype=torch.int32, device=device))
     if num_tokens:
         launch(
             _route_kernel, (num_tokens,), router_logits, weights, ids,
@@ -189,8 +233,9 @@ def _route(
             sorted_slots_ptr=layout.sorted_slots if layout else ids,  # unused without a layout
             block_expert_ptr=layout.block_expert if layout else ids,
             block_row_end_ptr=layout.block_row_end if layout else ids, LAYOUT_BLOCK_M=layout_block_m,
+            counts_ptr=ranks.counts if ranks else ids, rank_ptr=ranks.rank if ranks else ids, RANK=rank,
         )
-    return weights, ids, layout
+    return weights, ids, layout, ranks
 
 
 # ---- 2. grouping by expert ---------------------------------------------------------------------
@@ -247,21 +292,28 @@ def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_slots, block_m) + min(num_experts, num_slots)
 
 
-def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
+def align_by_expert(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int, ranks: SlotRanks | None = None,
+) -> ExpertLayout:
     """Group the slots of `expert_ids` ([T, top_k] int32, slot = token * top_k + choice) by
-    expert; slots of id num_experts (padding rows) are left out."""
+    expert; slots of id num_experts (padding rows) are left out. ranks: the slots' ranks from
+    `route_and_rank` (else a launch of its own computes them)."""
     flat = expert_ids.reshape(-1)
     num_slots, device = flat.numel(), flat.device
     num_blocks = max_blocks(num_slots, num_experts, block_m)
     e_pad = triton.next_power_of_2(num_experts)
-    counts = torch.zeros(e_pad, dtype=torch.int32, device=device)
-    rank = torch.empty(num_slots, dtype=torch.int32, device=device)
+    if ranks is None:
+        counts = torch.zeros(e_pad, dtype=torch.int32, device=device)
+        rank = torch.empty(num_slots, dtype=torch.int32, device=device)
+    else:
+        counts, rank = ranks.counts, ranks.rank
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     block_row_end = torch.empty(num_blocks, dtype=torch.int32, device=device)
     sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
-    if num_slots:  # without slots there are no blocks either
+    if num_slots and ranks is None:
         launch(_rank_kernel, (triton.cdiv(num_slots, ALIGN_CHUNK),), flat, counts, rank, num_slots, num_experts,
                BLOCK=ALIGN_CHUNK, E_PAD=e_pad)
+    if num_slots:  # without slots there are no blocks either
         block_b = max(16, min(128, 4096 // e_pad))
         programs = max(triton.cdiv(num_slots, ALIGN_CHUNK), triton.cdiv(num_blocks, block_b))
         launch(_scatter_kernel, (programs,), flat, rank, counts, sorted_slots, block_expert, block_row_end, num_slots,
@@ -365,6 +417,89 @@ def _down_kernel(
 
 
 @triton.jit
+def _gate_up_tma_kernel(
+    x_ptr, w_desc, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
+    N, K, E, stride_xt, stride_ot,
+    TOP_K: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """_gate_up_kernel with the weight tiles read by the tensor memory accelerator from w13 seen
+    as [E * 2N, K] (w_desc, tiles [BLOCK_N, BLOCK_K]). A tile that runs past its expert's N rows
+    reads the next matrix's rows, whose columns the store masks off; past K or the last row,
+    the descriptor reads zeros."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= E:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < tl.load(block_row_end_ptr + pid_m)
+    slots = tl.load(sorted_slots_ptr + rows, mask=valid, other=0)
+    tokens = (slots // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
+    gate_row = expert * 2 * N + pid_n * BLOCK_N
+    up_row = gate_row + N
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        g = w_desc.load([gate_row, k0]).T
+        u = w_desc.load([up_row, k0]).T
+        if UPCAST:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_g.to(dtype).to(tl.float32)
+    up = acc_u.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
+    tl.store(out_ptrs, act.to(dtype), mask=valid[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _down_tma_kernel(
+    a_ptr, w_desc, route_w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
+    N, K, E, stride_at, stride_ot,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """_down_kernel with the weight tiles read by the tensor memory accelerator from w2 seen as
+    [E * N, K] (w_desc, tiles [BLOCK_N, BLOCK_K]); rows past the expert's N are masked at the
+    store, as in _gate_up_tma_kernel."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= E:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < tl.load(block_row_end_ptr + pid_m)
+    slots = tl.load(sorted_slots_ptr + rows, mask=valid, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + slots[:, None] * stride_at + offs_k[None, :]
+    w_row = expert * N + pid_n * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        w = w_desc.load([w_row, k0]).T
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0).to(dtype).to(tl.float32)
+    out = acc.to(dtype).to(tl.float32) * route_w[:, None]
+    tl.store(out_ptr + slots[:, None] * stride_ot + offs_n[None, :], out.to(dtype),
+             mask=valid[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
 def _sum_kernel(down_ptr, ids_ptr, out_ptr, H, E, stride_dt, stride_ot, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t] = sum over j of down[t * TOP_K + j], over the choices that went to an expert."""
     token = tl.program_id(0).to(tl.int64)
@@ -387,6 +522,33 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
                          "do not fit ([T, H], [E, 2I, H], [E, H, I])")
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("fused_moe: expert weights need a contiguous last axis")
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tensor_memory_accelerator(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def tma_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the expert weights can be read through tensor descriptors: 16-bit weights,
+    contiguous and 16-byte aligned (the descriptor's rules), and a Triton that has them."""
+    return (
+        TensorDescriptor is not None and x.dtype in (torch.float16, torch.bfloat16)
+        and w13.is_contiguous() and w2.is_contiguous()
+        and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0
+        and (w13.shape[-1] * w13.element_size()) % 16 == 0 and (w2.shape[-1] * w2.element_size()) % 16 == 0
+    )
+
+
+def _reads_by_tma(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, tma: bool | None) -> bool:
+    """tma=None: on a GPU with the tensor memory accelerator (Hopper and newer) where the
+    weights allow it; True: always (an error where the weights do not allow it)."""
+    if tma is None:
+        return x.is_cuda and _has_tensor_memory_accelerator(x.device.index or 0) and tma_supported(x, w13, w2)
+    if tma and not tma_supported(x, w13, w2):
+        raise ValueError("fused_experts: MoEKernelConfig.tma=True needs contiguous, 16-byte aligned float16/bfloat16 weights "
+                         "and a Triton with tensor descriptors")
+    return tma
 
 
 def fused_experts(
@@ -417,6 +579,21 @@ def fused_experts(
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and not ieee
     tiles = dict(UPCAST=upcast, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                  num_warps=config.num_warps, num_stages=config.num_stages)
+    if _reads_by_tma(x, w13, w2, config.tma):
+        tile = [config.block_n, config.block_k]
+        launch(
+            _gate_up_tma_kernel, (layout.num_blocks * triton.cdiv(inter, config.block_n),),
+            x, TensorDescriptor.from_tensor(w13.view(num_experts * two_inter, hidden), tile), act,
+            layout.sorted_slots, layout.block_expert, layout.block_row_end,
+            inter, hidden, num_experts, x.stride(0), act.stride(0), TOP_K=top_k, **tiles,
+        )
+        launch(
+            _down_tma_kernel, (layout.num_blocks * triton.cdiv(hidden, config.block_n),),
+            act, TensorDescriptor.from_tensor(w2.view(num_experts * hidden, inter), tile), topk_weights.reshape(-1),
+            down, layout.sorted_slots, layout.block_expert, layout.block_row_end,
+            hidden, inter, num_experts, act.stride(0), down.stride(0), **tiles,
+        )
+        return _sum_slots(down, topk_ids, x, hidden, num_experts, top_k)
     launch(
         _gate_up_kernel, (layout.num_blocks * triton.cdiv(inter, config.block_n),),
         x, w13, act, layout.sorted_slots, layout.block_expert, layout.block_row_end,
@@ -429,9 +606,14 @@ def fused_experts(
         hidden, inter, num_experts, act.stride(0), w2.stride(0), w2.stride(1), down.stride(0),
         IEEE=ieee, **tiles,
     )
+    return _sum_slots(down, topk_ids, x, hidden, num_experts, top_k)
+
+
+def _sum_slots(down: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor, hidden: int, num_experts: int,
+               top_k: int) -> torch.Tensor:
     out = torch.empty_like(x)
     block_h = min(1024, triton.next_power_of_2(hidden))
-    launch(_sum_kernel, (num_tokens, triton.cdiv(hidden, block_h)), down, topk_ids, out, hidden, num_experts,
+    launch(_sum_kernel, (x.shape[0], triton.cdiv(hidden, block_h)), down, topk_ids, out, hidden, num_experts,
            down.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h)
     return out
 
@@ -447,5 +629,6 @@ def fused_moe(
     if num_tokens * top_k <= ONE_SLOT_PER_BLOCK_MAX_SLOTS:
         weights, ids, layout = route_one_slot_per_block(router_logits, top_k, renormalize, slot_mapping, config.block_m)
         return fused_experts(x, w13, w2, weights, ids, config, layout)
-    weights, ids = route(router_logits, top_k, renormalize, slot_mapping)
-    return fused_experts(x, w13, w2, weights, ids, config)
+    weights, ids, ranks = route_and_rank(router_logits, top_k, renormalize, slot_mapping)
+    layout = align_by_expert(ids, num_experts, config.block_m, ranks)
+    return fused_experts(x, w13, w2, weights, ids, config, layout)

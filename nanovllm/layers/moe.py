@@ -76,7 +76,7 @@ def moe_reference(
 def kernel_config_from_env() -> Callable[[int], object] | None:
     """The fused kernels' block sizes from the JSON file NANOVLLM_MOE_CONFIG names (what
     `benchmarks/moe_bench.py --sweep` writes): {"<tokens>": {"block_m": .., "block_n": ..,
-    "block_k": .., "num_warps": .., "num_stages": ..}, ...}; a step of T tokens takes the entry of
+    "block_k": .., "num_warps": .., "num_stages": .., "tma": ..}, ...}; a step of T tokens takes the entry of
     the smallest key >= T, else the largest. None (the kernels' own choice) when unset. Read when
     the model is built."""
     path = os.environ.get("NANOVLLM_MOE_CONFIG")
