@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature instead of greedy decoding (W3)")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
+    ap.add_argument("--cpu-compile", action="store_true",
+                    help="a lone sequence's decode steps through the compiled layer (LLM(cpu_compile=True))")
     args = ap.parse_args()
     import torch
 
@@ -48,12 +50,15 @@ def main() -> None:
     from nanovllm import LLM, SamplingParams
 
     llm = LLM(device="cpu", dtype=args.dtype, quantization=args.quantization,
-              async_scheduling=True if args.async_scheduling else None)
+              async_scheduling=True if args.async_scheduling else None, cpu_compile=args.cpu_compile)
     tok = llm.tokenizer
     prompts = [tok.encode(llm.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False) for q in QUESTIONS]
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=64, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
+    if args.cpu_compile:  # the warm-up of the compiled decode (a lone sequence): it compiles here
+        llm.generate(prompts[:1], SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=40,
+                                                 ignore_eos=True), use_tqdm=False)
     batch = []
     for _ in range(args.runs):
         llm.reset_prefix_cache()

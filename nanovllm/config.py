@@ -58,6 +58,9 @@ class EngineConfig:
     # Schedule step N+1 while step N runs on the device (outputs trail by one step). None = on
     # where there is a device to overlap with (CUDA); on the CPU the host *is* the device.
     async_scheduling: bool | None = None
+    # CPU only: a step of one sequence decoding one token runs each decoder layer as code
+    # compiled by torch.compile (runner/cpu_compiled_decode.py); the first such step compiles.
+    cpu_compile: bool = False
     # CPU only: memory for the KV pool when num_kvcache_blocks is not given.
     cpu_kvcache_space_gib: float = 1.0
     # CPU only: "int4" keeps the projections' weights as 4-bit codes with a bf16 scale and
@@ -119,6 +122,12 @@ class EngineConfig:
             raise bad("generation_config", f"must be one of {GENERATION_CONFIGS}")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
+        if not isinstance(self.cpu_compile, bool):
+            raise bad("cpu_compile", "must be True or False")
+        if self.cpu_compile and self.device == "cuda":
+            raise bad("cpu_compile", "compiles the CPU's decode steps; on CUDA they run as CUDA graphs (device='cpu')")
+        if self.cpu_compile and self.tensor_parallel_size != 1:
+            raise bad("cpu_compile", "runs on one process (tensor_parallel_size=1)")
         if self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be one of {QUANTIZATIONS}")
         if self.quantization == "int4":

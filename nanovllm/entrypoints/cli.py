@@ -49,6 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-burst", type=int, default=None,
                    help="decode steps a lone greedy or plain-temperature sequence runs per engine step "
                         "(default: 8 with the persistent kernel)")
+    g.add_argument("--cpu-compile", action="store_true",
+                   help="CPU only: a lone sequence's decode steps run each layer as code compiled by torch.compile "
+                        "(faster per token; the first such step compiles for seconds)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                    help="vLLM's flag: 'auto' (default) takes the model's sampling defaults (generation_config.json "
@@ -66,7 +69,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens", "kvcache_block_size", "num_kvcache_blocks", "gpu_memory_utilization",
         "enable_prefix_caching", "enforce_eager", "seed", "async_scheduling", "persistent_decode", "decode_burst",
         "quantization", "nnodes", "master_addr", "master_port", "join_timeout_s", "generation_config",
-        "load_format",
+        "load_format", "cpu_compile",
     )
     return {n: getattr(args, n) for n in names} | {"torchrun": getattr(args, "torchrun", False)}
 

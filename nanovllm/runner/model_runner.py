@@ -95,6 +95,11 @@ class ModelRunner:
         self.graph_runner = None
         self.fastpath = None  # the lone-sequence fast path (nanovllm/fastpath/), asked once per step
         self.staging = HostStaging(self.device, slots=6) if self.device.type == "cuda" else None
+        self.cpu_decode = None  # runner/cpu_compiled_decode.py, where config.cpu_compile asks for it
+        if config.cpu_compile and self.device.type == "cpu":
+            from nanovllm.runner.cpu_compiled_decode import CompiledCpuDecode
+
+            self.cpu_decode = CompiledCpuDecode(self.model)
         # The torch backend reads host-side lengths, so only the Triton / flash-attn backends are captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from nanovllm.fastpath.seam import FastPath
@@ -454,6 +459,8 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self.prepare(out)
         if self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
             hidden = self.graph_runner.run(input_ids, positions, meta)
+        elif self.cpu_decode is not None and self.cpu_decode.takes(len(out.seqs), out.num_decodes, len(input_ids)):
+            hidden = self.cpu_decode(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
         if len(logits_indices) == 0:

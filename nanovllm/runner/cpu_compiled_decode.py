@@ -1,0 +1,158 @@
+"""A lone sequence's decode step on the CPU as compiled code: `LLM(..., cpu_compile=True)`.
+
+Why: decoding one sequence on the CPU is bound by dispatch, not arithmetic: the eager model
+makes some fifty operator calls per layer, each a few microseconds of Python and torch
+overhead, around four matmuls that take about as long together. torch.compile (Inductor's CPU
+code generation) turns a decoder layer into a handful of C++ kernels around the matmuls and the
+attention (docs/benchmarks.md has the figures).
+
+How: `_decode_layer` is one decoder layer over plain tensors (the layer's weights, its KV
+cache, the step's block ids); it is compiled once and called for every layer (the layers share
+shapes and strides, so one compiled variant serves them all). It compiles for one token and any
+context length (the step's block count is a dynamic dimension). The first call compiles:
+seconds to a minute on a small machine; Inductor keeps the generated code on disk, so a later
+process compiles faster. Inductor rounds as eager torch does (`emulate_precision_casts`).
+
+What it covers: the Llama-family dense decoders (Llama, SmolLM2, Qwen2, Qwen3) with fp32, bf16
+or int4 weights, one rank. Every other step (a prefill, several sequences) runs the eager model,
+which stays the reference: tests/test_cpu_compiled_decode.py compares the two.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.layers.int4_linear import Int4Weight
+
+# Inductor's options: round every intermediate as eager torch would (bf16 models).
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why `model` cannot decode through the compiled layer, or None."""
+    decoder = getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None or not len(layers):
+        return "not a Llama-family decoder"
+    for layer in layers:
+        if getattr(layer, "mlp_reads_metadata", False) or not hasattr(layer.mlp, "gate_up_proj"):
+            return "a mixture-of-experts layer"
+        if layer.self_attn.o_proj.tp_size != 1:
+            return "tensor parallelism"
+    return None
+
+
+def _weight(linear: nn.Module) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, int]:
+    """A projection's weight as `_linear` takes it: a dense tensor, or an int4 weight's
+    (packed codes, scales and zeros, group size)."""
+    w = linear.weight
+    if isinstance(w, Int4Weight):
+        return (w.packed, w.scales_and_zeros, w.group_size)
+    return w
+
+
+def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(w, tuple):
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], w[2], w[1])
+    else:
+        y = F.linear(x, w)
+    return y if bias is None else y + bias
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+def _rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """layers/rotary.py's `_rotate` on [T, H, D]: x * [cos, cos] + [x2, x1] * [-sin, sin]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos2 + torch.cat((x2, x1), dim=-1) * sin2
+
+
+def _decode_layer(
+    hidden: torch.Tensor, residual: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, w: tuple,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, context: torch.Tensor, eps: float, heads: int, kv_heads: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer for one token (LlamaDecoderLayer's arithmetic, the torch attention
+    backend's for a decode): (hidden [1, H], residual [1, H]) -> the next layer's pair, and the
+    token's K and V rows [1, kv_heads, head_dim], which the caller stores (the K and V caches are
+    views of one buffer, and compiled code may not write such inputs). The attention reads the
+    cached context before the token, then the token's own K and V."""
+    ln1, ln2, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias, q_norm, k_norm = w
+    head_dim = k_cache.shape[-1]
+    residual = hidden + residual
+    x = _rms_norm(residual, ln1, eps)
+    q, k, v = _linear(x, qkv, qkv_bias).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(1, heads, head_dim), k.view(1, kv_heads, head_dim), v.view(1, kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    q, k = _rotate(q, cos2, sin2), _rotate(k, cos2, sin2)
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    positions = block_ids.shape[0] * k_cache.shape[1]
+    keys = torch.cat((k_cache.index_select(0, block_ids).view(positions, kv_heads, head_dim), k)).float()
+    values = torch.cat((v_cache.index_select(0, block_ids).view(positions, kv_heads, head_dim), v)).float()
+    cached = torch.cat((torch.arange(positions) < context, torch.ones(1, dtype=torch.bool)))
+    mask = torch.zeros(positions + 1).masked_fill(~cached, float("-inf")).view(1, 1, 1, positions + 1)
+    attn = F.scaled_dot_product_attention(q.float().unsqueeze(2), keys.transpose(0, 1).unsqueeze(0),
+                                          values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+                                          enable_gqa=heads != kv_heads).view(1, heads * head_dim).to(q.dtype)
+    hidden = _linear(attn, o, o_bias)
+    residual = hidden + residual
+    x = _rms_norm(residual, ln2, eps)
+    gate, up = _linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    return _linear(F.silu(gate) * up, down, down_bias), residual, k, v
+
+
+class CompiledCpuDecode:
+    """`decode(input_ids [1], positions [1], meta) -> hidden [1, H]` for a step of one
+    sequence decoding one token, through the compiled layer."""
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"cpu_compile: this model cannot decode compiled ({reason})")
+        decoder = model.model
+        self.embed_tokens, self.norm = decoder.embed_tokens, decoder.norm
+        self.attentions = [layer.self_attn.attn for layer in decoder.layers]
+        first = decoder.layers[0].self_attn
+        self.rotary_emb = first.rotary_emb
+        self.heads, self.kv_heads, self.scale = first.num_heads, first.num_kv_heads, first.attn.scale
+        self.eps = decoder.layers[0].input_layernorm.eps
+        self.weights = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.weights.append((
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                _weight(attn.qkv_proj), attn.qkv_proj.bias, _weight(attn.o_proj), attn.o_proj.bias,
+                _weight(mlp.gate_up_proj), mlp.gate_up_proj.bias, _weight(mlp.down_proj), mlp.down_proj.bias,
+                attn.q_norm.weight if attn.q_norm is not None else None,
+                attn.k_norm.weight if attn.k_norm is not None else None,
+            ))
+        self.layer = torch.compile(_decode_layer, dynamic=False, options=COMPILE_OPTIONS)
+
+    @staticmethod
+    def takes(num_seqs: int, num_decodes: int, num_tokens: int) -> bool:
+        """Whether a step of this shape decodes compiled: one sequence, one token."""
+        return num_seqs == 1 and num_decodes == 1 and num_tokens == 1
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = torch.zeros_like(hidden)
+        cos, sin = self.rotary_emb.cos_sin_cache[positions].unsqueeze(-2).to(hidden.dtype).chunk(2, dim=-1)
+        cos2, sin2 = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        block_size = self.attentions[0].k_cache.shape[1]
+        slot = meta.slot_mapping
+        where = (slot // block_size, slot % block_size)  # the token's cache slot as (block, offset)
+        context = meta.seq_lens_cpu[0] - 1  # the positions cached before this token
+        block_ids = meta.block_tables[0, : max(1, -(-context // block_size))].long()
+        torch._dynamo.mark_dynamic(block_ids, 0)
+        context_t = meta.seq_lens[0] - 1
+        for weights, attn in zip(self.weights, self.attentions):
+            hidden, residual, k, v = self.layer(hidden, residual, cos2, sin2, weights, attn.k_cache, attn.v_cache,
+                                                block_ids, context_t, self.eps, self.heads, self.kv_heads, self.scale)
+            attn.k_cache.index_put_(where, k)
+            attn.v_cache.index_put_(where, v)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden

@@ -1,0 +1,99 @@
+"""The compiled single-sequence decode on the CPU (runner/cpu_compiled_decode.py,
+`LLM(cpu_compile=True)`) against the eager model, its reference.
+
+A step of one sequence decoding one token runs the compiled layer; everything else (prefill,
+batches) runs the eager model. Each test compiles once (seconds on a small machine).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+
+# The second prompt's context crosses several KV blocks (16 positions each) while it decodes.
+PROMPTS = [[1, 5, 9, 13, 2, 7], list(range(3, 43))]
+
+
+def _count_compiled_calls(llm: LLM) -> list[int]:
+    decode = llm.engine.executor.runner.cpu_decode
+    calls = [0]
+    layer = decode.layer
+
+    def counted(*args):
+        calls[0] += 1
+        return layer(*args)
+
+    decode.layer = counted
+    return calls
+
+
+@pytest.mark.parametrize("arch, shape, kwargs", [
+    pytest.param("qwen3", {}, {}, id="qwen3-fp32-qk-norm"),
+    pytest.param("qwen2", {"head_dim": 16}, {}, id="qwen2-fp32-qkv-bias"),
+    pytest.param("llama", {}, {"quantization": "int4"}, id="llama-int4"),
+])
+def test_compiled_decode_gives_the_eager_models_tokens(checkpoint_factory, arch, shape, kwargs):
+    path = checkpoint_factory(arch, **shape)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    eager = LLM(path, device="cpu", num_kvcache_blocks=16, **kwargs)
+    compiled = LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True, **kwargs)
+    calls = _count_compiled_calls(compiled)
+    for prompt in PROMPTS:  # one sequence at a time: its decode steps take the compiled layer
+        want = eager.generate([prompt], sp, use_tqdm=False)[0]["token_ids"]
+        got = compiled.generate([prompt], sp, use_tqdm=False)[0]["token_ids"]
+        assert got == want
+    layers = len(compiled.engine.executor.runner.model.model.layers)
+    assert calls[0] == 2 * 19 * layers  # every decode step after each prompt's first token
+    # Two sequences at once decode through the eager model, with the same tokens.
+    both = compiled.generate(PROMPTS, sp, use_tqdm=False)
+    assert [o["token_ids"] for o in both] == [o["token_ids"] for o in eager.generate(PROMPTS, sp, use_tqdm=False)]
+    assert calls[0] == 2 * 19 * layers
+
+
+def test_compiled_decode_hidden_states_match_the_eager_forward(checkpoint_factory):
+    """One decode step's final hidden state from both paths, on the same cache contents."""
+    llm = LLM(checkpoint_factory("qwen3"), device="cpu", num_kvcache_blocks=16, cpu_compile=True)
+    runner = llm.engine.executor.runner
+    from nanovllm.attention.metadata import AttentionMetadata
+
+    prompt = torch.tensor(PROMPTS[1])
+    n = len(prompt)
+    table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    prefill = AttentionMetadata(
+        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=table, num_decodes=0,
+        max_query_len=n, max_seq_len=n, query_lens_cpu=[n], seq_lens_cpu=[n],
+    )
+
+    def decode_meta():
+        return AttentionMetadata(
+            slot_mapping=torch.tensor([n]), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens=torch.tensor([n + 1], dtype=torch.int32), block_tables=table, num_decodes=1,
+            max_query_len=1, max_seq_len=n + 1, query_lens_cpu=[1], seq_lens_cpu=[n + 1],
+        )
+
+    token, position = torch.tensor([17]), torch.tensor([n])
+    with torch.inference_mode():
+        runner.model(prompt, torch.arange(n), prefill)
+        want = runner.model(token, position, decode_meta())
+        k_after_eager = runner.k_caches[0][n // 16, n % 16].clone()
+        got = runner.cpu_decode(token, position, decode_meta())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runner.k_caches[0][n // 16, n % 16], k_after_eager, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(device="cuda"), "cpu_compile"),
+    (dict(tensor_parallel_size=2), "cpu_compile"),
+    (dict(cpu_compile="yes"), "cpu_compile"),
+])
+def test_bad_cpu_compile_settings_are_refused(qwen3_tiny, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(qwen3_tiny, **({"cpu_compile": True} | kwargs))
+
+
+def test_a_mixture_of_experts_model_is_refused(checkpoint_factory):
+    path = checkpoint_factory("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True)
