@@ -97,3 +97,16 @@ def test_a_mixture_of_experts_model_is_refused(checkpoint_factory):
     path = checkpoint_factory("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True)
+
+
+def test_compiled_int8_head_gives_the_heads_logits(checkpoint_factory):
+    """The int4 mode's int8 LM head as one compiled reduction against the head's own kernel:
+    the same logits up to one bf16 rounding (the sums run in another order)."""
+    llm = LLM(checkpoint_factory("llama"), device="cpu", num_kvcache_blocks=16, quantization="int4", cpu_compile=True)
+    runner = llm.engine.executor.runner
+    hidden = torch.randn(1, runner.model.lm_head.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = runner.model.compute_logits(hidden.bfloat16())
+        got = runner.cpu_decode.compute_logits(hidden.bfloat16())
+    assert runner.model.lm_head.int8_codes is not None and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)

@@ -13,6 +13,8 @@ context length (the step's block count is a dynamic dimension). The first call c
 seconds to a minute on a small machine; Inductor keeps the generated code on disk, so a later
 process compiles faster. Inductor rounds as eager torch does (`emulate_precision_casts`).
 
+The int8 LM head of the int4 mode (layers/embedding.py) runs compiled too (`_int8_head`).
+
 What it covers: the Llama-family dense decoders (Llama, SmolLM2, Qwen2, Qwen3) with fp32, bf16
 or int4 weights, one rank. Every other step (a prefill, several sequences) runs the eager model,
 which stays the reference: tests/test_cpu_compiled_decode.py compares the two.
@@ -105,6 +107,13 @@ def _decode_layer(
     return _linear(F.silu(gate) * up, down, down_bias), residual, k, v
 
 
+def _int8_head(hidden: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """ParallelLMHead's int8 product (torch's `_weight_int8pack_mm`: hidden . codes per vocabulary
+    row, summed in fp32, times the row's scale, rounded to bf16) as one compiled reduction, which
+    streams the codes at the memory's pace: [1, H] -> [1, V] fp32."""
+    return ((hidden.float().view(1, 1, -1) * codes.float()).sum(-1) * scales.float()).to(scales.dtype).float()
+
+
 class CompiledCpuDecode:
     """`decode(input_ids [1], positions [1], meta) -> hidden [1, H]` for a step of one
     sequence decoding one token, through the compiled layer."""
@@ -131,6 +140,8 @@ class CompiledCpuDecode:
                 attn.k_norm.weight if attn.k_norm is not None else None,
             ))
         self.layer = torch.compile(_decode_layer, dynamic=False, options=COMPILE_OPTIONS)
+        self.lm_head = model.lm_head
+        self.head = torch.compile(_int8_head, dynamic=False, options=COMPILE_OPTIONS)
 
     @staticmethod
     def takes(num_seqs: int, num_decodes: int, num_tokens: int) -> bool:
@@ -156,3 +167,11 @@ class CompiledCpuDecode:
             attn.v_cache.index_put_(where, v)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head for `__call__`'s hidden state: its int8 codes through the compiled
+        reduction where the head has them (the int4 mode), else the head itself."""
+        head = self.lm_head
+        if head.int8_codes is None or head.tp_size != 1:
+            return head(hidden)
+        return self.head(hidden, head.int8_codes, head.int8_scales)

@@ -457,10 +457,13 @@ class ModelRunner:
         """The forward pass and LM head of one ordinary step: (sampling rows, their logits), or
         None where this rank samples nothing."""
         input_ids, positions, meta, logits_indices = self.prepare(out)
+        if self.cpu_decode is not None and self.cpu_decode.takes(len(out.seqs), out.num_decodes, len(input_ids)):
+            hidden = self.cpu_decode(input_ids, positions, meta)
+            if len(logits_indices) == 0 or self.rank != 0:
+                return None
+            return [s for s in out.seqs if s.sample], self.cpu_decode.compute_logits(hidden)
         if self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
             hidden = self.graph_runner.run(input_ids, positions, meta)
-        elif self.cpu_decode is not None and self.cpu_decode.takes(len(out.seqs), out.num_decodes, len(input_ids)):
-            hidden = self.cpu_decode(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
         if len(logits_indices) == 0:
