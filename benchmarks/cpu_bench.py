@@ -41,7 +41,7 @@ def main() -> None:
                     help="sample at this temperature instead of greedy decoding (W3)")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
     ap.add_argument("--cpu-compile", action="store_true",
-                    help="a lone sequence's decode steps through the compiled layer (LLM(cpu_compile=True))")
+                    help="decode steps through the compiled layer (LLM(cpu_compile=True))")
     args = ap.parse_args()
     import torch
 
@@ -56,7 +56,7 @@ def main() -> None:
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=64, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
-    if args.cpu_compile:  # the warm-up of the compiled decode (a lone sequence): it compiles here
+    if args.cpu_compile:  # the compiled decode's warm-up for a lone sequence (batches compiled above)
         llm.generate(prompts[:1], SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=40,
                                                  ignore_eos=True), use_tqdm=False)
     batch = []

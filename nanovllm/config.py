@@ -58,8 +58,8 @@ class EngineConfig:
     # Schedule step N+1 while step N runs on the device (outputs trail by one step). None = on
     # where there is a device to overlap with (CUDA); on the CPU the host *is* the device.
     async_scheduling: bool | None = None
-    # CPU only: a step of one sequence decoding one token runs each decoder layer as code
-    # compiled by torch.compile (runner/cpu_compiled_decode.py); the first such step compiles.
+    # CPU only: a step in which every sequence decodes one token runs each decoder layer as
+    # code compiled by torch.compile (runner/cpu_compiled_decode.py); the first such steps compile.
     cpu_compile: bool = False
     # CPU only: memory for the KV pool when num_kvcache_blocks is not given.
     cpu_kvcache_space_gib: float = 1.0

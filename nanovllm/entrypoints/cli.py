@@ -50,8 +50,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="decode steps a lone greedy or plain-temperature sequence runs per engine step "
                         "(default: 8 with the persistent kernel)")
     g.add_argument("--cpu-compile", action="store_true",
-                   help="CPU only: a lone sequence's decode steps run each layer as code compiled by torch.compile "
-                        "(faster per token; the first such step compiles for seconds)")
+                   help="CPU only: decode steps (every sequence one token) run each layer as code compiled by "
+                        "torch.compile (faster per token; the first such steps compile for seconds)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                    help="vLLM's flag: 'auto' (default) takes the model's sampling defaults (generation_config.json "

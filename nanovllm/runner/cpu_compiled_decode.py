@@ -1,23 +1,24 @@
-"""A lone sequence's decode step on the CPU as compiled code: `LLM(..., cpu_compile=True)`.
+"""Decode steps on the CPU as compiled code: `LLM(..., cpu_compile=True)`.
 
-Why: decoding one sequence on the CPU is bound by dispatch, not arithmetic: the eager model
-makes some fifty operator calls per layer, each a few microseconds of Python and torch
-overhead, around four matmuls that take about as long together. torch.compile (Inductor's CPU
+Why: decoding on the CPU, a lone sequence above all, is bound by dispatch more than arithmetic:
+the eager model makes some fifty operator calls per layer, each a few microseconds of Python
+and torch overhead, around four matmuls that take about as long together for one row. torch.compile (Inductor's CPU
 code generation) turns a decoder layer into a handful of C++ kernels around the matmuls and the
 attention (docs/benchmarks.md has the figures).
 
 How: `_decode_layer` is one decoder layer over plain tensors (the layer's weights, its KV
 cache, the step's block ids); it is compiled once and called for every layer (the layers share
-shapes and strides, so one compiled variant serves them all). It compiles for one token and any
-context length (the step's block count is a dynamic dimension). The first call compiles:
+shapes and strides, so one compiled variant serves them all). It compiles for one token per
+sequence, any context length (the step's block count is a dynamic dimension), and one row or
+any number of rows (two variants). The first calls compile:
 seconds to a minute on a small machine; Inductor keeps the generated code on disk, so a later
 process compiles faster. Inductor rounds as eager torch does (`emulate_precision_casts`).
 
 The int8 LM head of the int4 mode (layers/embedding.py) runs compiled too (`_int8_head`).
 
 What it covers: the Llama-family dense decoders (Llama, SmolLM2, Qwen2, Qwen3) with fp32, bf16
-or int4 weights, one rank. Every other step (a prefill, several sequences) runs the eager model,
-which stays the reference: tests/test_cpu_compiled_decode.py compares the two.
+or int4 weights, one rank. A step with a prefill runs the eager model, which stays the
+reference: tests/test_cpu_compiled_decode.py compares the two.
 """
 from __future__ import annotations
 
@@ -75,31 +76,36 @@ def _rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Te
 
 def _decode_layer(
     hidden: torch.Tensor, residual: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, w: tuple,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, context: torch.Tensor, eps: float, heads: int, kv_heads: int, scale: float,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, context: torch.Tensor, eps: float,
+    heads: int, kv_heads: int, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decoder layer for one token (LlamaDecoderLayer's arithmetic, the torch attention
-    backend's for a decode): (hidden [1, H], residual [1, H]) -> the next layer's pair, and the
-    token's K and V rows [1, kv_heads, head_dim], which the caller stores (the K and V caches are
-    views of one buffer, and compiled code may not write such inputs). The attention reads the
-    cached context before the token, then the token's own K and V."""
+    """One decoder layer for B sequences decoding one token each (LlamaDecoderLayer's
+    arithmetic, the torch attention backend's for decodes): (hidden [B, H], residual [B, H]) ->
+    the next layer's pair, and the tokens' K and V rows [B, kv_heads, head_dim], which the
+    caller stores (the K and V caches are views of one buffer, and compiled code may not write
+    such inputs). Row b attends to its context[b] cached positions (its block_ids[b] blocks,
+    padded), then to its own K and V."""
     ln1, ln2, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias, q_norm, k_norm = w
-    head_dim = k_cache.shape[-1]
+    rows, head_dim = hidden.shape[0], k_cache.shape[-1]
     residual = hidden + residual
     x = _rms_norm(residual, ln1, eps)
     q, k, v = _linear(x, qkv, qkv_bias).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q, k, v = q.view(1, heads, head_dim), k.view(1, kv_heads, head_dim), v.view(1, kv_heads, head_dim)
+    q, k, v = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim), v.view(rows, kv_heads, head_dim)
     if q_norm is not None:
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
     q, k = _rotate(q, cos2, sin2), _rotate(k, cos2, sin2)
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-    positions = block_ids.shape[0] * k_cache.shape[1]
-    keys = torch.cat((k_cache.index_select(0, block_ids).view(positions, kv_heads, head_dim), k)).float()
-    values = torch.cat((v_cache.index_select(0, block_ids).view(positions, kv_heads, head_dim), v)).float()
-    cached = torch.cat((torch.arange(positions) < context, torch.ones(1, dtype=torch.bool)))
-    mask = torch.zeros(positions + 1).masked_fill(~cached, float("-inf")).view(1, 1, 1, positions + 1)
-    attn = F.scaled_dot_product_attention(q.float().unsqueeze(2), keys.transpose(0, 1).unsqueeze(0),
-                                          values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
-                                          enable_gqa=heads != kv_heads).view(1, heads * head_dim).to(q.dtype)
+    positions = block_ids.shape[1] * k_cache.shape[1]
+
+    def context_and_own(cache: torch.Tensor, own: torch.Tensor) -> torch.Tensor:  # [B, kv_heads, positions + 1, D]
+        cached = cache.index_select(0, block_ids.reshape(-1)).view(rows, positions, kv_heads, head_dim)
+        return torch.cat((cached, own.unsqueeze(1)), dim=1).float().transpose(1, 2)
+
+    real = torch.cat((torch.arange(positions)[None, :] < context[:, None], torch.ones(rows, 1, dtype=torch.bool)), 1)
+    mask = torch.zeros(rows, positions + 1).masked_fill(~real, float("-inf")).view(rows, 1, 1, positions + 1)
+    attn = F.scaled_dot_product_attention(q.float().unsqueeze(2), context_and_own(k_cache, k),
+                                          context_and_own(v_cache, v), attn_mask=mask, scale=scale,
+                                          enable_gqa=heads != kv_heads).view(rows, heads * head_dim).to(q.dtype)
     hidden = _linear(attn, o, o_bias)
     residual = hidden + residual
     x = _rms_norm(residual, ln2, eps)
@@ -110,13 +116,13 @@ def _decode_layer(
 def _int8_head(hidden: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """ParallelLMHead's int8 product (torch's `_weight_int8pack_mm`: hidden . codes per vocabulary
     row, summed in fp32, times the row's scale, rounded to bf16) as one compiled reduction, which
-    streams the codes at the memory's pace: [1, H] -> [1, V] fp32."""
+    streams the codes at the memory's pace: [1, H] -> [1, V] fp32 (one row: a lone sequence)."""
     return ((hidden.float().view(1, 1, -1) * codes.float()).sum(-1) * scales.float()).to(scales.dtype).float()
 
 
 class CompiledCpuDecode:
-    """`decode(input_ids [1], positions [1], meta) -> hidden [1, H]` for a step of one
-    sequence decoding one token, through the compiled layer."""
+    """`decode(input_ids [B], positions [B], meta) -> hidden [B, H]` for a step of B sequences
+    decoding one token each, through the compiled layer."""
 
     def __init__(self, model: nn.Module) -> None:
         reason = unsupported_reason(model)
@@ -145,8 +151,8 @@ class CompiledCpuDecode:
 
     @staticmethod
     def takes(num_seqs: int, num_decodes: int, num_tokens: int) -> bool:
-        """Whether a step of this shape decodes compiled: one sequence, one token."""
-        return num_seqs == 1 and num_decodes == 1 and num_tokens == 1
+        """Whether a step of this shape decodes compiled: every sequence decodes one token."""
+        return num_seqs == num_decodes == num_tokens >= 1
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -155,14 +161,17 @@ class CompiledCpuDecode:
         cos2, sin2 = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         block_size = self.attentions[0].k_cache.shape[1]
         slot = meta.slot_mapping
-        where = (slot // block_size, slot % block_size)  # the token's cache slot as (block, offset)
-        context = meta.seq_lens_cpu[0] - 1  # the positions cached before this token
-        block_ids = meta.block_tables[0, : max(1, -(-context // block_size))].long()
-        torch._dynamo.mark_dynamic(block_ids, 0)
-        context_t = meta.seq_lens[0] - 1
+        where = (slot // block_size, slot % block_size)  # the tokens' cache slots as (block, offset)
+        context = meta.seq_lens - 1  # the positions cached before each token
+        blocks = max(1, -(-(max(meta.seq_lens_cpu) - 1) // block_size))
+        block_ids = meta.block_tables[:, :blocks].long()
+        torch._dynamo.mark_dynamic(block_ids, 1)
+        if len(input_ids) > 1:  # one compiled variant for every batch of two rows or more
+            for t in (hidden, residual, cos2, sin2, block_ids, context):
+                torch._dynamo.mark_dynamic(t, 0)
         for weights, attn in zip(self.weights, self.attentions):
             hidden, residual, k, v = self.layer(hidden, residual, cos2, sin2, weights, attn.k_cache, attn.v_cache,
-                                                block_ids, context_t, self.eps, self.heads, self.kv_heads, self.scale)
+                                                block_ids, context, self.eps, self.heads, self.kv_heads, self.scale)
             attn.k_cache.index_put_(where, k)
             attn.v_cache.index_put_(where, v)
         hidden, _ = self.norm(hidden, residual)
@@ -172,6 +181,6 @@ class CompiledCpuDecode:
         """The LM head for `__call__`'s hidden state: its int8 codes through the compiled
         reduction where the head has them (the int4 mode), else the head itself."""
         head = self.lm_head
-        if head.int8_codes is None or head.tp_size != 1:
+        if head.int8_codes is None or head.tp_size != 1 or hidden.shape[0] != 1:
             return head(hidden)
         return self.head(hidden, head.int8_codes, head.int8_scales)
