@@ -60,11 +60,8 @@ def test_align_groups_every_slot_once_in_its_experts_blocks(block_m, experts, to
     ids[:10, 1:] = torch.tensor([4, 5], dtype=torch.int32)
     layout = fused_moe.align_by_expert(ids.to(DEVICE), experts, block_m)
     flat = ids.reshape(-1).tolist()
-    sorted_slots = layout.sorted_slots.cpu().tolist()
     block_expert = layout.block_expert.cpu().tolist()
-    row_end = layout.block_row_end.cpu().tolist()
     assert layout.num_blocks == fused_moe.max_blocks(len(flat), experts, block_m)
-    seen = []
     expected_blocks = []
     for e in range(experts):
         count = flat.count(e)
@@ -72,12 +69,19 @@ def test_align_groups_every_slot_once_in_its_experts_blocks(block_m, experts, to
     used = [b for b in block_expert if b < experts]
     assert used == expected_blocks  # blocks in expert order, each expert's count rounded up
     assert all(b == experts for b in block_expert[len(used):])
-    for b, e in enumerate(block_expert[: len(used)]):
-        rows = range(b * block_m, min((b + 1) * block_m, row_end[b]))
-        for r in rows:
-            assert flat[sorted_slots[r]] == e
-            seen.append(sorted_slots[r])
-    assert sorted(seen) == list(range(len(flat)))
+    assert sorted(_slots_in_their_experts_blocks(layout, flat, experts)) == list(range(len(flat)))
+
+
+def _slots_in_their_experts_blocks(layout, flat: list[int], experts: int) -> list[int]:
+    """The slots the layout's blocks of real experts hold, each checked to be its expert's."""
+    sorted_slots, row_end = layout.sorted_slots.cpu().tolist(), layout.block_row_end.cpu().tolist()
+    seen = []
+    for b, e in enumerate(layout.block_expert.cpu().tolist()):
+        if e < experts:
+            for r in range(b * layout.block_m, min((b + 1) * layout.block_m, row_end[b])):
+                assert flat[sorted_slots[r]] == e
+                seen.append(sorted_slots[r])
+    return seen
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -206,14 +210,7 @@ def test_ranks_from_the_routing_launch_group_every_slot_once(block_m):
     flat = ids.reshape(-1).tolist()
     assert ranks.counts[:experts].tolist() == [flat.count(e) for e in range(experts)]
     layout = fused_moe.align_by_expert(ids, experts, block_m, ranks)
-    sorted_slots, row_end = layout.sorted_slots.cpu().tolist(), layout.block_row_end.cpu().tolist()
-    seen = []
-    for b, e in enumerate(layout.block_expert.cpu().tolist()):
-        if e < experts:
-            for r in range(b * block_m, min((b + 1) * block_m, row_end[b])):
-                assert flat[sorted_slots[r]] == e
-                seen.append(sorted_slots[r])
-    assert sorted(seen) == list(range((tokens - 4) * top_k))
+    assert sorted(_slots_in_their_experts_blocks(layout, flat, experts)) == list(range((tokens - 4) * top_k))
     got = fused_moe.fused_moe(x, logits, w13, w2, top_k, True, slot_mapping=slots)
     assert torch.equal(got[-4:], torch.zeros_like(got[-4:]))
     torch.testing.assert_close(got[:-4], moe_reference(x[:-4], logits[:-4], w13, w2, top_k, True), atol=1e-5, rtol=1e-5)

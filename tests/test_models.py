@@ -183,7 +183,7 @@ def test_cpu_step_derives_attention_plan_and_rotary_once(checkpoint_factory, mon
     path = checkpoint_factory("qwen3", num_layers=3)
     ours, _ = load_both(path)
     plans, gathers = [], []
-    real_plan, real_cos_sin = torch_backend._StepPlan.__init__, RotaryEmbedding._cos_sin
+    real_plan, real_cos_sin = torch_backend._StepPlan.__init__, RotaryEmbedding.cos_sin
 
     def counting_plan(self, *args):
         plans.append(1)
@@ -196,7 +196,7 @@ def test_cpu_step_derives_attention_plan_and_rotary_once(checkpoint_factory, mon
         return result
 
     monkeypatch.setattr(torch_backend._StepPlan, "__init__", counting_plan)
-    monkeypatch.setattr(RotaryEmbedding, "_cos_sin", counting_cos_sin)
+    monkeypatch.setattr(RotaryEmbedding, "cos_sin", counting_cos_sin)
     for step in range(2):  # a second step: new metadata and positions, so a new plan and gather
         positions, meta = make_metadata(BLOCK_TABLES, [5 + step, 3 + step], [1, 1], num_decodes=2)
         ours(torch.tensor([7, 9]), positions, meta)

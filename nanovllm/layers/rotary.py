@@ -165,7 +165,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
         # Device types whose tensors take the Triton kernel; tests add "cpu" to run it interpreted.
         self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
-        # The last CPU step's (positions, dtype, cos, sin): see _cos_sin.
+        # The last CPU step's (positions, dtype, cos, sin): see cos_sin.
         self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def is_fused_for(self, positions: torch.Tensor) -> bool:
@@ -173,16 +173,13 @@ class RotaryEmbedding(nn.Module):
         return positions.device.type in self.fused_devices
 
     def _rotate(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
-        """x rotated: halves x1, x2 -> (x1 cos - x2 sin, x2 cos + x1 sin), written as
-        x * [cos, cos] + [x2, x1] * [-sin, sin], the same products and sums (a negated product
-        is rounded as the product is), in four ops instead of seven."""
+        """rotate_halves on q or k as given ([T, H * D] or [T, H, D])."""
         shape = x.shape
         x = x.unflatten(-1, (-1, self.head_dim)) if x.dim() == 2 else x  # [T, H, D], also for T = 0
-        x1, x2 = x.chunk(2, dim=-1)
-        return (x * cos2 + torch.cat((x2, x1), dim=-1) * sin2).view(shape)
+        return rotate_halves(x, cos2, sin2).view(shape)
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[cos, cos] and [-sin, sin] of `positions` ([T, 1, D] each) in `dtype` (_rotate's
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[cos, cos] and [-sin, sin] of `positions` ([T, 1, D] each) in `dtype` (rotate_halves's
         factors). On the CPU the last call's are reused while the positions are equal: every
         layer of a forward asks for the same ones, and gathering and casting them costs ~8 small
         ops, each its dispatch on the CPU. Not on CUDA, where this path may run under graph
@@ -201,12 +198,20 @@ class RotaryEmbedding(nn.Module):
         (one dtype) -> new tensors of the same shapes."""
         if q.dtype != k.dtype:
             raise ValueError(f"rotary: q is {q.dtype} but k is {k.dtype}")
-        cos2, sin2 = self._cos_sin(positions, q.dtype)
+        cos2, sin2 = self.cos_sin(positions, q.dtype)
         return self._rotate(q, cos2, sin2), self._rotate(k, cos2, sin2)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary alone (no q/k norm); see apply_qk_norm_rope."""
         return apply_qk_norm_rope(self, positions, q, k)
+
+
+def rotate_halves(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated: halves x1, x2 -> (x1 cos - x2 sin, x2 cos + x1 sin), written as
+    x * [cos, cos] + [x2, x1] * [-sin, sin] (RotaryEmbedding.cos_sin's factors), the same products
+    and sums (a negated product is rounded as the product is), in four ops instead of seven."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos2 + torch.cat((x2, x1), dim=-1) * sin2
 
 
 def apply_qk_norm_rope(

@@ -28,6 +28,8 @@ from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.layers.int4_linear import Int4Weight
+from nanovllm.layers.norm import weighted_rms_norm
+from nanovllm.layers.rotary import rotate_halves
 
 # Inductor's options: round every intermediate as eager torch would (bf16 models).
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
@@ -42,8 +44,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
     for layer in layers:
         if getattr(layer, "mlp_reads_metadata", False) or not hasattr(layer.mlp, "gate_up_proj"):
             return "a mixture-of-experts layer"
-        if layer.self_attn.o_proj.tp_size != 1:
-            return "tensor parallelism"
     return None
 
 
@@ -64,16 +64,6 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
-
-
-def _rotate(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
-    """layers/rotary.py's `_rotate` on [T, H, D]: x * [cos, cos] + [x2, x1] * [-sin, sin]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos2 + torch.cat((x2, x1), dim=-1) * sin2
-
-
 def _decode_layer(
     hidden: torch.Tensor, residual: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, w: tuple,
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, context: torch.Tensor, eps: float,
@@ -88,12 +78,12 @@ def _decode_layer(
     ln1, ln2, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias, q_norm, k_norm = w
     rows, head_dim = hidden.shape[0], k_cache.shape[-1]
     residual = hidden + residual
-    x = _rms_norm(residual, ln1, eps)
+    x = weighted_rms_norm(residual, ln1, eps)
     q, k, v = _linear(x, qkv, qkv_bias).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim), v.view(rows, kv_heads, head_dim)
     if q_norm is not None:
-        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
-    q, k = _rotate(q, cos2, sin2), _rotate(k, cos2, sin2)
+        q, k = weighted_rms_norm(q, q_norm, eps), weighted_rms_norm(k, k_norm, eps)
+    q, k = rotate_halves(q, cos2, sin2), rotate_halves(k, cos2, sin2)
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     positions = block_ids.shape[1] * k_cache.shape[1]
 
@@ -108,7 +98,7 @@ def _decode_layer(
                                           enable_gqa=heads != kv_heads).view(rows, heads * head_dim).to(q.dtype)
     hidden = _linear(attn, o, o_bias)
     residual = hidden + residual
-    x = _rms_norm(residual, ln2, eps)
+    x = weighted_rms_norm(residual, ln2, eps)
     gate, up = _linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
     return _linear(F.silu(gate) * up, down, down_bias), residual, k, v
 
@@ -157,8 +147,7 @@ class CompiledCpuDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = torch.zeros_like(hidden)
-        cos, sin = self.rotary_emb.cos_sin_cache[positions].unsqueeze(-2).to(hidden.dtype).chunk(2, dim=-1)
-        cos2, sin2 = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        cos2, sin2 = self.rotary_emb.cos_sin(positions, hidden.dtype)
         block_size = self.attentions[0].k_cache.shape[1]
         slot = meta.slot_mapping
         where = (slot // block_size, slot % block_size)  # the tokens' cache slots as (block, offset)
@@ -181,6 +170,6 @@ class CompiledCpuDecode:
         """The LM head for `__call__`'s hidden state: its int8 codes through the compiled
         reduction where the head has them (the int4 mode), else the head itself."""
         head = self.lm_head
-        if head.int8_codes is None or head.tp_size != 1 or hidden.shape[0] != 1:
+        if head.int8_codes is None or hidden.shape[0] != 1:
             return head(hidden)
         return self.head(hidden, head.int8_codes, head.int8_scales)

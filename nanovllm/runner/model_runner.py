@@ -457,21 +457,20 @@ class ModelRunner:
         """The forward pass and LM head of one ordinary step: (sampling rows, their logits), or
         None where this rank samples nothing."""
         input_ids, positions, meta, logits_indices = self.prepare(out)
+        compute_logits = self.model.compute_logits
         if self.cpu_decode is not None and self.cpu_decode.takes(len(out.seqs), out.num_decodes, len(input_ids)):
             hidden = self.cpu_decode(input_ids, positions, meta)
-            if len(logits_indices) == 0 or self.rank != 0:
-                return None
-            return [s for s in out.seqs if s.sample], self.cpu_decode.compute_logits(hidden)
-        if self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
+            compute_logits = self.cpu_decode.compute_logits
+        elif self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
             hidden = self.graph_runner.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
         if len(logits_indices) == 0:
             return None
         if len(logits_indices) == hidden.shape[0]:  # every token samples (decodes): no gather
-            logits = self.model.compute_logits(hidden)
+            logits = compute_logits(hidden)
         else:
-            logits = self.model.compute_logits(hidden[self._to_device(logits_indices)])
+            logits = compute_logits(hidden[self._to_device(logits_indices)])
         if self.rank != 0:
             return None
         return [s for s in out.seqs if s.sample], logits
