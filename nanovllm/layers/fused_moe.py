@@ -25,11 +25,11 @@ S = T * top_k (token, choice) slots:
 4. `_down_kernel`: per block, act[slot] @ w2[e].T times the slot's routing weight, into [S, H];
    `_sum_kernel` adds each token's top_k rows into [T, H].
 
-Weight reads: on a GPU with the tensor memory accelerator (Hopper and newer), 3. and 4. run as
-`_gate_up_tma_kernel` and `_down_tma_kernel`, the same arithmetic with the weight tiles read
-through tensor descriptors (`MoEKernelConfig.tma`; an H200 runs prefill-sized batches 6-8%
-faster so, decode-sized ones, which the weights' bytes bound, at the same speed). The pointer
-kernels are the reference, and what runs elsewhere.
+Weight reads: on a GPU with the tensor memory accelerator (Hopper and newer), 3. and 4. read
+their weight tiles through tensor descriptors (`TMA`; `MoEKernelConfig.tma`; an H200 runs
+prefill-sized batches 6-8% faster so, decode-sized ones, which the weights' bytes bound, at the
+same speed), the same arithmetic otherwise. Reads through pointers are the reference, and what
+runs elsewhere.
 
 Padding rows: a CUDA-graph decode batch is padded to the captured size, and a padding row
 routed like a token would make the GEMMs read its experts' weights too (a lone sequence padded to
@@ -326,12 +326,17 @@ def align_by_expert(
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
+    x_ptr, w, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
     N, K, E, stride_xt, stride_we, stride_wn, stride_ot,
-    TOP_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    TOP_K: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[slot, n] = silu(x[slot // TOP_K] . w[e, n]) * (x[slot // TOP_K] . w[e, N + n])."""
+    """out[slot, n] = silu(x[slot // TOP_K] . w[e, n]) * (x[slot // TOP_K] . w[e, N + n]).
+
+    w: the expert weights [E, 2N, K] through a pointer, or with TMA a tensor descriptor over
+    them seen as [E * 2N, K] (tiles [BLOCK_N, BLOCK_K]). A descriptor's tile that runs past its
+    expert's N rows reads the next matrix's rows, whose columns the store masks off; past K or
+    the last row, the descriptor reads zeros."""
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
     pid_n = tl.program_id(0) % num_n
@@ -344,18 +349,27 @@ def _gate_up_kernel(
     tokens = (slots // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    u_ptrs = g_ptrs + N * stride_wn
     n_ok = offs_n < N
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
+    if TMA:
+        gate_row = expert * 2 * N + pid_n * BLOCK_N
+        up_row = gate_row + N
+    else:
+        g_ptrs = w + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        u_ptrs = g_ptrs + N * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if TMA:
+            g = w.load([gate_row, k0]).T
+            u = w.load([up_row, k0]).T
+        else:
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
         if UPCAST:
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         if IEEE:
@@ -365,8 +379,6 @@ def _gate_up_kernel(
             acc_g = tl.dot(a, g, acc_g)
             acc_u = tl.dot(a, u, acc_u)
         a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)
     up = acc_u.to(dtype).to(tl.float32)
@@ -377,12 +389,14 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    a_ptr, w_ptr, route_w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
+    a_ptr, w, route_w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
     N, K, E, stride_at, stride_we, stride_wn, stride_ot,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[slot, n] = (a[slot] . w[e, n]) * route_w[slot]."""
+    """out[slot, n] = (a[slot] . w[e, n]) * route_w[slot]. w: [E, N, K] through a pointer, or
+    with TMA a tensor descriptor over it seen as [E * N, K] (rows past the expert's N are
+    masked at the store, as in _gate_up_kernel)."""
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
     pid_n = tl.program_id(0) % num_n
@@ -394,109 +408,32 @@ def _down_kernel(
     slots = tl.load(sorted_slots_ptr + rows, mask=valid, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + slots[:, None] * stride_at + offs_k[None, :]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     n_ok = offs_n < N
+    a_ptrs = a_ptr + slots[:, None] * stride_at + offs_k[None, :]
+    if TMA:
+        w_row = expert * N + pid_n * BLOCK_N
+    else:
+        w_ptrs = w + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
+        if TMA:
+            b = w.load([w_row, k0]).T
         else:
-            acc = tl.dot(a, w, acc)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w_ptrs += BLOCK_K
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
     route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0).to(dtype).to(tl.float32)
     out = acc.to(dtype).to(tl.float32) * route_w[:, None]
     tl.store(out_ptr + slots[:, None] * stride_ot + offs_n[None, :], out.to(dtype), mask=valid[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _gate_up_tma_kernel(
-    x_ptr, w_desc, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
-    N, K, E, stride_xt, stride_ot,
-    TOP_K: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """_gate_up_kernel with the weight tiles read by the tensor memory accelerator from w13 seen
-    as [E * 2N, K] (w_desc, tiles [BLOCK_N, BLOCK_K]). A tile that runs past its expert's N rows
-    reads the next matrix's rows, whose columns the store masks off; past K or the last row,
-    the descriptor reads zeros."""
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = tl.program_id(0) // num_n
-    pid_n = tl.program_id(0) % num_n
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert >= E:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < tl.load(block_row_end_ptr + pid_m)
-    slots = tl.load(sorted_slots_ptr + rows, mask=valid, other=0)
-    tokens = (slots // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
-    gate_row = expert * 2 * N + pid_n * BLOCK_N
-    up_row = gate_row + N
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-        g = w_desc.load([gate_row, k0]).T
-        u = w_desc.load([up_row, k0]).T
-        if UPCAST:
-            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
-        a_ptrs += BLOCK_K
-    dtype = out_ptr.dtype.element_ty
-    gate = acc_g.to(dtype).to(tl.float32)
-    up = acc_u.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-    out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
-    tl.store(out_ptrs, act.to(dtype), mask=valid[:, None] & (offs_n < N)[None, :])
-
-
-@triton.jit
-def _down_tma_kernel(
-    a_ptr, w_desc, route_w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
-    N, K, E, stride_at, stride_ot,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """_down_kernel with the weight tiles read by the tensor memory accelerator from w2 seen as
-    [E * N, K] (w_desc, tiles [BLOCK_N, BLOCK_K]); rows past the expert's N are masked at the
-    store, as in _gate_up_tma_kernel."""
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = tl.program_id(0) // num_n
-    pid_n = tl.program_id(0) % num_n
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert >= E:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < tl.load(block_row_end_ptr + pid_m)
-    slots = tl.load(sorted_slots_ptr + rows, mask=valid, other=0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + slots[:, None] * stride_at + offs_k[None, :]
-    w_row = expert * N + pid_n * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-        w = w_desc.load([w_row, k0]).T
-        if UPCAST:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-    dtype = out_ptr.dtype.element_ty
-    route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0).to(dtype).to(tl.float32)
-    out = acc.to(dtype).to(tl.float32) * route_w[:, None]
-    tl.store(out_ptr + slots[:, None] * stride_ot + offs_n[None, :], out.to(dtype),
-             mask=valid[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
@@ -579,32 +516,24 @@ def fused_experts(
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and not ieee
     tiles = dict(UPCAST=upcast, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                  num_warps=config.num_warps, num_stages=config.num_stages)
-    if _reads_by_tma(x, w13, w2, config.tma):
+    tma = _reads_by_tma(x, w13, w2, config.tma)
+    if tma:
         tile = [config.block_n, config.block_k]
-        launch(
-            _gate_up_tma_kernel, (layout.num_blocks * triton.cdiv(inter, config.block_n),),
-            x, TensorDescriptor.from_tensor(w13.view(num_experts * two_inter, hidden), tile), act,
-            layout.sorted_slots, layout.block_expert, layout.block_row_end,
-            inter, hidden, num_experts, x.stride(0), act.stride(0), TOP_K=top_k, **tiles,
-        )
-        launch(
-            _down_tma_kernel, (layout.num_blocks * triton.cdiv(hidden, config.block_n),),
-            act, TensorDescriptor.from_tensor(w2.view(num_experts * hidden, inter), tile), topk_weights.reshape(-1),
-            down, layout.sorted_slots, layout.block_expert, layout.block_row_end,
-            hidden, inter, num_experts, act.stride(0), down.stride(0), **tiles,
-        )
-        return _sum_slots(down, topk_ids, x, hidden, num_experts, top_k)
+        w13_read = TensorDescriptor.from_tensor(w13.view(num_experts * two_inter, hidden), tile)
+        w2_read = TensorDescriptor.from_tensor(w2.view(num_experts * hidden, inter), tile)
+    else:
+        w13_read, w2_read = w13, w2
     launch(
         _gate_up_kernel, (layout.num_blocks * triton.cdiv(inter, config.block_n),),
-        x, w13, act, layout.sorted_slots, layout.block_expert, layout.block_row_end,
+        x, w13_read, act, layout.sorted_slots, layout.block_expert, layout.block_row_end,
         inter, hidden, num_experts, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, IEEE=ieee, **tiles,
+        TOP_K=top_k, TMA=tma, IEEE=ieee, **tiles,
     )
     launch(
         _down_kernel, (layout.num_blocks * triton.cdiv(hidden, config.block_n),),
-        act, w2, topk_weights.reshape(-1), down, layout.sorted_slots, layout.block_expert, layout.block_row_end,
+        act, w2_read, topk_weights.reshape(-1), down, layout.sorted_slots, layout.block_expert, layout.block_row_end,
         hidden, inter, num_experts, act.stride(0), w2.stride(0), w2.stride(1), down.stride(0),
-        IEEE=ieee, **tiles,
+        TMA=tma, IEEE=ieee, **tiles,
     )
     return _sum_slots(down, topk_ids, x, hidden, num_experts, top_k)
 
