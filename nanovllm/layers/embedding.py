@@ -15,6 +15,7 @@ from torch import nn
 
 from nanovllm.distributed import all_reduce, gather_last_dim, tp_rank, tp_size
 from nanovllm.layers.cpu_linear import linear
+from nanovllm.layers.int8_head import Int8HeadMatmul
 from nanovllm.layers.linear import check_shape
 
 
@@ -51,48 +52,47 @@ class VocabParallelEmbedding(nn.Module):
         return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end})"
 
 
-# The most rows ParallelLMHead multiplies by its int8 codes (read_int8_for_few_rows); more go
-# to the fp32 copy, whose kernel is the faster one once the rows share each read of the matrix.
+# The most rows ParallelLMHead multiplies by its int8 codes where the int8 kernel is torch's
+# reference one (layers/int8_head.py); more go to the fp32 copy, whose kernel is the faster one
+# once the rows share each read of the matrix.
 INT8_HEAD_MAX_ROWS = 4
+# Vocabulary rows quantized at a time (their fp32 form fits a core's cache).
+QUANTIZE_CHUNK_ROWS = 4096
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits over the full vocabulary (the rows given only).
 
-    `compute_in_fp32()` gives it an fp32 copy of its weight, multiplied in fp32 whatever the
-    activations' dtype: for a bf16 model on a CPU without native bf16 matmuls (the int4 CPU mode,
-    layers/int4_linear.py), where torch's bf16 path for this, the largest matrix, is several times
-    slower than the fp32 one at batched rows. The copy is derived from the weight once it is
-    loaded, and not persistent: a cache of the model's tensors (loaders/gguf_cache.py) holds the
-    16-bit weight only (converting it again costs less than writing and mapping twice the bytes).
-    `read_int8_for_few_rows()` adds int8 codes of the weight for steps of a few rows (one
-    sequence decoding), which are bound by the bytes of the matrix read once per row."""
+    `quantize_int8()` (the int4 CPU mode, layers/int4_linear.py) multiplies by int8 codes of the
+    weight, one symmetric scale per vocabulary row (layers/int8_head.py): every step where
+    FBGEMM's dynamic int8 kernel is there (x86), else steps of INT8_HEAD_MAX_ROWS rows or fewer
+    (one or a few sequences decoding, bound by the bytes of the matrix read once per row), with an
+    fp32 copy of the weight for the others: torch's bf16 path for this, the largest matrix, is
+    several times slower than the fp32 one at batched rows on a CPU without native bf16 matmuls.
+    The codes and the copy are derived from the weight once it is loaded, and not persistent: a
+    cache of the model's tensors (loaders/gguf_cache.py) holds the 16-bit weight only."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.register_buffer("fp32_weight", None, persistent=False)
-        self.register_buffer("int8_codes", None, persistent=False)
-        self.register_buffer("int8_scales", None, persistent=False)
+        self.int8: Int8HeadMatmul | None = None
 
-    def compute_in_fp32(self) -> None:
-        """Multiply in fp32 from now on, with an fp32 copy of the weight as it is now."""
-        self.register_buffer("fp32_weight", self.weight.detach().float(), persistent=False)
-
-    def read_int8_for_few_rows(self) -> None:
-        """From now on, multiply INT8_HEAD_MAX_ROWS rows or fewer (the decode steps of one or a
-        few sequences, each of which reads the whole matrix) by int8 codes of the weight as it is
-        now, one symmetric scale per vocabulary row, in torch's int8 weight kernel with bf16
-        activations: a quarter of the fp32 copy's bytes. The logits come out in bf16."""
-        weight = self.fp32_weight if self.fp32_weight is not None else self.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp_(min=torch.finfo(torch.float32).tiny) / 127
-        codes = (weight / scales.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
-        self.register_buffer("int8_codes", codes, persistent=False)
-        self.register_buffer("int8_scales", scales.bfloat16(), persistent=False)
+    def quantize_int8(self) -> None:
+        """Multiply by int8 codes of the weight as it is now (and by an fp32 copy of it where
+        the int8 kernel serves a few rows only)."""
+        weight = self.weight.detach()
+        scales = weight.abs().amax(dim=1).float().clamp_(min=torch.finfo(torch.float32).tiny) / 127
+        codes = torch.empty(weight.shape, dtype=torch.int8)
+        for start in range(0, weight.shape[0], QUANTIZE_CHUNK_ROWS):  # fp32 a chunk at a time
+            rows = slice(start, start + QUANTIZE_CHUNK_ROWS)
+            codes[rows] = weight[rows].float().div_(scales[rows, None]).round_().clamp_(-127, 127)
+        self.int8 = Int8HeadMatmul(codes, scales)
+        if not self.int8.serves_any_rows:
+            self.register_buffer("fp32_weight", weight.float(), persistent=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.int8_codes is not None and hidden_states.shape[0] <= INT8_HEAD_MAX_ROWS:
-            logits = torch.ops.aten._weight_int8pack_mm(hidden_states.bfloat16(), self.int8_codes,
-                                                         self.int8_scales).float()
+        if self.int8 is not None and (self.int8.serves_any_rows or hidden_states.shape[0] <= INT8_HEAD_MAX_ROWS):
+            logits = self.int8(hidden_states)
         elif self.fp32_weight is not None:
             logits = linear(hidden_states.float(), self.fp32_weight)
         else:

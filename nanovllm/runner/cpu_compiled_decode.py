@@ -14,7 +14,8 @@ any number of rows (two variants). The first calls compile:
 seconds to a minute on a small machine; Inductor keeps the generated code on disk, so a later
 process compiles faster. Inductor rounds as eager torch does (`emulate_precision_casts`).
 
-The int8 LM head of the int4 mode (layers/embedding.py) runs compiled too (`_int8_head`).
+Where the int4 mode's int8 LM head has no FBGEMM (layers/int8_head.py), a lone row's head runs
+compiled too (`_int8_head`).
 
 What it covers: the Llama-family dense decoders (Llama, SmolLM2, Qwen2, Qwen3) with fp32, bf16
 or int4 weights, one rank. A step with a prefill runs the eager model, which stays the
@@ -167,9 +168,10 @@ class CompiledCpuDecode:
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head for `__call__`'s hidden state: its int8 codes through the compiled
-        reduction where the head has them (the int4 mode), else the head itself."""
-        head = self.lm_head
-        if head.int8_codes is None or hidden.shape[0] != 1:
-            return head(hidden)
-        return self.head(hidden, head.int8_codes, head.int8_scales)
+        """The LM head for `__call__`'s hidden state: for one row, its int8 codes through the
+        compiled reduction where the head's int8 kernel is torch's reference one (FBGEMM's is
+        faster still), else the head itself."""
+        int8 = self.lm_head.int8
+        if int8 is None or int8.serves_any_rows or hidden.shape[0] != 1:
+            return self.lm_head(hidden)
+        return self.head(hidden, int8.codes, int8.scales_bf16)

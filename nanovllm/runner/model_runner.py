@@ -78,8 +78,7 @@ class ModelRunner:
         else:
             self.model = source.load_model(build, variant)
         if self.quantization == "int4":
-            self.model.lm_head.compute_in_fp32()  # the dense LM head, multiplied in fp32 (embedding.py)
-            self.model.lm_head.read_int8_for_few_rows()  # ... and by int8 codes for a few rows
+            self.model.lm_head.quantize_int8()  # the dense LM head multiplied by int8 codes (embedding.py)
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
 
