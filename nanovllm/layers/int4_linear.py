@@ -18,14 +18,37 @@ and checks the README question's answer on the embedded model).
 
 The LM head and the embedding stay dense (layers/linear.py's quantize_int4 says why), as does a
 linear whose K is not a multiple of GROUP_SIZE.
+
+Large steps: torch's int4 kernel widens the codes for every few rows, so a prefill of hundreds of
+tokens pays the widening many times over, while a CPU with native bf16 dot products (AVX512-BF16,
+AMX) multiplies a dense bf16 matrix several times faster at such shapes. An Int4Weight may carry
+`dense`, the weight the codes stand for in bf16 (`quantize(..., dense=True)`), which steps of
+DENSE_MIN_ROWS rows or more multiply instead; fewer rows, decode above all, read the codes (a
+quarter of the bytes, and the memory's pace is what bounds them). The dense copy rounds each
+weight to bf16 once more, so a large step's logits differ from the codes' by that rounding.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 GROUP_SIZE = 32
+# Steps of at least this many rows multiply an Int4Weight's dense bf16 copy where it has one.
+DENSE_MIN_ROWS = 128
+
+
+@functools.lru_cache(maxsize=None)
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), which make dense
+    bf16 matmuls faster than the int4 kernel for large steps."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def available() -> bool:
@@ -43,6 +66,7 @@ class Int4Weight:
     scales_and_zeros: torch.Tensor
     group_size: int
     shape: torch.Size
+    dense: torch.Tensor | None = None  # [out, in] bf16, the weight the codes stand for: large steps
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,22 +142,32 @@ def _codes(
     return codes.reshape(out_features, in_features).to(torch.int32), best_scale, best_zero
 
 
-def quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE, dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
-    """Int4Weight of a 2-D weight whose in-dimension is a multiple of group_size."""
+def quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE, dtype: torch.dtype = torch.bfloat16,
+             dense: bool = False) -> Int4Weight:
+    """Int4Weight of a 2-D weight whose in-dimension is a multiple of group_size; with dense,
+    also the weight its codes stand for, in bf16, for large steps."""
     if weight.dim() != 2 or weight.shape[1] % group_size:
         raise ValueError(f"int4 weights need a 2-D weight with in-features a multiple of {group_size}, got {list(weight.shape)}")
     codes, scale, zero = _codes(weight, group_size, dtype)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
     pairs = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
-    return Int4Weight(packed, pairs, group_size, weight.shape)
+    dense_copy = None
+    if dense:  # (q - 8) * scale + zero per group, as the kernel widens a code, then to bf16
+        out_features, in_features = weight.shape
+        groups = codes.view(out_features, in_features // group_size, group_size).float().sub_(8)
+        dense_copy = groups.mul_(scale.float()[..., None]).add_(zero.float()[..., None]).view(weight.shape).bfloat16()
+    return Int4Weight(packed, pairs, group_size, weight.shape, dense_copy)
 
 
-def empty_like_quantized(shape: torch.Size, group_size: int = GROUP_SIZE, dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
-    """An Int4Weight of a [out, in] weight with uninitialised codes and scales (to be filled)."""
+def empty_like_quantized(shape: torch.Size, group_size: int = GROUP_SIZE, dtype: torch.dtype = torch.bfloat16,
+                         dense: bool = False) -> Int4Weight:
+    """An Int4Weight of a [out, in] weight with uninitialised codes and scales, and with dense a
+    dense copy (all to be filled)."""
     out_features, in_features = shape
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
     pairs = torch.empty(in_features // group_size, out_features, 2, dtype=dtype)
-    return Int4Weight(packed, pairs, group_size, torch.Size(shape))
+    dense_copy = torch.empty(out_features, in_features, dtype=torch.bfloat16) if dense else None
+    return Int4Weight(packed, pairs, group_size, torch.Size(shape), dense_copy)
 
 
 def dequantize(weight: Int4Weight) -> torch.Tensor:
@@ -145,6 +179,9 @@ def dequantize(weight: Int4Weight) -> torch.Tensor:
 
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W.T + bias` for 2-D bf16 x."""
+    """`x @ W.T + bias` for 2-D bf16 x: through the dense copy for DENSE_MIN_ROWS rows or more
+    where the weight has one, else the codes."""
+    if weight.dense is not None and x.shape[0] >= DENSE_MIN_ROWS:
+        return torch.nn.functional.linear(x, weight.dense, bias)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, weight.group_size, weight.scales_and_zeros)
     return y if bias is None else y + bias

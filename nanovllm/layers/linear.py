@@ -194,14 +194,17 @@ class RowParallelLinear(LinearBase):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_int4(model: nn.Module, group_size: int = int4_linear.GROUP_SIZE, layout_only: bool = False) -> tuple[int, int]:
+def quantize_int4(model: nn.Module, group_size: int = int4_linear.GROUP_SIZE, layout_only: bool = False,
+                  dense: bool = False) -> tuple[int, int]:
     """Replace the weight of every projection whose in-features divide into groups by its
     Int4Weight, whose codes and scales become the module's buffers `weight_packed` and
     `weight_scales_and_zeros` (so a cache of the model's tensors holds them); with layout_only,
     empty ones of the right shapes (for a cache to fill). The LM head (and the embedding) stay
     dense: the vocabulary matrix is the one quantizers keep finer (the embedded GGUF file stores
     it as Q8_0 beside Q4_1 projections), and as int4 it flipped the near tie of the README's
-    first greedy token. Returns (layers quantized, layers kept dense)."""
+    first greedy token. dense: each Int4Weight also keeps the weight its codes stand for in bf16
+    (buffer `weight_dense`), which large steps multiply (layers/int4_linear.py). Returns (layers
+    quantized, layers kept dense)."""
     done = kept = 0
     for module in model.modules():
         if not isinstance(module, LinearBase):
@@ -213,12 +216,14 @@ def quantize_int4(model: nn.Module, group_size: int = int4_linear.GROUP_SIZE, la
             kept += 1
             continue
         if layout_only:
-            int4 = int4_linear.empty_like_quantized(weight.shape, group_size, weight.dtype)
+            int4 = int4_linear.empty_like_quantized(weight.shape, group_size, weight.dtype, dense)
         else:
-            int4 = int4_linear.quantize(weight.data, group_size, weight.dtype)
+            int4 = int4_linear.quantize(weight.data, group_size, weight.dtype, dense)
         del module._parameters["weight"]
         module.register_buffer("weight_packed", int4.packed)
         module.register_buffer("weight_scales_and_zeros", int4.scales_and_zeros)
+        if int4.dense is not None:
+            module.register_buffer("weight_dense", int4.dense)
         module.weight = int4
         done += 1
     return done, kept

@@ -39,3 +39,24 @@ def resolve_quantization(config, hf_config, device: torch.device) -> str | None:
 
         return "int4" if int4_linear.available() else None
     return None
+
+
+# The largest dense bf16 copy of an int4 model's projections kept for large steps.
+INT4_DENSE_MAX_BYTES = 1 << 30
+
+
+def int4_dense_copies(hf_config) -> bool:
+    """Whether an int4 model keeps dense bf16 copies of its projections for prefill-sized steps
+    (layers/int4_linear.py): on a CPU with native bf16 dot products, where the copies (2 bytes a
+    weight, beside the codes' half byte) take at most INT4_DENSE_MAX_BYTES."""
+    from nanovllm.layers import int4_linear
+
+    if not int4_linear.native_bf16():
+        return False
+    hidden, layers = hf_config.hidden_size, hf_config.num_hidden_layers
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    inter = getattr(hf_config, "intermediate_size", 0) or 0
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    return 2 * layers * per_layer <= INT4_DENSE_MAX_BYTES

@@ -26,7 +26,7 @@ from nanovllm.loaders.dummy import init_dummy_weights
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
 from nanovllm.precompile import precompiling
-from nanovllm.runner.device import resolve_device, resolve_dtype, resolve_quantization
+from nanovllm.runner.device import int4_dense_copies, resolve_device, resolve_dtype, resolve_quantization
 from nanovllm.runner.host_staging import HostStaging
 from nanovllm.runner.penalty_state import PenaltyState
 from nanovllm.step_result import Done, PendingOutput, RunnerOutput, StepResult
@@ -52,6 +52,8 @@ class ModelRunner:
                              f"this machine resolved device={config.device!r} to {self.device}: pass device='cpu'")
         self.quantization = resolve_quantization(config, source.hf_config, self.device)
         self.dtype = resolve_dtype("bfloat16" if self.quantization == "int4" else config.dtype, source.hf_config, self.device)
+        # int4: dense bf16 copies of the projections for prefill-sized steps, where they are faster and fit
+        self.int4_dense = self.quantization == "int4" and int4_dense_copies(source.hf_config)
         self.block_size = config.kvcache_block_size
         torch.manual_seed(config.seed)
 
@@ -74,7 +76,8 @@ class ModelRunner:
             if self.quantization == "int4":
                 self._quantize_int4(self.model, False)
         elif self.quantization == "int4":
-            self.model = source.load_model(build, variant + "-int4", convert=self._quantize_int4)
+            self.model = source.load_model(build, variant + ("-int4-dense" if self.int4_dense else "-int4"),
+                                           convert=self._quantize_int4)
         else:
             self.model = source.load_model(build, variant)
         if self.quantization == "int4":
@@ -154,16 +157,16 @@ class ModelRunner:
             self.backend.name, self.num_kvcache_blocks, self.block_size,
         )
 
-    @staticmethod
-    def _quantize_int4(model: torch.nn.Module, layout_only: bool) -> None:
+    def _quantize_int4(self, model: torch.nn.Module, layout_only: bool) -> None:
         from nanovllm.layers import int4_linear
         from nanovllm.layers.linear import quantize_int4
 
         if not int4_linear.available():
             raise ValueError(f"LLM(quantization='int4') needs torch's CPU int4 kernels, which torch {torch.__version__} lacks")
-        done, kept = quantize_int4(model, layout_only=layout_only)  # the LM head stays dense
-        logger.info("int4 weights: %d layers %s, %d kept dense (in-features not a multiple of %d)",
-                    done, "laid out" if layout_only else "quantized", kept, int4_linear.GROUP_SIZE)
+        done, kept = quantize_int4(model, layout_only=layout_only, dense=self.int4_dense)  # the LM head stays dense
+        logger.info("int4 weights: %d layers %s%s, %d kept dense (in-features not a multiple of %d)",
+                    done, "laid out" if layout_only else "quantized", " (with bf16 copies for large steps)" if self.int4_dense else "",
+                    kept, int4_linear.GROUP_SIZE)
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (later decodes run eagerly). Called before a process group that
