@@ -23,9 +23,11 @@ Large steps: torch's int4 kernel widens the codes for every few rows, so a prefi
 tokens pays the widening many times over, while a CPU with native bf16 dot products (AVX512-BF16,
 AMX) multiplies a dense bf16 matrix several times faster at such shapes. An Int4Weight may carry
 `dense`, the weight the codes stand for in bf16 (`quantize(..., dense=True)`), which steps of
-DENSE_MIN_ROWS rows or more multiply instead; fewer rows, decode above all, read the codes (a
-quarter of the bytes, and the memory's pace is what bounds them). The dense copy rounds each
-weight to bf16 once more, so a large step's logits differ from the codes' by that rounding.
+DENSE_MIN_ROWS rows or more multiply instead (a prefill; a batch of that many sequences); fewer
+rows, a few sequences decoding, read the codes (a quarter of the bytes, and the memory's pace is
+what bounds them; on a 2-vCPU Zen 4 VM the two break even at about 24 rows). The dense copy
+rounds each weight to bf16 once more, so a large step's logits differ from the codes' by that
+rounding: a sequence's tokens can depend on the size of the steps it runs in.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import torch
 
 GROUP_SIZE = 32
 # Steps of at least this many rows multiply an Int4Weight's dense bf16 copy where it has one.
-DENSE_MIN_ROWS = 128
+DENSE_MIN_ROWS = 32
 
 
 @functools.lru_cache(maxsize=None)
