@@ -116,3 +116,21 @@ def test_compiled_int8_head_gives_the_heads_logits(checkpoint_factory):
         got = runner.cpu_decode.compute_logits(hidden.bfloat16())
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+
+
+def test_steps_the_int4_dense_copies_serve_run_eager(checkpoint_factory, monkeypatch):
+    """With dense bf16 copies of the int4 weights (forced here), decode steps of DENSE_MIN_ROWS
+    sequences or more are left to the eager layers, which multiply the copies; smaller ones
+    decode compiled. Without copies every decode-only step decodes compiled."""
+    from nanovllm.layers.int4_linear import DENSE_MIN_ROWS
+    from nanovllm.runner import model_runner
+
+    path = checkpoint_factory("llama")
+    for copies in (True, False):
+        monkeypatch.setattr(model_runner, "int4_dense_copies", lambda hf_config, copies=copies: copies)
+        llm = LLM(path, device="cpu", num_kvcache_blocks=16, quantization="int4", cpu_compile=True)
+        decode = llm.engine.executor.runner.cpu_decode
+        rows = DENSE_MIN_ROWS
+        assert decode.takes(rows - 1, rows - 1, rows - 1)
+        assert decode.takes(rows, rows, rows) is not copies
+        llm.shutdown()

@@ -19,7 +19,9 @@ compiled too (`_int8_head`).
 
 What it covers: the Llama-family dense decoders (Llama, SmolLM2, Qwen2, Qwen3) with fp32, bf16
 or int4 weights, one rank. A step with a prefill runs the eager model, which stays the
-reference: tests/test_cpu_compiled_decode.py compares the two.
+reference: tests/test_cpu_compiled_decode.py compares the two. So does a step of
+int4_linear.DENSE_MIN_ROWS sequences or more where the int4 weights have dense bf16 copies:
+the eager layers multiply those faster than the compiled layer multiplies the codes.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.layers.int4_linear import Int4Weight
+from nanovllm.layers.int4_linear import DENSE_MIN_ROWS, Int4Weight
 from nanovllm.layers.norm import weighted_rms_norm
 from nanovllm.layers.rotary import rotate_halves
 
@@ -127,6 +129,9 @@ class CompiledCpuDecode:
         self.heads, self.kv_heads, self.scale = first.num_heads, first.num_kv_heads, first.attn.scale
         self.eps = decoder.layers[0].input_layernorm.eps
         self.weights = []
+        # Int4 weights with dense bf16 copies: steps of DENSE_MIN_ROWS rows or more run eagerly.
+        down = decoder.layers[0].mlp.down_proj.weight
+        self.rows_below = DENSE_MIN_ROWS if isinstance(down, Int4Weight) and down.dense is not None else None
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.weights.append((
@@ -140,10 +145,11 @@ class CompiledCpuDecode:
         self.lm_head = model.lm_head
         self.head = torch.compile(_int8_head, dynamic=False, options=COMPILE_OPTIONS)
 
-    @staticmethod
-    def takes(num_seqs: int, num_decodes: int, num_tokens: int) -> bool:
-        """Whether a step of this shape decodes compiled: every sequence decodes one token."""
-        return num_seqs == num_decodes == num_tokens >= 1
+    def takes(self, num_seqs: int, num_decodes: int, num_tokens: int) -> bool:
+        """Whether a step of this shape decodes compiled: every sequence decodes one token, and
+        the step is smaller than those the int4 weights' dense bf16 copies serve, where the model
+        has them (the eager layers multiply those faster than the compiled layer the codes)."""
+        return num_seqs == num_decodes == num_tokens >= 1 and (self.rows_below is None or num_seqs < self.rows_below)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
