@@ -31,26 +31,21 @@ rounding: a sequence's tokens can depend on the size of the steps it runs in.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from nanovllm.layers.cpu_features import cpu_flags
 
 GROUP_SIZE = 32
 # Steps of at least this many rows multiply an Int4Weight's dense bf16 copy where it has one.
 DENSE_MIN_ROWS = 32
 
 
-@functools.lru_cache(maxsize=None)
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), which make dense
     bf16 matmuls faster than the int4 kernel for large steps."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def available() -> bool:

@@ -26,6 +26,8 @@ import warnings
 
 import torch
 
+from nanovllm.layers.cpu_features import cpu_flags
+
 logger = logging.getLogger("nanovllm")
 
 
@@ -36,14 +38,8 @@ def fbgemm_available() -> bool:
             and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"))
 
 
-@functools.lru_cache(maxsize=None)
 def _cpu_has_vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return "avx512_vnni" in flags.split() or "avx_vnni" in flags.split()
+    return not cpu_flags().isdisjoint({"avx512_vnni", "avx_vnni"})
 
 
 def _fbgemm_pack(codes: torch.Tensor, scales: torch.Tensor):

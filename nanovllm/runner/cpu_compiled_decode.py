@@ -128,10 +128,10 @@ class CompiledCpuDecode:
         self.rotary_emb = first.rotary_emb
         self.heads, self.kv_heads, self.scale = first.num_heads, first.num_kv_heads, first.attn.scale
         self.eps = decoder.layers[0].input_layernorm.eps
-        self.weights = []
         # Int4 weights with dense bf16 copies: steps of DENSE_MIN_ROWS rows or more run eagerly.
         down = decoder.layers[0].mlp.down_proj.weight
         self.rows_below = DENSE_MIN_ROWS if isinstance(down, Int4Weight) and down.dense is not None else None
+        self.weights = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.weights.append((
