@@ -140,6 +140,7 @@ _COMPILE_LOG_SCRIPT = textwrap.dedent(
     import json, random, sys
     import triton
     from nanovllm import LLM, SamplingParams
+    from nanovllm.sampling_params import StructuredOutputsParams
 
     events = []
 
@@ -161,6 +162,10 @@ _COMPILE_LOG_SCRIPT = textwrap.dedent(
     llm.generate(prompts[:3], SamplingParams(temperature=1.0, max_tokens=8), use_tqdm=False)
     llm.engine.executor.runner.finish_background_compile()
     llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # a lone decode: the kernel's graph
+    # 40 new sequences under one grammar sample in one step, every row under its mask: the
+    # fused sampler's masked variant (40 rows: more than Sampler.fast_path_min_rows).
+    grammar = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(json_object=True))
+    llm.generate([[5 + i, 6, 7] for i in range(40)], grammar, use_tqdm=False)
     print(json.dumps({"start": at_start, "serving": events[len(at_start):]}))
     """
 )
@@ -190,11 +195,12 @@ def test_start_up_compiles_every_kernel_in_the_dry_pass(qwen3_tiny, tmp_path):
         assert any(name.endswith(kernel) for name in compiled), (kernel, compiled)
     # Serving compiles nothing at a real launch; the persistent decode kernel, its graph's
     # greedy argmax and the kernels of its filtered (sampling) graphs compile on their background
-    # thread (fastpath/seam.py's dry pass: warmups, whether they land before or after LLM() returns).
+    # thread (fastpath/seam.py's dry pass: warmups, whether they land before or after LLM() returns),
+    # and so does the fused sampler's variant that reads grammar masks (Sampler.masked_dry_pass).
     assert [name for name, warmup in log["serving"] if not warmup] == [], "serving compiled at a real launch"
     background_kernels = ("_decode_kernel", "_greedy_row_kernel", "_penalize_kernel", "_count_kernel",
                           "_tile_stats_kernel", "_threshold_kernel", "_candidates_kernel", "_pick_kernel",
-                          "_refine_kernel")
+                          "_refine_kernel", "_gumbel_argmax_kernel")
     background = [name for name, _ in start + log["serving"] if name.endswith(background_kernels)]
     assert {name.rsplit(".", 1)[-1] for name in background} >= {"_decode_kernel", "_greedy_row_kernel"}, background
     assert {name for name, _ in log["serving"]} <= set(background), log["serving"]

@@ -238,6 +238,21 @@ class Sampler(nn.Module):
         caller then passes one step seed per row to SamplingTensors.from_params."""
         return device.type in self.fused_devices and any(p.filters_or_seed for p in params)
 
+    def masked_dry_pass(self, logits: torch.Tensor) -> None:
+        """The fused path's launch for a greedy batch under grammar masks, on logits [B, V] of
+        the model's dtype (B >= fast_path_min_rows): inside a dry pass (nanovllm/precompile.py)
+        it only queues the compile of the kernel's masked variant. A batch's first grammar mask
+        can come in the middle of a loaded run, and compiling then would stall the batch."""
+        from nanovllm.layers.fused_sampler import gumbel_argmax
+
+        rows, vocab = logits.shape
+        device = logits.device
+        words = torch.zeros((rows, (vocab + 31) // 32), dtype=torch.int32, device=device)
+        row_of = torch.zeros(rows, dtype=torch.int32, device=device)
+        temperature = torch.zeros(rows, dtype=torch.float32, device=device)
+        seed = torch.zeros(1, dtype=torch.int64, device=device)
+        gumbel_argmax(logits.contiguous(), temperature, seed, None, (words, row_of))
+
     def _greedy_inputs(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(zero temperatures [rows], a seed) on device for an all-greedy batch of the fused
         kernel; kept, and grown as batches grow. Nothing writes into them."""

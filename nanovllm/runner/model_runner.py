@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -25,7 +27,7 @@ from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, mak
 from nanovllm.loaders.dummy import init_dummy_weights
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
-from nanovllm.precompile import precompiling
+from nanovllm.precompile import compile_in_background, precompiling
 from nanovllm.runner.device import int4_dense_copies, resolve_device, resolve_dtype, resolve_quantization
 from nanovllm.runner.host_staging import HostStaging
 from nanovllm.runner.penalty_state import PenaltyState
@@ -90,6 +92,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.penalty_state = PenaltyState(source.hf_config.vocab_size, self.device)
         self.bitmask_staging = None  # structured/bitmask.BitmaskStaging, at the first grammar mask on CUDA
+        self._background_compiles: list[Future] = []  # kernel variants compiling after start-up
         # The last step's sampled ids stay on the device: with async scheduling the next step's
         # decode inputs are PLACEHOLDER_TOKEN on the host and are gathered from here.
         self.prev_tokens: torch.Tensor | None = None
@@ -179,9 +182,13 @@ class ModelRunner:
             self.graph_runner = None
 
     def finish_background_compile(self) -> None:
-        """Compile and adopt the fast path's kernel now (tests, benchmarks): FastPath's docstring."""
+        """Compile and adopt the fast path's kernel now, and wait for the other kernel variants
+        that compile after start-up (tests, benchmarks): FastPath's docstring."""
         if self.fastpath is not None:
             self.fastpath.finish_background_compile()
+        for pending in self._background_compiles:
+            pending.exception()  # waits; a variant that failed compiles again at its first launch
+        self._background_compiles.clear()
 
     def _precompiling(self) -> AbstractContextManager[bool]:
         """`precompiling()` on CUDA (yields whether passes inside are dry); a no-op elsewhere:
@@ -266,6 +273,10 @@ class ModelRunner:
                                                          step_seeds=seeds))
         plain = [SamplingParams(temperature=1.0)] * rows  # the fused path, when the batch is large enough
         self.sampler(logits, SamplingTensors.from_params(plain, None, vocab, self.device))
+        if self.device.type in self.sampler.fused_devices and rows >= self.sampler.fast_path_min_rows:
+            # Grammar masks on a large batch: the fused kernel's masked variant compiles on a
+            # thread of its own (finish_background_compile waits for it).
+            self._background_compiles.append(compile_in_background(partial(self.sampler.masked_dry_pass, logits)))
 
     def _dummy_meta(self, query_lens: list[int], num_decodes: int = 0) -> AttentionMetadata:
         """Metadata of a step of fresh sequences with these query lengths (the first num_decodes

@@ -64,6 +64,7 @@ class BitmaskStaging:
         self._copied: torch.cuda.Event | None = None  # recorded after each step's copies
         self._words_dev: torch.Tensor | None = None  # [capacity, W] int32 on the device
         self._row_of_dev: torch.Tensor | None = None  # [capacity] int32 on the device
+        self._pinned_table: torch.Tensor | None = None  # the last masks' table, known to be pinned
 
     def build(self, num_rows: int, masks: list[tuple[int, torch.Tensor]]) -> TokenBitmask | None:
         if not masks:
@@ -72,7 +73,7 @@ class BitmaskStaging:
             self._copied = torch.cuda.Event()
         else:  # the last step's copies read the pinned buffers
             self._copied.synchronize()
-        in_table = _rows_of_pinned_table(masks)
+        in_table = self._rows_of_pinned_table(masks)
         if in_table is not None:
             return self._from_table(num_rows, masks, *in_table)
         k, width = len(masks), masks[0][1].shape[-1]
@@ -113,12 +114,22 @@ class BitmaskStaging:
         return words[:rows]
 
 
-def _rows_of_pinned_table(masks: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list[int]] | None:
-    """(table, each mask's row in it) when every mask is a whole row of one pinned 2-D table,
-    else None."""
-    table = masks[0][1]._base
-    if table is None or table.dim() != 2 or not table.is_contiguous() or not table.is_pinned():
-        return None
+    def _rows_of_pinned_table(self, masks: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list[int]] | None:
+        """(table, each mask's row in it) when every mask is a whole row of one pinned 2-D table,
+        else None. The table found pinned last is remembered (asking CUDA costs tens of
+        microseconds, every step)."""
+        table = masks[0][1]._base
+        if table is None or table.dim() != 2 or not table.is_contiguous():
+            return None
+        if table is not self._pinned_table:
+            if not table.is_pinned():
+                return None
+            self._pinned_table = table
+        return _rows_in(table, masks)
+
+
+def _rows_in(table: torch.Tensor, masks: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list[int]] | None:
+    """(table, each mask's row in it) when every mask is a whole row of the 2-D `table`, else None."""
     width, base = table.shape[1], table.storage_offset()
     rows = []
     for _, m in masks:
