@@ -1,8 +1,9 @@
 """The compiled single-sequence decode on the CPU (runner/cpu_compiled_decode.py,
 `LLM(cpu_compile=True)`) against the eager model, its reference.
 
-A step in which every sequence decodes one token runs the compiled layer; a step with a prefill
-runs the eager model. Each test compiles (seconds on a small machine).
+A step in which every sequence decodes one token runs the compiled step; a step with a prefill
+runs the eager model. A model shape's first compiled step compiles (seconds on a small
+machine); the tests share the compiled packages through the session's cache directory.
 """
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ from nanovllm import LLM, SamplingParams
 PROMPTS = [[1, 5, 9, 13, 2, 7], list(range(3, 43))]
 
 
-def _count_compiled_calls(llm: LLM) -> list[int]:
+def _count_compiled_steps(llm: LLM) -> list[int]:
     decode = llm.engine.executor.runner.cpu_decode
     calls = [0]
-    layer = decode.layer
+    compiled = decode._compiled  # looked up once per compiled step
 
     def counted(*args):
         calls[0] += 1
-        return layer(*args)
+        return compiled(*args)
 
-    decode.layer = counted
+    decode._compiled = counted
     return calls
 
 
@@ -38,18 +39,17 @@ def test_compiled_decode_gives_the_eager_models_tokens(checkpoint_factory, arch,
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     eager = LLM(path, device="cpu", num_kvcache_blocks=16, **kwargs)
     compiled = LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True, **kwargs)
-    calls = _count_compiled_calls(compiled)
-    for prompt in PROMPTS:  # one sequence at a time: its decode steps take the compiled layer
+    calls = _count_compiled_steps(compiled)
+    for prompt in PROMPTS:  # one sequence at a time: its decode steps take the compiled step
         want = eager.generate([prompt], sp, use_tqdm=False)[0]["token_ids"]
         got = compiled.generate([prompt], sp, use_tqdm=False)[0]["token_ids"]
         assert got == want
-    layers = len(compiled.engine.executor.runner.model.model.layers)
-    assert calls[0] == 2 * 19 * layers  # every decode step after each prompt's first token
+    assert calls[0] == 2 * 19  # every decode step after each prompt's first token
     # Two sequences at once (contexts of different lengths in one step) decode compiled too,
     # with the eager model's tokens.
     both = compiled.generate(PROMPTS, sp, use_tqdm=False)
     assert [o["token_ids"] for o in both] == [o["token_ids"] for o in eager.generate(PROMPTS, sp, use_tqdm=False)]
-    assert calls[0] == 3 * 19 * layers
+    assert calls[0] == 3 * 19
 
 
 def test_compiled_decode_hidden_states_match_the_eager_forward(checkpoint_factory):
@@ -134,3 +134,20 @@ def test_steps_the_int4_dense_copies_serve_run_eager(checkpoint_factory, monkeyp
         assert decode.takes(rows - 1, rows - 1, rows - 1)
         assert decode.takes(rows, rows, rows) is not copies
         llm.shutdown()
+
+
+def test_a_later_engine_loads_the_compiled_step_from_the_cache(checkpoint_factory, monkeypatch):
+    """The compiled step is built once per model shape: a later engine (another process, in
+    use) loads the package from the cache directory and exports nothing."""
+    path = checkpoint_factory("qwen3")
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True)
+    want = first.generate([PROMPTS[0]], sp, use_tqdm=False)[0]["token_ids"]
+    first.shutdown()
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("the decode step was exported again")
+
+    monkeypatch.setattr(torch.export, "export", no_export)
+    again = LLM(path, device="cpu", num_kvcache_blocks=32, cpu_compile=True)  # another pool size: a dynamic dimension
+    assert again.generate([PROMPTS[0]], sp, use_tqdm=False)[0]["token_ids"] == want

@@ -2,20 +2,24 @@
 
 Why: decoding on the CPU, a lone sequence above all, is bound by dispatch more than arithmetic:
 the eager model makes some fifty operator calls per layer, each a few microseconds of Python
-and torch overhead, around four matmuls that take about as long together for one row. torch.compile (Inductor's CPU
-code generation) turns a decoder layer into a handful of C++ kernels around the matmuls and the
-attention (docs/benchmarks.md has the figures).
+and torch overhead, around four matmuls that take about as long together for one row. Compiled
+ahead of time, the whole step (every layer) is one call into generated C++ that runs a handful
+of fused kernels around the matmuls and the attention (docs/benchmarks.md has the figures).
 
-How: `_decode_layer` is one decoder layer over plain tensors (the layer's weights, its KV
-cache, the step's block ids); it is compiled once and called for every layer (the layers share
-shapes and strides, so one compiled variant serves them all). It compiles for one token per
-sequence, any context length (the step's block count is a dynamic dimension), and one row or
-any number of rows (two variants). The first calls compile:
-seconds to a minute on a small machine; Inductor keeps the generated code on disk, so a later
-process compiles faster. Inductor rounds as eager torch does (`emulate_precision_casts`).
+How: `_decode_step` runs every decoder layer (`_decode_layer`) over plain tensors: the layers'
+weights, the KV pool as one tensor [blocks, 2 x layers, block_size, kv_heads, head_dim] (the
+runner's caches are its views, runner/host_memory.py), the step's block ids. It is exported
+(torch.export) and compiled by AOTInductor into a package for one token per sequence, any
+context length (the step's block count is a dynamic dimension) and any pool size, in two
+variants: one row, and any number of rows. Each package is built once, at the first step that
+needs it (tens of seconds on a small machine), and kept in the user's cache directory
+(loaders/cache.py), keyed by the model's shapes, torch's version and this file, so a later
+process loads it in milliseconds. The weights are inputs, not constants: one package serves
+every checkpoint of a shape. Inductor rounds as eager torch does (`emulate_precision_casts`).
+The new K and V rows come back from the step, and the caller stores them (one `index_put_`).
 
 Where the int4 mode's int8 LM head has no FBGEMM (layers/int8_head.py), a lone row's head runs
-compiled too (`_int8_head`).
+compiled too (`_int8_head`, torch.compile).
 
 What it covers: the Llama-family dense decoders (Llama, SmolLM2, Qwen2, Qwen3) with fp32, bf16
 or int4 weights, one rank. A step with a prefill runs the eager model, which stays the
@@ -25,7 +29,13 @@ the eager layers multiply those faster than the compiled layer multiplies the co
 """
 from __future__ import annotations
 
+import logging
+import os
+import tempfile
+from pathlib import Path
+
 import torch
+import torch._inductor
 import torch.nn.functional as F
 from torch import nn
 
@@ -34,12 +44,16 @@ from nanovllm.layers.int4_linear import DENSE_MIN_ROWS, Int4Weight
 from nanovllm.layers.norm import weighted_rms_norm
 from nanovllm.layers.rotary import rotate_halves
 
+logger = logging.getLogger("nanovllm")
+
 # Inductor's options: round every intermediate as eager torch would (bf16 models).
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why `model` cannot decode through the compiled layer, or None."""
+    """Why `model` cannot decode through the compiled step, or None."""
+    if not hasattr(torch._inductor, "aoti_compile_and_package"):
+        return f"torch {torch.__version__} has no AOTInductor packages (torch 2.6 or later has them)"
     decoder = getattr(model, "model", None)
     layers = getattr(decoder, "layers", None)
     if layers is None or not len(layers):
@@ -69,17 +83,16 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 def _decode_layer(
     hidden: torch.Tensor, residual: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, w: tuple,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, context: torch.Tensor, eps: float,
+    k_context: torch.Tensor, v_context: torch.Tensor, context: torch.Tensor, eps: float,
     heads: int, kv_heads: int, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoder layer for B sequences decoding one token each (LlamaDecoderLayer's
     arithmetic, the torch attention backend's for decodes): (hidden [B, H], residual [B, H]) ->
-    the next layer's pair, and the tokens' K and V rows [B, kv_heads, head_dim], which the
-    caller stores (the K and V caches are views of one buffer, and compiled code may not write
-    such inputs). Row b attends to its context[b] cached positions (its block_ids[b] blocks,
-    padded), then to its own K and V."""
+    the next layer's pair, and the tokens' K and V rows [B, kv_heads, head_dim]. k_context and
+    v_context [B, positions, kv_heads, head_dim] hold each sequence's gathered cache blocks; row b
+    attends to its context[b] cached positions there, then to its own K and V."""
     ln1, ln2, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias, q_norm, k_norm = w
-    rows, head_dim = hidden.shape[0], k_cache.shape[-1]
+    rows, positions, head_dim = hidden.shape[0], k_context.shape[1], k_context.shape[-1]
     residual = hidden + residual
     x = weighted_rms_norm(residual, ln1, eps)
     q, k, v = _linear(x, qkv, qkv_bias).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -87,23 +100,47 @@ def _decode_layer(
     if q_norm is not None:
         q, k = weighted_rms_norm(q, q_norm, eps), weighted_rms_norm(k, k_norm, eps)
     q, k = rotate_halves(q, cos2, sin2), rotate_halves(k, cos2, sin2)
-    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-    positions = block_ids.shape[1] * k_cache.shape[1]
+    k, v = k.to(k_context.dtype), v.to(v_context.dtype)
 
-    def context_and_own(cache: torch.Tensor, own: torch.Tensor) -> torch.Tensor:  # [B, kv_heads, positions + 1, D]
-        cached = cache.index_select(0, block_ids.reshape(-1)).view(rows, positions, kv_heads, head_dim)
+    def context_and_own(cached: torch.Tensor, own: torch.Tensor) -> torch.Tensor:  # [B, kv_heads, positions + 1, D]
         return torch.cat((cached, own.unsqueeze(1)), dim=1).float().transpose(1, 2)
 
     real = torch.cat((torch.arange(positions)[None, :] < context[:, None], torch.ones(rows, 1, dtype=torch.bool)), 1)
     mask = torch.zeros(rows, positions + 1).masked_fill(~real, float("-inf")).view(rows, 1, 1, positions + 1)
-    attn = F.scaled_dot_product_attention(q.float().unsqueeze(2), context_and_own(k_cache, k),
-                                          context_and_own(v_cache, v), attn_mask=mask, scale=scale,
+    attn = F.scaled_dot_product_attention(q.float().unsqueeze(2), context_and_own(k_context, k),
+                                          context_and_own(v_context, v), attn_mask=mask, scale=scale,
                                           enable_gqa=heads != kv_heads).view(rows, heads * head_dim).to(q.dtype)
     hidden = _linear(attn, o, o_bias)
     residual = hidden + residual
     x = weighted_rms_norm(residual, ln2, eps)
     gate, up = _linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
     return _linear(F.silu(gate) * up, down, down_bias), residual, k, v
+
+
+class _DecodeStep(nn.Module):
+    """Every decoder layer for B sequences decoding one token each: (hidden [B, H], residual
+    [B, H]) -> the last layer's pair, and the tokens' new K and V rows [B, 2 x layers, kv_heads,
+    head_dim] in the pool's order (layer i's K at i, its V at layers + i). The pool is read, not
+    written. The model's constants (eps, head counts, scale) are attributes: the exported
+    program holds them."""
+
+    def __init__(self, eps: float, heads: int, kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.eps, self.heads, self.kv_heads, self.scale = eps, heads, kv_heads, scale
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,
+                weights: list, pool: torch.Tensor, block_ids: torch.Tensor, context: torch.Tensor):
+        layers, rows, blocks = len(weights), hidden.shape[0], block_ids.shape[1]
+        _, slots, block_size, kv_heads, head_dim = pool.shape
+        gathered = pool.index_select(0, block_ids.reshape(-1)).view(rows, blocks, slots, block_size, kv_heads, head_dim)
+        by_slot = gathered.permute(2, 0, 1, 3, 4, 5).reshape(slots, rows, blocks * block_size, kv_heads, head_dim)
+        new_k, new_v = [], []
+        for i, w in enumerate(weights):
+            hidden, residual, k, v = _decode_layer(hidden, residual, cos2, sin2, w, by_slot[i], by_slot[layers + i],
+                                                   context, self.eps, self.heads, self.kv_heads, self.scale)
+            new_k.append(k)
+            new_v.append(v)
+        return hidden, residual, torch.stack(new_k + new_v, 1)
 
 
 def _int8_head(hidden: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -115,7 +152,8 @@ def _int8_head(hidden: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
 
 class CompiledCpuDecode:
     """`decode(input_ids [B], positions [B], meta) -> hidden [B, H]` for a step of B sequences
-    decoding one token each, through the compiled layer."""
+    decoding one token each, through the compiled step (built or loaded at the first step of
+    each variant)."""
 
     def __init__(self, model: nn.Module) -> None:
         reason = unsupported_reason(model)
@@ -126,8 +164,8 @@ class CompiledCpuDecode:
         self.attentions = [layer.self_attn.attn for layer in decoder.layers]
         first = decoder.layers[0].self_attn
         self.rotary_emb = first.rotary_emb
-        self.heads, self.kv_heads, self.scale = first.num_heads, first.num_kv_heads, first.attn.scale
-        self.eps = decoder.layers[0].input_layernorm.eps
+        self.step = _DecodeStep(decoder.layers[0].input_layernorm.eps, first.num_heads, first.num_kv_heads,
+                                first.attn.scale)
         # Int4 weights with dense bf16 copies: steps of DENSE_MIN_ROWS rows or more run eagerly.
         down = decoder.layers[0].mlp.down_proj.weight
         self.rows_below = DENSE_MIN_ROWS if isinstance(down, Int4Weight) and down.dense is not None else None
@@ -141,7 +179,9 @@ class CompiledCpuDecode:
                 attn.q_norm.weight if attn.q_norm is not None else None,
                 attn.k_norm.weight if attn.k_norm is not None else None,
             ))
-        self.layer = torch.compile(_decode_layer, dynamic=False, options=COMPILE_OPTIONS)
+        self.compiled: dict[bool, object] = {}  # batched? -> the loaded AOTInductor package
+        self._pool: torch.Tensor | None = None  # pool(), for the caches it was made of (_pool_of)
+        self._pool_of: tuple | None = None
         self.lm_head = model.lm_head
         self.head = torch.compile(_int8_head, dynamic=False, options=COMPILE_OPTIONS)
 
@@ -151,25 +191,39 @@ class CompiledCpuDecode:
         has them (the eager layers multiply those faster than the compiled layer the codes)."""
         return num_seqs == num_decodes == num_tokens >= 1 and (self.rows_below is None or num_seqs < self.rows_below)
 
+    def pool(self) -> torch.Tensor:
+        """The KV pool as one tensor [blocks, 2 x layers, block_size, kv_heads, head_dim]: the
+        runner's caches are its views (layer i's K cache is slot i, its V cache slot layers + i)."""
+        k0, k1 = self.attentions[0].k_cache, self.attentions[1 % len(self.attentions)].k_cache
+        layers = len(self.attentions)
+        slot = (k1.data_ptr() - k0.data_ptr()) // k0.element_size() if layers > 1 else k0[0].numel()
+        for i, attn in enumerate(self.attentions):
+            for j, cache in ((i, attn.k_cache), (layers + i, attn.v_cache)):
+                if cache.data_ptr() != k0.data_ptr() + j * slot * k0.element_size() or cache.stride() != k0.stride():
+                    raise ValueError("cpu_compile: the KV caches are not slots of one pool (runner/host_memory.py)")
+        return torch.as_strided(k0, (k0.shape[0], 2 * layers) + tuple(k0.shape[1:]), (k0.stride(0), slot) + k0.stride()[1:])
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = torch.zeros_like(hidden)
         cos2, sin2 = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        block_size = self.attentions[0].k_cache.shape[1]
-        slot = meta.slot_mapping
-        where = (slot // block_size, slot % block_size)  # the tokens' cache slots as (block, offset)
+        k0 = self.attentions[0].k_cache
+        if self._pool is None or self._pool_of != (k0.data_ptr(), k0.shape):  # the runner's caches, made once
+            self._pool, self._pool_of = self.pool(), (k0.data_ptr(), k0.shape)
+        pool = self._pool
+        block_size = pool.shape[2]
+        # Two blocks at least: the exported block count is dynamic from 2 (a padding block is
+        # masked out like any position past a sequence's context).
+        blocks = max(2, -(-(max(meta.seq_lens_cpu) - 1) // block_size))
+        table = meta.block_tables
+        if table.shape[1] < blocks:
+            table = torch.nn.functional.pad(table, (0, blocks - table.shape[1]))
+        block_ids = table[:, :blocks].long()
         context = meta.seq_lens - 1  # the positions cached before each token
-        blocks = max(1, -(-(max(meta.seq_lens_cpu) - 1) // block_size))
-        block_ids = meta.block_tables[:, :blocks].long()
-        torch._dynamo.mark_dynamic(block_ids, 1)
-        if len(input_ids) > 1:  # one compiled variant for every batch of two rows or more
-            for t in (hidden, residual, cos2, sin2, block_ids, context):
-                torch._dynamo.mark_dynamic(t, 0)
-        for weights, attn in zip(self.weights, self.attentions):
-            hidden, residual, k, v = self.layer(hidden, residual, cos2, sin2, weights, attn.k_cache, attn.v_cache,
-                                                block_ids, context, self.eps, self.heads, self.kv_heads, self.scale)
-            attn.k_cache.index_put_(where, k)
-            attn.v_cache.index_put_(where, v)
+        run = self._compiled(len(input_ids) > 1, hidden, residual, cos2, sin2, pool, block_ids, context)
+        hidden, residual, new = run(hidden, residual, cos2, sin2, self.weights, pool, block_ids, context)
+        slot = meta.slot_mapping
+        pool.index_put_((slot[:, None] // block_size, torch.arange(new.shape[1])[None, :], slot[:, None] % block_size), new)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -181,3 +235,62 @@ class CompiledCpuDecode:
         if int8 is None or int8.serves_any_rows or hidden.shape[0] != 1:
             return self.lm_head(hidden)
         return self.head(hidden, int8.codes, int8.scales_bf16)
+
+    def _compiled(self, batched: bool, *example: torch.Tensor):
+        """The loaded package of this variant: from the cache, or exported and compiled now on
+        this step's tensors (`example`: the step's inputs but the weights)."""
+        run = self.compiled.get(batched)
+        if run is None:
+            hidden, residual, cos2, sin2, pool, block_ids, context = example
+            args = (hidden, residual, cos2, sin2, self.weights, pool, block_ids, context)
+            run = self.compiled[batched] = aot_package(self.step, args, batched, self._shape_key(pool))
+        return run
+
+    def _shape_key(self, pool: torch.Tensor) -> str:
+        """What the compiled code depends on besides the dynamic sizes: the weights' and the
+        pool's shapes, strides and dtypes, and the model's constants."""
+        def describe(t):
+            if isinstance(t, torch.Tensor):
+                return (tuple(t.shape), t.stride(), str(t.dtype))
+            if isinstance(t, tuple):
+                return tuple(describe(x) for x in t)
+            return t
+        s = self.step
+        return repr((describe(self.weights[0]), len(self.weights), pool.shape[1:], pool.stride(), str(pool.dtype),
+                     s.eps, s.heads, s.kv_heads, s.scale, self.embed_tokens.weight.dtype))
+
+
+def aot_package(step: nn.Module, args: tuple, batched: bool, shape_key: str):
+    """The AOTInductor package of `step` for inputs like `args` (one row, or any number where
+    `batched`; any block count from 2 and any pool size), loaded: from the user's cache where a
+    process built it before, else exported, compiled and kept there."""
+    import torch.utils._pytree as pytree
+
+    from nanovllm.loaders.cache import buffer_digest, cache_dir, cache_enabled, discard
+
+    key = buffer_digest(repr((shape_key, batched, torch.__version__, Path(__file__).read_bytes())).encode())
+    path = cache_dir() / "cpu-decode" / f"{key}.pt2"
+    if cache_enabled() and path.exists():
+        try:
+            return torch._inductor.aoti_load_package(str(path))
+        except Exception as e:  # noqa: BLE001 - a damaged entry is rebuilt
+            discard(path, e)
+    rows = torch.export.Dim("rows", min=2) if batched else None
+    blocks = torch.export.Dim("blocks", min=2)
+    pool_blocks = torch.export.Dim("pool_blocks", min=2)
+    per_row = {0: rows} if batched else None
+    dynamic = (per_row, per_row, per_row, per_row, pytree.tree_map(lambda _: None, args[4]), {0: pool_blocks},
+               {0: rows, 1: blocks} if batched else {1: blocks}, per_row)
+    logger.info("cpu_compile: compiling the %s decode step ahead of time (once per model shape)",
+                "batched" if batched else "one-row")
+    program = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+    keep = cache_enabled()
+    if keep:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent if keep else None) as tmp:
+        built = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / "step.pt2"),
+                                                         inductor_configs=COMPILE_OPTIONS)
+        if keep:
+            os.replace(built, path)  # one rename: readers see the whole package or none
+            built = str(path)
+        return torch._inductor.aoti_load_package(built)
