@@ -151,3 +151,16 @@ def test_a_later_engine_loads_the_compiled_step_from_the_cache(checkpoint_factor
     monkeypatch.setattr(torch.export, "export", no_export)
     again = LLM(path, device="cpu", num_kvcache_blocks=32, cpu_compile=True)  # another pool size: a dynamic dimension
     assert again.generate([PROMPTS[0]], sp, use_tqdm=False)[0]["token_ids"] == want
+
+
+def test_a_package_built_for_new_code_drops_those_of_other_code(checkpoint_factory, monkeypatch, tmp_path):
+    """Packages live under a directory per code version (torch's, this module's): building one
+    removes the other versions' directories, which nothing loads again."""
+    monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(tmp_path))
+    stale = tmp_path / "cpu-decode" / "0123456789abcdef"
+    stale.mkdir(parents=True)
+    (stale / "old.pt2").write_bytes(b"an older version's package")
+    llm = LLM(checkpoint_factory("qwen3"), device="cpu", num_kvcache_blocks=16, cpu_compile=True)
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert not stale.exists()
+    assert len(list((tmp_path / "cpu-decode").glob("*/*.pt2"))) == 1  # the one-row variant

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -263,13 +264,14 @@ class CompiledCpuDecode:
 def aot_package(step: nn.Module, args: tuple, batched: bool, shape_key: str):
     """The AOTInductor package of `step` for inputs like `args` (one row, or any number where
     `batched`; any block count from 2 and any pool size), loaded: from the user's cache where a
-    process built it before, else exported, compiled and kept there."""
+    process built it before, else exported, compiled and kept there, under a directory for this
+    code (torch's version and this module), which drops the directories of other code."""
     import torch.utils._pytree as pytree
 
     from nanovllm.loaders.cache import buffer_digest, cache_dir, cache_enabled, discard
 
-    key = buffer_digest(repr((shape_key, batched, torch.__version__, Path(__file__).read_bytes())).encode())
-    path = cache_dir() / "cpu-decode" / f"{key}.pt2"
+    code = buffer_digest(repr((torch.__version__, Path(__file__).read_bytes())).encode())
+    path = cache_dir() / "cpu-decode" / code / f"{buffer_digest(repr((shape_key, batched)).encode())}.pt2"
     if cache_enabled() and path.exists():
         try:
             return torch._inductor.aoti_load_package(str(path))
@@ -285,7 +287,11 @@ def aot_package(step: nn.Module, args: tuple, batched: bool, shape_key: str):
                 "batched" if batched else "one-row")
     program = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
     keep = cache_enabled()
-    if keep:
+    if keep:  # packages of other code (another torch, an older nano-vllm) are not loaded again
+        if path.parent.parent.is_dir():
+            for other in path.parent.parent.iterdir():
+                if other.name != code and not other.name.startswith("."):
+                    shutil.rmtree(other, ignore_errors=True)
         path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent if keep else None) as tmp:
         built = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / "step.pt2"),
