@@ -84,16 +84,17 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 def _decode_layer(
     hidden: torch.Tensor, residual: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, w: tuple,
-    k_context: torch.Tensor, v_context: torch.Tensor, context: torch.Tensor, eps: float,
+    k_context: torch.Tensor, v_context: torch.Tensor, mask: torch.Tensor, eps: float,
     heads: int, kv_heads: int, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoder layer for B sequences decoding one token each (LlamaDecoderLayer's
     arithmetic, the torch attention backend's for decodes): (hidden [B, H], residual [B, H]) ->
     the next layer's pair, and the tokens' K and V rows [B, kv_heads, head_dim]. k_context and
     v_context [B, positions, kv_heads, head_dim] hold each sequence's gathered cache blocks; row b
-    attends to its context[b] cached positions there, then to its own K and V."""
+    attends to them, then to its own K and V, under `mask` [B, 1, 1, positions + 1] (0 where it
+    attends, -inf past its context)."""
     ln1, ln2, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias, q_norm, k_norm = w
-    rows, positions, head_dim = hidden.shape[0], k_context.shape[1], k_context.shape[-1]
+    rows, head_dim = hidden.shape[0], k_context.shape[-1]
     residual = hidden + residual
     x = weighted_rms_norm(residual, ln1, eps)
     q, k, v = _linear(x, qkv, qkv_bias).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -106,8 +107,6 @@ def _decode_layer(
     def context_and_own(cached: torch.Tensor, own: torch.Tensor) -> torch.Tensor:  # [B, kv_heads, positions + 1, D]
         return torch.cat((cached, own.unsqueeze(1)), dim=1).float().transpose(1, 2)
 
-    real = torch.cat((torch.arange(positions)[None, :] < context[:, None], torch.ones(rows, 1, dtype=torch.bool)), 1)
-    mask = torch.zeros(rows, positions + 1).masked_fill(~real, float("-inf")).view(rows, 1, 1, positions + 1)
     attn = F.scaled_dot_product_attention(q.float().unsqueeze(2), context_and_own(k_context, k),
                                           context_and_own(v_context, v), attn_mask=mask, scale=scale,
                                           enable_gqa=heads != kv_heads).view(rows, heads * head_dim).to(q.dtype)
@@ -134,11 +133,15 @@ class _DecodeStep(nn.Module):
         layers, rows, blocks = len(weights), hidden.shape[0], block_ids.shape[1]
         _, slots, block_size, kv_heads, head_dim = pool.shape
         gathered = pool.index_select(0, block_ids.reshape(-1)).view(rows, blocks, slots, block_size, kv_heads, head_dim)
-        by_slot = gathered.permute(2, 0, 1, 3, 4, 5).reshape(slots, rows, blocks * block_size, kv_heads, head_dim)
+        positions = blocks * block_size
+        by_slot = gathered.permute(2, 0, 1, 3, 4, 5).reshape(slots, rows, positions, kv_heads, head_dim)
+        # Row b attends to its context[b] cached positions, then to its own K and V (every layer).
+        real = torch.cat((torch.arange(positions)[None, :] < context[:, None], torch.ones(rows, 1, dtype=torch.bool)), 1)
+        mask = torch.zeros(rows, positions + 1).masked_fill(~real, float("-inf")).view(rows, 1, 1, positions + 1)
         new_k, new_v = [], []
         for i, w in enumerate(weights):
             hidden, residual, k, v = _decode_layer(hidden, residual, cos2, sin2, w, by_slot[i], by_slot[layers + i],
-                                                   context, self.eps, self.heads, self.kv_heads, self.scale)
+                                                   mask, self.eps, self.heads, self.kv_heads, self.scale)
             new_k.append(k)
             new_v.append(v)
         return hidden, residual, torch.stack(new_k + new_v, 1)
