@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch._inductor
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata
@@ -47,8 +48,11 @@ from nanovllm.layers.rotary import rotate_halves
 
 logger = logging.getLogger("nanovllm")
 
-# Inductor's options: round every intermediate as eager torch would (bf16 models).
-COMPILE_OPTIONS = {"emulate_precision_casts": True}
+# Inductor's options: round every intermediate as eager torch would (bf16 models); and keep a
+# pointwise result of more than a few operations in a buffer rather than recompute it where it is
+# read: the attention's scores would otherwise redo each query's norm and rotation at every
+# cached position.
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 8}
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -82,17 +86,34 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_context: torch.Tensor, v_context: torch.Tensor,
+            mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of B one-token queries q [B, kv_heads, group, D] (query head h = kv head h //
+    group) over their cached context k_context, v_context [B, positions, kv_heads, D], masked by
+    `mask` [B, positions, 1, 1] (0 where a row attends, -inf past its context), then over their
+    own k, v [B, kv_heads, D]: [B, kv_heads, group, D] in fp32. Written as products and sums, not
+    as one attention operator: the compiled code reads the cached rows where they lie in the pool
+    (the block table's gather fused into the reductions) instead of copying the context first."""
+    q = q.float() * scale
+    scores = (q[:, None] * k_context.float()[:, :, :, None, :]).sum(-1) + mask  # [B, positions, kv, group]
+    own = (q * k.float()[:, :, None, :]).sum(-1)  # [B, kv, group]
+    top = torch.maximum(scores.amax(1), own)
+    weights, own_weight = torch.exp(scores - top[:, None]), torch.exp(own - top)
+    total = weights.sum(1) + own_weight
+    mixed = (weights[..., None] * v_context.float()[:, :, :, None, :]).sum(1) + own_weight[..., None] * v.float()[:, :, None, :]
+    return mixed / total[..., None]
+
+
 def _decode_layer(
     hidden: torch.Tensor, residual: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, w: tuple,
     k_context: torch.Tensor, v_context: torch.Tensor, mask: torch.Tensor, eps: float,
     heads: int, kv_heads: int, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoder layer for B sequences decoding one token each (LlamaDecoderLayer's
-    arithmetic, the torch attention backend's for decodes): (hidden [B, H], residual [B, H]) ->
-    the next layer's pair, and the tokens' K and V rows [B, kv_heads, head_dim]. k_context and
-    v_context [B, positions, kv_heads, head_dim] hold each sequence's gathered cache blocks; row b
-    attends to them, then to its own K and V, under `mask` [B, 1, 1, positions + 1] (0 where it
-    attends, -inf past its context)."""
+    arithmetic): (hidden [B, H], residual [B, H]) -> the next layer's pair, and the tokens' K and
+    V rows [B, kv_heads, head_dim]. k_context and v_context [B, positions, kv_heads, head_dim] are
+    each sequence's cache blocks; row b attends to them under `mask` (`_attend`), then to its own
+    K and V."""
     ln1, ln2, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias, q_norm, k_norm = w
     rows, head_dim = hidden.shape[0], k_context.shape[-1]
     residual = hidden + residual
@@ -103,14 +124,8 @@ def _decode_layer(
         q, k = weighted_rms_norm(q, q_norm, eps), weighted_rms_norm(k, k_norm, eps)
     q, k = rotate_halves(q, cos2, sin2), rotate_halves(k, cos2, sin2)
     k, v = k.to(k_context.dtype), v.to(v_context.dtype)
-
-    def context_and_own(cached: torch.Tensor, own: torch.Tensor) -> torch.Tensor:  # [B, kv_heads, positions + 1, D]
-        return torch.cat((cached, own.unsqueeze(1)), dim=1).float().transpose(1, 2)
-
-    attn = F.scaled_dot_product_attention(q.float().unsqueeze(2), context_and_own(k_context, k),
-                                          context_and_own(v_context, v), attn_mask=mask, scale=scale,
-                                          enable_gqa=heads != kv_heads).view(rows, heads * head_dim).to(q.dtype)
-    hidden = _linear(attn, o, o_bias)
+    attn = _attend(q.view(rows, kv_heads, heads // kv_heads, head_dim), k, v, k_context, v_context, mask, scale)
+    hidden = _linear(attn.view(rows, heads * head_dim).to(q.dtype), o, o_bias)
     residual = hidden + residual
     x = weighted_rms_norm(residual, ln2, eps)
     gate, up = _linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
@@ -132,15 +147,17 @@ class _DecodeStep(nn.Module):
                 weights: list, pool: torch.Tensor, block_ids: torch.Tensor, context: torch.Tensor):
         layers, rows, blocks = len(weights), hidden.shape[0], block_ids.shape[1]
         _, slots, block_size, kv_heads, head_dim = pool.shape
-        gathered = pool.index_select(0, block_ids.reshape(-1)).view(rows, blocks, slots, block_size, kv_heads, head_dim)
         positions = blocks * block_size
-        by_slot = gathered.permute(2, 0, 1, 3, 4, 5).reshape(slots, rows, positions, kv_heads, head_dim)
-        # Row b attends to its context[b] cached positions, then to its own K and V (every layer).
-        real = torch.cat((torch.arange(positions)[None, :] < context[:, None], torch.ones(rows, 1, dtype=torch.bool)), 1)
-        mask = torch.zeros(rows, positions + 1).masked_fill(~real, float("-inf")).view(rows, 1, 1, positions + 1)
+        # Row b attends to its context[b] cached positions (every layer).
+        mask = torch.zeros(rows, positions).masked_fill(torch.arange(positions)[None, :] >= context[:, None],
+                                                        float("-inf")).view(rows, positions, 1, 1)
+
+        def cached(slot: int) -> torch.Tensor:  # [B, positions, kv_heads, head_dim]: the rows' blocks of one slot
+            return pool[:, slot][block_ids].view(rows, positions, kv_heads, head_dim)
+
         new_k, new_v = [], []
         for i, w in enumerate(weights):
-            hidden, residual, k, v = _decode_layer(hidden, residual, cos2, sin2, w, by_slot[i], by_slot[layers + i],
+            hidden, residual, k, v = _decode_layer(hidden, residual, cos2, sin2, w, cached(i), cached(layers + i),
                                                    mask, self.eps, self.heads, self.kv_heads, self.scale)
             new_k.append(k)
             new_v.append(v)
@@ -183,6 +200,9 @@ class CompiledCpuDecode:
                 attn.q_norm.weight if attn.q_norm is not None else None,
                 attn.k_norm.weight if attn.k_norm is not None else None,
             ))
+        # The step's tensor inputs in the package's order are the pytree leaves of its arguments;
+        # the weights' part is flattened once here, not at each step.
+        self.weight_inputs = [t for t in pytree.tree_leaves(self.weights) if isinstance(t, torch.Tensor)]
         self.compiled: dict[bool, object] = {}  # batched? -> the loaded AOTInductor package
         self._pool: torch.Tensor | None = None  # pool(), for the caches it was made of (_pool_of)
         self._pool_of: tuple | None = None
@@ -225,9 +245,13 @@ class CompiledCpuDecode:
         block_ids = table[:, :blocks].long()
         context = meta.seq_lens - 1  # the positions cached before each token
         run = self._compiled(len(input_ids) > 1, hidden, residual, cos2, sin2, pool, block_ids, context)
-        hidden, residual, new = run(hidden, residual, cos2, sin2, self.weights, pool, block_ids, context)
+        hidden, residual, new = run.loader.boxed_run([hidden, residual, cos2, sin2, *self.weight_inputs, pool, block_ids,
+                                                      context])
         slot = meta.slot_mapping
-        pool.index_put_((slot[:, None] // block_size, torch.arange(new.shape[1])[None, :], slot[:, None] % block_size), new)
+        if len(slot) == 1:
+            pool[int(slot[0]) // block_size, :, int(slot[0]) % block_size] = new[0]
+        else:
+            pool[slot // block_size, :, slot % block_size] = new
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -241,8 +265,9 @@ class CompiledCpuDecode:
         return self.head(hidden, int8.codes, int8.scales_bf16)
 
     def _compiled(self, batched: bool, *example: torch.Tensor):
-        """The loaded package of this variant: from the cache, or exported and compiled now on
-        this step's tensors (`example`: the step's inputs but the weights)."""
+        """The loaded package of this variant (an AOTICompiledModel, run through its loader with
+        the inputs flattened): from the cache, or exported and compiled now on this step's
+        tensors (`example`: the step's inputs but the weights)."""
         run = self.compiled.get(batched)
         if run is None:
             hidden, residual, cos2, sin2, pool, block_ids, context = example
@@ -269,8 +294,6 @@ def aot_package(step: nn.Module, args: tuple, batched: bool, shape_key: str):
     `batched`; any block count from 2 and any pool size), loaded: from the user's cache where a
     process built it before, else exported, compiled and kept there, under a directory for this
     code (torch's version and this module), which drops the directories of other code."""
-    import torch.utils._pytree as pytree
-
     from nanovllm.loaders.cache import buffer_digest, cache_dir, cache_enabled, discard
 
     code = buffer_digest(repr((torch.__version__, Path(__file__).read_bytes())).encode())
