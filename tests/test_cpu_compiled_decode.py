@@ -118,22 +118,35 @@ def test_compiled_int8_head_gives_the_heads_logits(checkpoint_factory):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
 
 
-def test_steps_the_int4_dense_copies_serve_run_eager(checkpoint_factory, monkeypatch):
+def test_steps_of_many_rows_decode_compiled_through_the_int4_dense_copies(checkpoint_factory, monkeypatch):
     """With dense bf16 copies of the int4 weights (forced here), decode steps of DENSE_MIN_ROWS
-    sequences or more are left to the eager layers, which multiply the copies; smaller ones
-    decode compiled. Without copies every decode-only step decodes compiled."""
+    sequences or more run the compiled step over the copies (as the eager layers multiply them
+    at that size), smaller ones over the codes; the tokens are the eager model's."""
     from nanovllm.layers.int4_linear import DENSE_MIN_ROWS
     from nanovllm.runner import model_runner
 
+    monkeypatch.setattr(model_runner, "int4_dense_copies", lambda hf_config: True)
     path = checkpoint_factory("llama")
-    for copies in (True, False):
-        monkeypatch.setattr(model_runner, "int4_dense_copies", lambda hf_config, copies=copies: copies)
-        llm = LLM(path, device="cpu", num_kvcache_blocks=16, quantization="int4", cpu_compile=True)
-        decode = llm.engine.executor.runner.cpu_decode
-        rows = DENSE_MIN_ROWS
-        assert decode.takes(rows - 1, rows - 1, rows - 1)
-        assert decode.takes(rows, rows, rows) is not copies
-        llm.shutdown()
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(4 + i % 5)] for i in range(DENSE_MIN_ROWS)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eager = LLM(path, device="cpu", num_kvcache_blocks=64, quantization="int4")
+    want = [o["token_ids"] for o in eager.generate(prompts, sp, use_tqdm=False)]
+    eager.shutdown()
+    llm = LLM(path, device="cpu", num_kvcache_blocks=64, quantization="int4", cpu_compile=True)
+    decode = llm.engine.executor.runner.cpu_decode
+    variants = []
+    compiled = decode._compiled
+
+    def recorded(variant, *args):
+        variants.append(variant)
+        return compiled(variant, *args)
+
+    decode._compiled = recorded
+    assert [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)] == want
+    assert variants and all(variant == (True, True) for variant in variants)  # (batched, dense)
+    variants.clear()
+    assert [o["token_ids"] for o in llm.generate(prompts[:3], sp, use_tqdm=False)] == want[:3]
+    assert variants and all(variant == (True, False) for variant in variants)
 
 
 def test_a_later_engine_loads_the_compiled_step_from_the_cache(checkpoint_factory, monkeypatch):

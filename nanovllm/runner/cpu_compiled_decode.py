@@ -6,26 +6,30 @@ and torch overhead, around four matmuls that take about as long together for one
 ahead of time, the whole step (every layer) is one call into generated C++ that runs a handful
 of fused kernels around the matmuls and the attention (docs/benchmarks.md has the figures).
 
-How: `_decode_step` runs every decoder layer (`_decode_layer`) over plain tensors: the layers'
+How: `_DecodeStep` runs every decoder layer (`_decode_layer`) over plain tensors: the layers'
 weights, the KV pool as one tensor [blocks, 2 x layers, block_size, kv_heads, head_dim] (the
-runner's caches are its views, runner/host_memory.py), the step's block ids. It is exported
-(torch.export) and compiled by AOTInductor into a package for one token per sequence, any
-context length (the step's block count is a dynamic dimension) and any pool size, in two
-variants: one row, and any number of rows. Each package is built once, at the first step that
-needs it (tens of seconds on a small machine), and kept in the user's cache directory
-(loaders/cache.py), keyed by the model's shapes, torch's version and this file, so a later
-process loads it in milliseconds. The weights are inputs, not constants: one package serves
-every checkpoint of a shape. Inductor rounds as eager torch does (`emulate_precision_casts`).
-The new K and V rows come back from the step, and the caller stores them (one `index_put_`).
+runner's caches are its views, runner/host_memory.py), the step's block ids. The attention
+(`_attend`) is written as products and sums, so the compiled code reads each sequence's cached
+rows where they lie in the pool instead of gathering a copy of its context. The step is
+exported (torch.export) and compiled by AOTInductor into a package for one token per sequence,
+any context length (the step's block count is a dynamic dimension) and any pool size, in three
+variants: one row; any number of rows; and, where the int4 weights have dense bf16 copies
+(int4_linear.py), any number of rows over those copies, which serves steps of
+int4_linear.DENSE_MIN_ROWS sequences or more (as in the eager layers, the copies multiply a
+large batch faster than the codes). Each package is built once, at the first step that needs it
+(tens of seconds on a small machine), and kept in the user's cache directory (loaders/cache.py),
+keyed by the model's shapes, torch's version and this file, so a later process loads it in
+milliseconds. The weights are inputs, not constants: one package serves every checkpoint of a
+shape; the step passes its inputs to the package's loader already flattened. Inductor rounds as
+eager torch does (`emulate_precision_casts`). The new K and V rows come back from the step, and
+the caller stores them.
 
 Where the int4 mode's int8 LM head has no FBGEMM (layers/int8_head.py), a lone row's head runs
 compiled too (`_int8_head`, torch.compile).
 
 What it covers: the Llama-family dense decoders (Llama, SmolLM2, Qwen2, Qwen3) with fp32, bf16
 or int4 weights, one rank. A step with a prefill runs the eager model, which stays the
-reference: tests/test_cpu_compiled_decode.py compares the two. So does a step of
-int4_linear.DENSE_MIN_ROWS sequences or more where the int4 weights have dense bf16 copies:
-the eager layers multiply those faster than the compiled layer multiplies the codes.
+reference: tests/test_cpu_compiled_decode.py compares the two.
 """
 from __future__ import annotations
 
@@ -69,12 +73,12 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _weight(linear: nn.Module) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, int]:
-    """A projection's weight as `_linear` takes it: a dense tensor, or an int4 weight's
-    (packed codes, scales and zeros, group size)."""
+def _weight(linear: nn.Module, dense: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, int]:
+    """A projection's weight as `_linear` takes it: a dense tensor (an int4 weight's dense bf16
+    copy where `dense`), or an int4 weight's (packed codes, scales and zeros, group size)."""
     w = linear.weight
     if isinstance(w, Int4Weight):
-        return (w.packed, w.scales_and_zeros, w.group_size)
+        return w.dense if dense else (w.packed, w.scales_and_zeros, w.group_size)
     return w
 
 
@@ -187,33 +191,37 @@ class CompiledCpuDecode:
         self.rotary_emb = first.rotary_emb
         self.step = _DecodeStep(decoder.layers[0].input_layernorm.eps, first.num_heads, first.num_kv_heads,
                                 first.attn.scale)
-        # Int4 weights with dense bf16 copies: steps of DENSE_MIN_ROWS rows or more run eagerly.
+        # Int4 weights with dense bf16 copies: steps of DENSE_MIN_ROWS rows or more multiply those.
         down = decoder.layers[0].mlp.down_proj.weight
-        self.rows_below = DENSE_MIN_ROWS if isinstance(down, Int4Weight) and down.dense is not None else None
-        self.weights = []
-        for layer in decoder.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.weights.append((
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                _weight(attn.qkv_proj), attn.qkv_proj.bias, _weight(attn.o_proj), attn.o_proj.bias,
-                _weight(mlp.gate_up_proj), mlp.gate_up_proj.bias, _weight(mlp.down_proj), mlp.down_proj.bias,
-                attn.q_norm.weight if attn.q_norm is not None else None,
-                attn.k_norm.weight if attn.k_norm is not None else None,
-            ))
+        self.dense_from = DENSE_MIN_ROWS if isinstance(down, Int4Weight) and down.dense is not None else None
         # The step's tensor inputs in the package's order are the pytree leaves of its arguments;
         # the weights' part is flattened once here, not at each step.
-        self.weight_inputs = [t for t in pytree.tree_leaves(self.weights) if isinstance(t, torch.Tensor)]
-        self.compiled: dict[bool, object] = {}  # batched? -> the loaded AOTInductor package
+        self.weights = {dense: self._layer_weights(decoder, dense) for dense in (False, True)}
+        self.weight_inputs = {dense: [t for t in pytree.tree_leaves(w) if isinstance(t, torch.Tensor)]
+                              for dense, w in self.weights.items()}
+        self.compiled: dict[tuple[bool, bool], object] = {}  # (batched, dense) -> the loaded AOTInductor package
         self._pool: torch.Tensor | None = None  # pool(), for the caches it was made of (_pool_of)
         self._pool_of: tuple | None = None
         self.lm_head = model.lm_head
         self.head = torch.compile(_int8_head, dynamic=False, options=COMPILE_OPTIONS)
 
+    @staticmethod
+    def _layer_weights(decoder: nn.Module, dense: bool) -> list[tuple]:
+        weights = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights.append((
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                _weight(attn.qkv_proj, dense), attn.qkv_proj.bias, _weight(attn.o_proj, dense), attn.o_proj.bias,
+                _weight(mlp.gate_up_proj, dense), mlp.gate_up_proj.bias, _weight(mlp.down_proj, dense),
+                mlp.down_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
+                attn.k_norm.weight if attn.k_norm is not None else None,
+            ))
+        return weights
+
     def takes(self, num_seqs: int, num_decodes: int, num_tokens: int) -> bool:
-        """Whether a step of this shape decodes compiled: every sequence decodes one token, and
-        the step is smaller than those the int4 weights' dense bf16 copies serve, where the model
-        has them (the eager layers multiply those faster than the compiled layer the codes)."""
-        return num_seqs == num_decodes == num_tokens >= 1 and (self.rows_below is None or num_seqs < self.rows_below)
+        """Whether a step of this shape decodes compiled: every sequence decodes one token."""
+        return num_seqs == num_decodes == num_tokens >= 1
 
     def pool(self) -> torch.Tensor:
         """The KV pool as one tensor [blocks, 2 x layers, block_size, kv_heads, head_dim]: the
@@ -244,9 +252,11 @@ class CompiledCpuDecode:
             table = torch.nn.functional.pad(table, (0, blocks - table.shape[1]))
         block_ids = table[:, :blocks].long()
         context = meta.seq_lens - 1  # the positions cached before each token
-        run = self._compiled(len(input_ids) > 1, hidden, residual, cos2, sin2, pool, block_ids, context)
-        hidden, residual, new = run.loader.boxed_run([hidden, residual, cos2, sin2, *self.weight_inputs, pool, block_ids,
-                                                      context])
+        rows = len(input_ids)
+        variant = (rows > 1, self.dense_from is not None and rows >= self.dense_from)
+        run = self._compiled(variant, hidden, residual, cos2, sin2, pool, block_ids, context)
+        hidden, residual, new = run.loader.boxed_run([hidden, residual, cos2, sin2, *self.weight_inputs[variant[1]],
+                                                      pool, block_ids, context])
         slot = meta.slot_mapping
         if len(slot) == 1:
             pool[int(slot[0]) // block_size, :, int(slot[0]) % block_size] = new[0]
@@ -264,18 +274,19 @@ class CompiledCpuDecode:
             return self.lm_head(hidden)
         return self.head(hidden, int8.codes, int8.scales_bf16)
 
-    def _compiled(self, batched: bool, *example: torch.Tensor):
+    def _compiled(self, variant: tuple[bool, bool], *example: torch.Tensor):
         """The loaded package of this variant (an AOTICompiledModel, run through its loader with
         the inputs flattened): from the cache, or exported and compiled now on this step's
         tensors (`example`: the step's inputs but the weights)."""
-        run = self.compiled.get(batched)
+        run = self.compiled.get(variant)
         if run is None:
+            batched, dense = variant
             hidden, residual, cos2, sin2, pool, block_ids, context = example
-            args = (hidden, residual, cos2, sin2, self.weights, pool, block_ids, context)
-            run = self.compiled[batched] = aot_package(self.step, args, batched, self._shape_key(pool))
+            args = (hidden, residual, cos2, sin2, self.weights[dense], pool, block_ids, context)
+            run = self.compiled[variant] = aot_package(self.step, args, batched, self._shape_key(pool, dense))
         return run
 
-    def _shape_key(self, pool: torch.Tensor) -> str:
+    def _shape_key(self, pool: torch.Tensor, dense: bool) -> str:
         """What the compiled code depends on besides the dynamic sizes: the weights' and the
         pool's shapes, strides and dtypes, and the model's constants."""
         def describe(t):
@@ -285,7 +296,7 @@ class CompiledCpuDecode:
                 return tuple(describe(x) for x in t)
             return t
         s = self.step
-        return repr((describe(self.weights[0]), len(self.weights), pool.shape[1:], pool.stride(), str(pool.dtype),
+        return repr((describe(self.weights[dense][0]), len(self.weights[dense]), pool.shape[1:], pool.stride(), str(pool.dtype),
                      s.eps, s.heads, s.kv_heads, s.scale, self.embed_tokens.weight.dtype))
 
 
