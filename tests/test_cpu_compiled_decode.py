@@ -177,3 +177,37 @@ def test_a_package_built_for_new_code_drops_those_of_other_code(checkpoint_facto
     llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert not stale.exists()
     assert len(list((tmp_path / "cpu-decode").glob("*/*.pt2"))) == 1  # the one-row variant
+
+
+@pytest.mark.parametrize("kwargs", [pytest.param({}, id="fp32"), pytest.param({"quantization": "int4"}, id="int4")])
+def test_decodes_beside_a_prompt_decode_compiled_and_give_the_eager_tokens(checkpoint_factory, monkeypatch, kwargs):
+    """A step that carries a prompt (or a chunk of one) beside decoding sequences runs the
+    decodes through the compiled step and the prompt through the eager model; every sequence's
+    tokens are the eager engine's under the same arrivals."""
+    from nanovllm.runner import model_runner
+
+    path = checkpoint_factory("llama")
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    arrivals = {0: [PROMPTS[1], PROMPTS[0]], 3: [list(range(50, 90))], 5: [[4, 8, 15, 16, 23, 42]]}
+
+    def run(llm: LLM) -> dict[str, list[int]]:
+        engine, tokens, step = llm.engine, {}, 0
+        while step in arrivals or engine.has_unfinished_requests() or step < max(arrivals):
+            for i, prompt in enumerate(arrivals.get(step, [])):
+                engine.add_request(f"{step}-{i}", prompt, sp)
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+            step += 1
+        return tokens
+
+    eager = LLM(path, device="cpu", num_kvcache_blocks=32, max_num_batched_tokens=64, **kwargs)
+    want = run(eager)
+    eager.shutdown()
+    splits = []
+    split = model_runner.split_decodes
+    monkeypatch.setattr(model_runner, "split_decodes", lambda meta: splits.append(meta.num_decodes) or split(meta))
+    llm = LLM(path, device="cpu", num_kvcache_blocks=32, max_num_batched_tokens=64, cpu_compile=True, **kwargs)
+    assert run(llm) == want
+    assert splits  # some steps had decodes beside a prompt
+    assert all(len(t) == 12 for t in want.values()) and len(want) == 4

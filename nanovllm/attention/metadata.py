@@ -45,3 +45,19 @@ class KVCacheWrite(NamedTuple):
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor  # [num_tokens]; -1 = padding, nothing stored
+
+
+def split_decodes(meta: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """A step that has both decodes and other sequences as two steps: (the first num_decodes
+    sequences, one token each; the rest), each with its own metadata over its own tokens."""
+    n = meta.num_decodes
+    if not 0 < n < meta.num_seqs:
+        raise ValueError(f"split_decodes: the step has {n} decodes of {meta.num_seqs} sequences")
+    start = meta.query_start_loc
+    decodes = AttentionMetadata(
+        meta.slot_mapping[:n], start[:n + 1], meta.seq_lens[:n], meta.block_tables[:n], n, 1,
+        max(meta.seq_lens_cpu[:n]), meta.query_lens_cpu[:n], meta.seq_lens_cpu[:n])
+    rest = AttentionMetadata(
+        meta.slot_mapping[n:], start[n:] - n, meta.seq_lens[n:], meta.block_tables[n:], 0,
+        max(meta.query_lens_cpu[n:]), max(meta.seq_lens_cpu[n:]), meta.query_lens_cpu[n:], meta.seq_lens_cpu[n:])
+    return decodes, rest

@@ -28,8 +28,10 @@ Where the int4 mode's int8 LM head has no FBGEMM (layers/int8_head.py), a lone r
 compiled too (`_int8_head`, torch.compile).
 
 What it covers: the Llama-family dense decoders (Llama, SmolLM2, Qwen2, Qwen3) with fp32, bf16
-or int4 weights, one rank. A step with a prefill runs the eager model, which stays the
-reference: tests/test_cpu_compiled_decode.py compares the two.
+or int4 weights, one rank. Prompts run through the eager model, which stays the reference
+(tests/test_cpu_compiled_decode.py compares the two); in a step that has both, the runner sends
+the decoding sequences here and the prompts' tokens to the eager model
+(attention/metadata.split_decodes).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from nanovllm.attention.backend import bind_kv_cache, get_backend
-from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.metadata import AttentionMetadata, split_decodes
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
 from nanovllm.layers.host_copy import to_device
@@ -474,6 +474,12 @@ class ModelRunner:
         if self.cpu_decode is not None and self.cpu_decode.takes(len(out.seqs), out.num_decodes, len(input_ids)):
             hidden = self.cpu_decode(input_ids, positions, meta)
             compute_logits = self.cpu_decode.compute_logits
+        elif self.cpu_decode is not None and 0 < out.num_decodes < len(out.seqs):
+            # Decodes beside prompt chunks: the decodes through the compiled step, the rest eagerly.
+            decodes, rest = split_decodes(meta)
+            n = out.num_decodes
+            hidden = torch.cat((self.cpu_decode(input_ids[:n], positions[:n], decodes),
+                                self.model(input_ids[n:], positions[n:], rest)))
         elif self.graph_runner is not None and self.graph_runner.can_run(len(out.seqs), out.num_decodes):
             hidden = self.graph_runner.run(input_ids, positions, meta)
         else:
