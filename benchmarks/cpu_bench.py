@@ -56,9 +56,6 @@ def main() -> None:
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=64, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
-    if args.cpu_compile:  # the compiled decode's warm-up for a lone sequence (batches compiled above)
-        llm.generate(prompts[:1], SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=40,
-                                                 ignore_eos=True), use_tqdm=False)
     batch = []
     for _ in range(args.runs):
         llm.reset_prefix_cache()

@@ -166,17 +166,30 @@ def test_a_later_engine_loads_the_compiled_step_from_the_cache(checkpoint_factor
     assert again.generate([PROMPTS[0]], sp, use_tqdm=False)[0]["token_ids"] == want
 
 
-def test_a_package_built_for_new_code_drops_those_of_other_code(checkpoint_factory, monkeypatch, tmp_path):
-    """Packages live under a directory per code version (torch's, this module's): building one
-    removes the other versions' directories, which nothing loads again."""
+def test_packages_are_built_at_start_up_and_drop_those_of_other_code(checkpoint_factory, monkeypatch, tmp_path):
+    """An engine builds its packages when it starts (every variant: a lone sequence, batches), so
+    no request waits for one; they live under a directory per code version (torch's, this
+    module's), and building one removes the other versions' directories, which nothing loads
+    again."""
     monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(tmp_path))
     stale = tmp_path / "cpu-decode" / "0123456789abcdef"
     stale.mkdir(parents=True)
     (stale / "old.pt2").write_bytes(b"an older version's package")
-    llm = LLM(checkpoint_factory("qwen3"), device="cpu", num_kvcache_blocks=16, cpu_compile=True)
-    llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    path = checkpoint_factory("qwen3")
+    eager = LLM(path, device="cpu", num_kvcache_blocks=16)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = [o["token_ids"] for o in eager.generate(PROMPTS, sp, use_tqdm=False)]
+    eager.shutdown()
+    llm = LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True)
     assert not stale.exists()
-    assert len(list((tmp_path / "cpu-decode").glob("*/*.pt2"))) == 1  # the one-row variant
+    assert len(list((tmp_path / "cpu-decode").glob("*/*.pt2"))) == 2  # the one-row and the batched variants
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("a request waited for a build")
+
+    monkeypatch.setattr(torch.export, "export", no_export)
+    assert [o["token_ids"] for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == want
+    assert llm.generate([PROMPTS[0]], sp, use_tqdm=False)[0]["token_ids"] == want[0]
 
 
 @pytest.mark.parametrize("kwargs", [pytest.param({}, id="fp32"), pytest.param({"quantization": "int4"}, id="int4")])

@@ -35,6 +35,8 @@ def startup_rows(llm, *, import_s: float | None, engine_s: float, first_token_s:
     kv = sum(runner.get(k, 0.0) for k in ("profile", "dry_passes", "compile_wait", "agree_blocks", "kv_alloc"))
     rows.append(("weights", weights))
     rows.append(("KV pool", kv))
+    if "cpu_decode_packages" in runner:  # cpu_compile: its packages built or loaded
+        rows.append(("compiled decode", runner["cpu_decode_packages"]))
     accounted = sum(s for name, s in rows if name != "import")
     rows.append(("other engine set-up", max(0.0, engine_s - accounted)))
     if first_token_s is not None:

@@ -16,10 +16,11 @@ any context length (the step's block count is a dynamic dimension) and any pool 
 variants: one row; any number of rows; and, where the int4 weights have dense bf16 copies
 (int4_linear.py), any number of rows over those copies, which serves steps of
 int4_linear.DENSE_MIN_ROWS sequences or more (as in the eager layers, the copies multiply a
-large batch faster than the codes). Each package is built once, at the first step that needs it
-(tens of seconds on a small machine), and kept in the user's cache directory (loaders/cache.py),
-keyed by the model's shapes, torch's version and this file, so a later process loads it in
-milliseconds. The weights are inputs, not constants: one package serves every checkpoint of a
+large batch faster than the codes). The runner builds or loads every variant at start-up (one
+dummy step each, `variant_rows`), so no request waits for a build. Each package is built once
+(tens of seconds on a small machine) and kept in the user's cache directory (loaders/cache.py),
+keyed by the model's shapes, torch's version and this file, so a later process loads it in a
+fraction of a second. The weights are inputs, not constants: one package serves every checkpoint of a
 shape; the step passes its inputs to the package's loader already flattened. Inductor rounds as
 eager torch does (`emulate_precision_casts`). The new K and V rows come back from the step, and
 the caller stores them.
@@ -221,6 +222,11 @@ class CompiledCpuDecode:
             ))
         return weights
 
+    def variant_rows(self) -> list[int]:
+        """A step size for each variant: one row, a batch over the codes (or the dense weights),
+        and a batch over the int4 weights' dense copies where they exist."""
+        return [1, 2] + ([self.dense_from] if self.dense_from is not None else [])
+
     def takes(self, num_seqs: int, num_decodes: int, num_tokens: int) -> bool:
         """Whether a step of this shape decodes compiled: every sequence decodes one token."""
         return num_seqs == num_decodes == num_tokens >= 1
@@ -259,10 +265,13 @@ class CompiledCpuDecode:
         run = self._compiled(variant, hidden, residual, cos2, sin2, pool, block_ids, context)
         hidden, residual, new = run.loader.boxed_run([hidden, residual, cos2, sin2, *self.weight_inputs[variant[1]],
                                                       pool, block_ids, context])
-        slot = meta.slot_mapping
+        slot = meta.slot_mapping  # -1: store nothing (a dummy step's rows)
         if len(slot) == 1:
-            pool[int(slot[0]) // block_size, :, int(slot[0]) % block_size] = new[0]
+            if int(slot[0]) >= 0:
+                pool[int(slot[0]) // block_size, :, int(slot[0]) % block_size] = new[0]
         else:
+            if bool((slot < 0).any()):
+                slot, new = slot[slot >= 0], new[slot >= 0]
             pool[slot // block_size, :, slot % block_size] = new
         hidden, _ = self.norm(hidden, residual)
         return hidden

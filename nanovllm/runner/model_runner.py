@@ -136,6 +136,9 @@ class ModelRunner:
         t3 = time.perf_counter()
         if self.graph_runner is not None:
             self.graph_runner.capture()
+        t_captured = time.perf_counter()
+        if self.cpu_decode is not None:
+            self._prepare_cpu_decode()
         t4 = time.perf_counter()
         if self.device.type == "cuda":
             # The first large step must find its activations in the caching allocator, not
@@ -151,9 +154,11 @@ class ModelRunner:
             "compile_wait": t_compiled - t_dry_passes,
             "agree_blocks": t2 - t_compiled,
             "kv_alloc": t3 - t2,
-            "graph_capture": t4 - t3,
+            "graph_capture": t_captured - t3,
             "allocator_warmup": time.perf_counter() - t4,
         }
+        if self.cpu_decode is not None:
+            self.startup_seconds["cpu_decode_packages"] = t4 - t_captured
         logger.info(
             "model %s loaded in %.1fs on %s (%s), %s attention, KV pool %d blocks x %d tokens",
             type(self.model).__name__, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
@@ -292,6 +297,14 @@ class ModelRunner:
             num_decodes=num_decodes, max_query_len=max_len, max_seq_len=max_len,
             query_lens_cpu=list(query_lens), seq_lens_cpu=list(query_lens),
         )
+
+    @torch.inference_mode()
+    def _prepare_cpu_decode(self) -> None:
+        """Build (or load from the cache) each variant of the compiled CPU decode now, through one
+        step of dummy sequences that stores nothing, so that no request waits for a build."""
+        for rows in self.cpu_decode.variant_rows():
+            zeros = torch.zeros(rows, dtype=torch.long)
+            self.cpu_decode(zeros, zeros, self._dummy_meta([1] * rows, num_decodes=rows))
 
     @torch.inference_mode()
     def _dry_decode_passes(self) -> None:
