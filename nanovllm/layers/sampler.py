@@ -249,8 +249,7 @@ class Sampler(nn.Module):
         device = logits.device
         words = torch.zeros((rows, (vocab + 31) // 32), dtype=torch.int32, device=device)
         row_of = torch.zeros(rows, dtype=torch.int32, device=device)
-        temperature = torch.zeros(rows, dtype=torch.float32, device=device)
-        seed = torch.zeros(1, dtype=torch.int64, device=device)
+        temperature, seed = self._greedy_inputs(rows, device)
         gumbel_argmax(logits.contiguous(), temperature, seed, None, (words, row_of))
 
     def _greedy_inputs(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -180,8 +180,8 @@ def _int8_head(hidden: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
 
 class CompiledCpuDecode:
     """`decode(input_ids [B], positions [B], meta) -> hidden [B, H]` for a step of B sequences
-    decoding one token each, through the compiled step (built or loaded at the first step of
-    each variant)."""
+    decoding one token each, through the compiled step (each variant built or loaded at its
+    first step: the runner makes those at start-up, `variant_rows`)."""
 
     def __init__(self, model: nn.Module) -> None:
         reason = unsupported_reason(model)
@@ -199,7 +199,8 @@ class CompiledCpuDecode:
         self.dense_from = DENSE_MIN_ROWS if isinstance(down, Int4Weight) and down.dense is not None else None
         # The step's tensor inputs in the package's order are the pytree leaves of its arguments;
         # the weights' part is flattened once here, not at each step.
-        self.weights = {dense: self._layer_weights(decoder, dense) for dense in (False, True)}
+        self.weights = {dense: self._layer_weights(decoder, dense)
+                        for dense in ((False, True) if self.dense_from is not None else (False,))}
         self.weight_inputs = {dense: [t for t in pytree.tree_leaves(w) if isinstance(t, torch.Tensor)]
                               for dense, w in self.weights.items()}
         self.compiled: dict[tuple[bool, bool], object] = {}  # (batched, dense) -> the loaded AOTInductor package
@@ -257,7 +258,7 @@ class CompiledCpuDecode:
         blocks = max(2, -(-(max(meta.seq_lens_cpu) - 1) // block_size))
         table = meta.block_tables
         if table.shape[1] < blocks:
-            table = torch.nn.functional.pad(table, (0, blocks - table.shape[1]))
+            table = F.pad(table, (0, blocks - table.shape[1]))
         block_ids = table[:, :blocks].long()
         context = meta.seq_lens - 1  # the positions cached before each token
         rows = len(input_ids)
