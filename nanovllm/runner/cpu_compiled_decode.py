@@ -56,10 +56,11 @@ from nanovllm.layers.rotary import rotate_halves
 logger = logging.getLogger("nanovllm")
 
 # Inductor's options: round every intermediate as eager torch would (bf16 models); and keep a
-# pointwise result of more than a few operations in a buffer rather than recompute it where it is
-# read: the attention's scores would otherwise redo each query's norm and rotation at every
-# cached position.
-COMPILE_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 8}
+# pointwise result of more than 24 operations in a buffer where several kernels read it, rather
+# than recompute it there: the attention's scores would otherwise redo each query's rotation at
+# every cached position. (At 8, the product of the query and a cached row read through the block
+# table lands in a buffer too, written and read back in full, instead of being summed as it is made.)
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold": 24}
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -97,17 +98,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_context: torch.
             mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of B one-token queries q [B, kv_heads, group, D] (query head h = kv head h //
     group) over their cached context k_context, v_context [B, positions, kv_heads, D], masked by
-    `mask` [B, positions, 1, 1] (0 where a row attends, -inf past its context), then over their
+    `mask` [B, 1, 1, positions] (0 where a row attends, -inf past its context), then over their
     own k, v [B, kv_heads, D]: [B, kv_heads, group, D] in fp32. Written as products and sums, not
     as one attention operator: the compiled code reads the cached rows where they lie in the pool
-    (the block table's gather fused into the reductions) instead of copying the context first."""
+    (the block table's gather fused into the reductions) instead of copying the context first.
+    The scores are laid out positions last, so that their max and sum run along a row of their
+    own, in parallel over the rows and heads."""
     q = q.float() * scale
-    scores = (q[:, None] * k_context.float()[:, :, :, None, :]).sum(-1) + mask  # [B, positions, kv, group]
-    own = (q * k.float()[:, :, None, :]).sum(-1)  # [B, kv, group]
-    top = torch.maximum(scores.amax(1), own)
-    weights, own_weight = torch.exp(scores - top[:, None]), torch.exp(own - top)
-    total = weights.sum(1) + own_weight
-    mixed = (weights[..., None] * v_context.float()[:, :, :, None, :]).sum(1) + own_weight[..., None] * v.float()[:, :, None, :]
+    keys = k_context.float().permute(0, 2, 3, 1)  # [B, kv_heads, D, positions]
+    scores = (q[..., None] * keys[:, :, None]).sum(3) + mask  # [B, kv_heads, group, positions]
+    own = (q * k.float()[:, :, None, :]).sum(-1)  # [B, kv_heads, group]
+    top = torch.maximum(scores.amax(-1), own)
+    weights, own_weight = torch.exp(scores - top[..., None]), torch.exp(own - top)
+    total = weights.sum(-1) + own_weight
+    values = v_context.float().permute(0, 2, 1, 3)  # [B, kv_heads, positions, D]
+    mixed = (weights[..., None] * values[:, :, None]).sum(3) + own_weight[..., None] * v.float()[:, :, None, :]
     return mixed / total[..., None]
 
 
@@ -157,7 +162,7 @@ class _DecodeStep(nn.Module):
         positions = blocks * block_size
         # Row b attends to its context[b] cached positions (every layer).
         mask = torch.zeros(rows, positions).masked_fill(torch.arange(positions)[None, :] >= context[:, None],
-                                                        float("-inf")).view(rows, positions, 1, 1)
+                                                        float("-inf")).view(rows, 1, 1, positions)
 
         def cached(slot: int) -> torch.Tensor:  # [B, positions, kv_heads, head_dim]: the rows' blocks of one slot
             return pool[:, slot][block_ids].view(rows, positions, kv_heads, head_dim)
