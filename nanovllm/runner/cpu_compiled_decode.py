@@ -102,11 +102,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_context: torch.
     own k, v [B, kv_heads, D]: [B, kv_heads, group, D] in fp32. Written as products and sums, not
     as one attention operator: the compiled code reads the cached rows where they lie in the pool
     (the block table's gather fused into the reductions) instead of copying the context first.
-    The scores are laid out positions last, so that their max and sum run along a row of their
-    own, in parallel over the rows and heads."""
+    The scores are computed position by position (each cached row read once, whole) and then
+    laid out positions last, so that their max and sum run along a row of their own, in parallel
+    over the rows and heads."""
     q = q.float() * scale
-    keys = k_context.float().permute(0, 2, 3, 1)  # [B, kv_heads, D, positions]
-    scores = (q[..., None] * keys[:, :, None]).sum(3) + mask  # [B, kv_heads, group, positions]
+    scores = (q[:, None] * k_context.float()[:, :, :, None, :]).sum(-1)  # [B, positions, kv_heads, group]
+    scores = scores.permute(0, 2, 3, 1) + mask  # [B, kv_heads, group, positions]
     own = (q * k.float()[:, :, None, :]).sum(-1)  # [B, kv_heads, group]
     top = torch.maximum(scores.amax(-1), own)
     weights, own_weight = torch.exp(scores - top[..., None]), torch.exp(own - top)
