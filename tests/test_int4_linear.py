@@ -236,7 +236,9 @@ def test_int8_head_agrees_with_the_fp32_head(kernel):
     """The default (int4) embedded model's LM head multiplies by int8 codes: one row at a time
     over a teacher-forced passage, and all rows at once, its top-1 equals that of the fp32
     product of the head's weight at >= 97% of the positions, with either kernel
-    (layers/int8_head.py), and the README question's first token stays "The"."""
+    (layers/int8_head.py), and the README question's first token stays "The". The reference
+    rounds logits to bf16, whose step near 25 is 0.125, while "The" leads "L" there by about
+    0.03 in fp32: with it, "The" must hold the top logit, which "L" may share."""
     import importlib.util
 
     from nanovllm.layers.int8_head import Int8HeadMatmul, fbgemm_available
@@ -259,14 +261,20 @@ def test_int8_head_agrees_with_the_fp32_head(kernel):
         input_ids, positions, meta, _ = runner.prepare(step)
         hidden = runner.model(input_ids, positions, meta)
         fp32 = (hidden.float() @ head.weight.float().T).argmax(-1)
-        one_by_one = torch.stack([head.int8(hidden[i : i + 1])[0].argmax() for i in range(len(ids))])
+        rows = [head.int8(hidden[i : i + 1])[0] for i in range(len(ids))]
+        one_by_one = torch.stack([row.argmax() for row in rows])
         together = head.int8(hidden).argmax(-1)
     llm.shutdown()
     for name, int8 in (("one row at a time", one_by_one), ("all rows at once", together)):
         agreement = (int8 == fp32).float().mean().item()
         print(f"top-1 agreement, int8 head ({kernel}) {name} vs the fp32 product: {agreement:.1%}")
         assert agreement >= 0.97
-    assert llm.tokenizer.decode([int(one_by_one[len(question) - 1])]) == "The"
+    answer_start = rows[len(question) - 1]
+    (the,) = llm.tokenizer.encode("The", add_special_tokens=False)
+    if kernel == "fbgemm":
+        assert int(answer_start.argmax()) == the
+    else:
+        assert answer_start[the] == answer_start.max()
 
 
 def test_codes_by_chunks_of_rows_equal_the_whole(monkeypatch):
