@@ -6,7 +6,7 @@ a warm-up. Also single-stream decode (one prompt, per token after the first).
 `--temperature T [--top-p P]` samples instead (what chat clients ask for), everything else the same.
 Run it on an idle machine: CPU timings are easily skewed by other work.
 
-    python benchmarks/cpu_bench.py [--dtype float32 | --dtype bfloat16 | --quantization int4]
+    python benchmarks/cpu_bench.py [--dtype float32 | --dtype bfloat16 | --quantization int4] [--no-cpu-compile]
 
 The default runs the file's quantized weights as int4 (the CPU default for a quantized GGUF);
 --dtype float32 runs the dequantized fp32 model (transformers' tokens exactly); --dtype bfloat16 runs the model in bf16 (its output then differs from the fp32 reference's; worth
@@ -40,8 +40,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature instead of greedy decoding (W3)")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
-    ap.add_argument("--cpu-compile", action="store_true",
-                    help="decode steps through the compiled layer (LLM(cpu_compile=True))")
+    ap.add_argument("--cpu-compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode steps through the compiled layer, or (--no-cpu-compile) the eager model "
+                         "(default: the engine's choice, compiled where a C++ compiler is found)")
     args = ap.parse_args()
     import torch
 

@@ -6,6 +6,7 @@ resolved later by the runner and written back into the fields marked "resolved".
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -58,9 +59,12 @@ class EngineConfig:
     # Schedule step N+1 while step N runs on the device (outputs trail by one step). None = on
     # where there is a device to overlap with (CUDA); on the CPU the host *is* the device.
     async_scheduling: bool | None = None
-    # CPU only: a step in which every sequence decodes one token runs each decoder layer as
-    # code compiled by torch.compile (runner/cpu_compiled_decode.py); the first such steps compile.
-    cpu_compile: bool = False
+    # CPU only: a step in which every sequence decodes one token runs each decoder layer as code
+    # compiled ahead of time by AOTInductor (runner/cpu_compiled_decode.py), built at start-up
+    # the first time for a model shape and cached. None = on for a one-rank CPU engine whose
+    # model it covers where a C++ compiler is found (a failed build falls back to the eager
+    # model, with a warning); the environment's NANOVLLM_CPU_COMPILE=0 or 1 decides instead.
+    cpu_compile: bool | None = None
     # CPU only: memory for the KV pool when num_kvcache_blocks is not given.
     cpu_kvcache_space_gib: float = 1.0
     # CPU only: "int4" keeps the projections' weights as 4-bit codes with a bf16 scale and
@@ -122,8 +126,14 @@ class EngineConfig:
             raise bad("generation_config", f"must be one of {GENERATION_CONFIGS}")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
-        if not isinstance(self.cpu_compile, bool):
-            raise bad("cpu_compile", "must be True or False")
+        if self.cpu_compile is not None and not isinstance(self.cpu_compile, bool):
+            raise bad("cpu_compile", "must be True, False or None (automatic)")
+        if self.cpu_compile is None and os.environ.get("NANOVLLM_CPU_COMPILE") is not None:
+            choice = os.environ["NANOVLLM_CPU_COMPILE"]
+            if choice not in ("0", "1"):
+                raise bad("cpu_compile", f"NANOVLLM_CPU_COMPILE must be 0 or 1, not {choice!r}")
+            # The environment speaks for CPU engines of one rank; it does not make others invalid.
+            self.cpu_compile = choice == "1" and self.device != "cuda" and self.tensor_parallel_size == 1
         if self.cpu_compile and self.device == "cuda":
             raise bad("cpu_compile", "compiles the CPU's decode steps; on CUDA they run as CUDA graphs (device='cpu')")
         if self.cpu_compile and self.tensor_parallel_size != 1:

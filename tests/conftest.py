@@ -18,9 +18,13 @@ from checkpoints import make_checkpoint, make_tokenizer_dir  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_dir(tmp_path_factory):
-    """Tests never read or write the user's cache of converted models (loaders/cache.py)."""
+    """Tests never read or write the user's cache of converted models (loaders/cache.py). CPU
+    engines decode with the eager model unless a test asks for the compiled decode (cpu_compile=
+    True, or NANOVLLM_CPU_COMPILE unset): building its packages for every tiny model's shape would
+    take minutes, and tests/test_cpu_compiled_decode.py covers it."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOVLLM_CACHE_DIR", str(tmp_path_factory.mktemp("nanovllm-cache")))
+        mp.setenv("NANOVLLM_CPU_COMPILE", "0")
         yield
 
 

@@ -94,10 +94,76 @@ def test_bad_cpu_compile_settings_are_refused(qwen3_tiny, kwargs, message):
         LLM(qwen3_tiny, **({"cpu_compile": True} | kwargs))
 
 
-def test_a_mixture_of_experts_model_is_refused(checkpoint_factory):
+def test_a_cpu_engine_left_to_choose_decodes_compiled(checkpoint_factory, monkeypatch):
+    """cpu_compile=None (the default) on the CPU, with no NANOVLLM_CPU_COMPILE: the compiled
+    decode where a C++ compiler is found, with the eager model's tokens; the environment's 0
+    turns it off."""
+    path = checkpoint_factory("qwen3")
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    monkeypatch.setenv("NANOVLLM_CPU_COMPILE", "0")
+    eager = LLM(path, device="cpu", num_kvcache_blocks=16)
+    assert eager.engine.executor.runner.cpu_decode is None
+    want = [o["token_ids"] for o in eager.generate(PROMPTS, sp, use_tqdm=False)]
+    eager.shutdown()
+    monkeypatch.delenv("NANOVLLM_CPU_COMPILE")
+    llm = LLM(path, device="cpu", num_kvcache_blocks=16)
+    calls = _count_compiled_steps(llm)
+    assert [o["token_ids"] for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == want
+    assert calls[0] == 7  # every step after the prompts' (both sequences decode together)
+
+
+def test_without_a_cpp_compiler_the_default_decodes_eager(checkpoint_factory, monkeypatch):
+    from torch._inductor import cpp_builder
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.delenv("NANOVLLM_CPU_COMPILE")
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    llm = LLM(checkpoint_factory("qwen3"), device="cpu", num_kvcache_blocks=16)
+    assert llm.engine.executor.runner.cpu_decode is None
+    assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3), use_tqdm=False)[0]["token_ids"]) == 3
+
+
+def test_a_failed_build_falls_back_to_eager_only_where_not_asked_for(checkpoint_factory, monkeypatch, caplog):
+    """A package that cannot be built: the default engine warns and decodes with the eager
+    model (the same tokens); cpu_compile=True fails with the build's error."""
+    from nanovllm.runner import cpu_compiled_decode
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the C++ compiler failed")
+
+    path = checkpoint_factory("qwen3")
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eager = LLM(path, device="cpu", num_kvcache_blocks=16)
+    want = eager.generate([PROMPTS[1]], sp, use_tqdm=False)[0]["token_ids"]
+    eager.shutdown()
+    monkeypatch.delenv("NANOVLLM_CPU_COMPILE")
+    monkeypatch.setattr(cpu_compiled_decode, "aot_package", broken)
+    with caplog.at_level("WARNING", logger="nanovllm"):
+        llm = LLM(path, device="cpu", num_kvcache_blocks=16)
+    assert llm.engine.executor.runner.cpu_decode is None
+    assert "the C++ compiler failed" in caplog.text
+    assert llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0]["token_ids"] == want
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="the C\\+\\+ compiler failed"):
+        LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True)
+
+
+def test_a_bad_environment_choice_is_refused(qwen3_tiny, monkeypatch):
+    monkeypatch.setenv("NANOVLLM_CPU_COMPILE", "yes")
+    with pytest.raises(ValueError, match="NANOVLLM_CPU_COMPILE"):
+        LLM(qwen3_tiny, device="cpu")
+
+
+def test_a_mixture_of_experts_model_is_refused(checkpoint_factory, monkeypatch):
+    """Asked for, the compiled decode refuses a model it does not cover; left to choose, the
+    engine decodes that model with the eager one."""
     path = checkpoint_factory("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True)
+    monkeypatch.delenv("NANOVLLM_CPU_COMPILE")
+    assert LLM(path, device="cpu", num_kvcache_blocks=16).engine.executor.runner.cpu_decode is None
 
 
 def test_compiled_int8_head_gives_the_heads_logits(checkpoint_factory):
@@ -120,8 +186,11 @@ def test_compiled_int8_head_gives_the_heads_logits(checkpoint_factory):
 
 def test_steps_of_many_rows_decode_compiled_through_the_int4_dense_copies(checkpoint_factory, monkeypatch):
     """With dense bf16 copies of the int4 weights (forced here), decode steps of DENSE_MIN_ROWS
-    sequences or more run the compiled step over the copies (as the eager layers multiply them
-    at that size), smaller ones over the codes; the tokens are the eager model's."""
+    sequences or more run the compiled layer over the copies (as the eager layers multiply them
+    at that size), smaller ones over the codes. Over the codes the tokens are the eager model's;
+    over the copies a bf16 product may round its last bit otherwise than eager torch's, so the
+    step's hidden states are compared with the eager forward's on the same cache contents."""
+    from nanovllm.attention.metadata import AttentionMetadata
     from nanovllm.layers.int4_linear import DENSE_MIN_ROWS
     from nanovllm.runner import model_runner
 
@@ -130,9 +199,9 @@ def test_steps_of_many_rows_decode_compiled_through_the_int4_dense_copies(checkp
     prompts = [[(7 * i + j) % 200 + 3 for j in range(4 + i % 5)] for i in range(DENSE_MIN_ROWS)]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     eager = LLM(path, device="cpu", num_kvcache_blocks=64, quantization="int4")
-    want = [o["token_ids"] for o in eager.generate(prompts, sp, use_tqdm=False)]
+    want = [o["token_ids"] for o in eager.generate(prompts[:3], sp, use_tqdm=False)]
     eager.shutdown()
-    llm = LLM(path, device="cpu", num_kvcache_blocks=64, quantization="int4", cpu_compile=True)
+    llm = LLM(path, device="cpu", num_kvcache_blocks=80, quantization="int4", cpu_compile=True)
     decode = llm.engine.executor.runner.cpu_decode
     variants = []
     compiled = decode._compiled
@@ -142,11 +211,35 @@ def test_steps_of_many_rows_decode_compiled_through_the_int4_dense_copies(checkp
         return compiled(variant, *args)
 
     decode._compiled = recorded
-    assert [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)] == want
+    assert len(llm.generate(prompts, sp, use_tqdm=False)) == DENSE_MIN_ROWS
     assert variants and all(variant == (True, True) for variant in variants)  # (batched, dense)
     variants.clear()
-    assert [o["token_ids"] for o in llm.generate(prompts[:3], sp, use_tqdm=False)] == want[:3]
+    assert [o["token_ids"] for o in llm.generate(prompts[:3], sp, use_tqdm=False)] == want
     assert variants and all(variant == (True, False) for variant in variants)
+
+    # One step of DENSE_MIN_ROWS sequences (5 cached positions each, blocks 2r and 2r + 1).
+    rows, n, runner = DENSE_MIN_ROWS, 5, llm.engine.executor.runner
+    table = torch.arange(2 * rows, dtype=torch.int32).view(rows, 2)
+    prefill = AttentionMetadata(
+        slot_mapping=torch.cat([torch.arange(n) + 32 * r for r in range(rows)]),
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32) * n, seq_lens=torch.full((rows,), n, dtype=torch.int32),
+        block_tables=table, num_decodes=0, max_query_len=n, max_seq_len=n, query_lens_cpu=[n] * rows, seq_lens_cpu=[n] * rows,
+    )
+
+    def decode_meta():
+        return AttentionMetadata(
+            slot_mapping=torch.arange(rows) * 32 + n, query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+            seq_lens=torch.full((rows,), n + 1, dtype=torch.int32), block_tables=table, num_decodes=rows,
+            max_query_len=1, max_seq_len=n + 1, query_lens_cpu=[1] * rows, seq_lens_cpu=[n + 1] * rows,
+        )
+
+    tokens, positions = torch.arange(rows) * 5 + 3, torch.full((rows,), n)
+    with torch.inference_mode():
+        runner.model(torch.tensor([t for p in prompts for t in (p * 2)[:n]]), torch.arange(n).repeat(rows), prefill)
+        want_hidden = runner.model(tokens, positions, decode_meta())
+        got_hidden = runner.cpu_decode(tokens, positions, decode_meta())
+    assert variants[-1] == (True, True)
+    torch.testing.assert_close(got_hidden, want_hidden, atol=2e-2, rtol=1.6e-2)  # bf16: a rounding or two
 
 
 def test_a_later_engine_loads_the_compiled_step_from_the_cache(checkpoint_factory, monkeypatch):

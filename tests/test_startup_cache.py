@@ -366,8 +366,11 @@ def run_fresh(command: list[str], timeout: float = 120) -> subprocess.CompletedP
     return done
 
 
-def test_generate_verbose_prints_the_table_and_the_answer(cache_root, tiny_gguf):
-    """The real command, in a process of its own (it exits without interpreter teardown)."""
+def test_generate_verbose_prints_the_table_and_the_answer(cache_root, tiny_gguf, monkeypatch):
+    """The real command, in a process of its own (it exits without interpreter teardown). Left
+    to choose, `generate` decodes with the eager model: a one-shot answer builds no compiled
+    decode (no such row, no package in the cache)."""
+    monkeypatch.delenv("NANOVLLM_CPU_COMPILE", raising=False)
     command = [sys.executable, "-m", "nanovllm", "generate", "--model", str(tiny_gguf), "--max-tokens", "4",
                "--ignore-eos", "--quiet", "--verbose", "--device", "cpu", "--num-kvcache-blocks", "16", "Hello"]
     for _ in range(2):  # converts, then starts from the cache
@@ -377,6 +380,7 @@ def test_generate_verbose_prints_the_table_and_the_answer(cache_root, tiny_gguf)
         assert parts == ["start-up", "import", "config", "tokenizer", "weights", "KV", "other", "first",
                          "generation", "total"]
     assert (GGUFCacheEntry.for_file(tiny_gguf).root / "config.json").is_file()
+    assert not (cache_root / "cpu-decode").exists()
 
 
 def test_a_command_parses_without_the_other_commands_modules():

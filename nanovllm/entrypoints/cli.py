@@ -49,9 +49,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-burst", type=int, default=None,
                    help="decode steps a lone greedy or plain-temperature sequence runs per engine step "
                         "(default: 8 with the persistent kernel)")
-    g.add_argument("--cpu-compile", action="store_true",
-                   help="CPU only: decode steps (every sequence one token) run each layer as code compiled by "
-                        "torch.compile (faster per token; the first such steps compile for seconds)")
+    g.add_argument("--cpu-compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU only: decode steps (every sequence one token) run each layer as code compiled ahead "
+                        "of time (faster per token; built at start-up the first time for a model shape, then "
+                        "cached). Default: on where a C++ compiler is found, except for `generate`")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                    help="vLLM's flag: 'auto' (default) takes the model's sampling defaults (generation_config.json "
@@ -205,7 +206,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _set_threads(args)
     import_s = process_age()
     t0 = time.perf_counter()
-    llm = LLM(args.model, **engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    if kwargs["cpu_compile"] is None:  # a one-shot answer does not wait for the compiled decode's build
+        kwargs["cpu_compile"] = False
+    llm = LLM(args.model, **kwargs)
     t1 = time.perf_counter()
     params = _sampling_params(args, llm.engine.generation_defaults)
     prompts = args.prompt or [sys.stdin.read()]

@@ -3,27 +3,29 @@
 Why: decoding on the CPU, a lone sequence above all, is bound by dispatch more than arithmetic:
 the eager model makes some fifty operator calls per layer, each a few microseconds of Python
 and torch overhead, around four matmuls that take about as long together for one row. Compiled
-ahead of time, the whole step (every layer) is one call into generated C++ that runs a handful
-of fused kernels around the matmuls and the attention (docs/benchmarks.md has the figures).
+ahead of time, a decoder layer is one call into generated C++ that runs a handful of fused
+kernels around the matmuls and the attention (docs/benchmarks.md has the figures).
 
-How: `_DecodeStep` runs every decoder layer (`_decode_layer`) over plain tensors: the layers'
-weights, the KV pool as one tensor [blocks, 2 x layers, block_size, kv_heads, head_dim] (the
-runner's caches are its views, runner/host_memory.py), the step's block ids. The attention
-(`_attend`) is written as products and sums, so the compiled code reads each sequence's cached
-rows where they lie in the pool instead of gathering a copy of its context. The step is
-exported (torch.export) and compiled by AOTInductor into a package for one token per sequence,
-any context length (the step's block count is a dynamic dimension) and any pool size, in three
-variants: one row; any number of rows; and, where the int4 weights have dense bf16 copies
-(int4_linear.py), any number of rows over those copies, which serves steps of
-int4_linear.DENSE_MIN_ROWS sequences or more (as in the eager layers, the copies multiply a
-large batch faster than the codes). The runner builds or loads every variant at start-up (one
-dummy step each, `variant_rows`), so no request waits for a build. Each package is built once
-(tens of seconds on a small machine) and kept in the user's cache directory (loaders/cache.py),
-keyed by the model's shapes, torch's version and this file, so a later process loads it in a
-fraction of a second. The weights are inputs, not constants: one package serves every checkpoint of a
-shape; the step passes its inputs to the package's loader already flattened. Inductor rounds as
-eager torch does (`emulate_precision_casts`). The new K and V rows come back from the step, and
-the caller stores them.
+How: `_DecodeLayer` runs one decoder layer (`_decode_layer`) over plain tensors: the layer's
+weights, its K and V caches (views of the KV pool [blocks, 2 x layers, block_size, kv_heads,
+head_dim], runner/host_memory.py), the step's block ids. The attention (`_attend`) is written as
+products and sums, so the compiled code reads each sequence's cached rows where they lie in the
+pool instead of gathering a copy of its context. The layer is exported (torch.export) and
+compiled by AOTInductor into a package for one token per sequence, any context length (the
+step's block count is a dynamic dimension) and any pool size, in three variants: one row; any
+number of rows; and, where the int4 weights have dense bf16 copies (int4_linear.py), any number
+of rows over those copies, which serves steps of int4_linear.DENSE_MIN_ROWS sequences or more
+(as in the eager layers, the copies multiply a large batch faster than the codes). A step calls
+the package once per layer: every layer has the same shapes, so one package of a layer serves
+the whole depth, and its build takes seconds (a layer is a thirtieth of a small model). The weights
+and caches are inputs, not constants: one package serves every layer and every checkpoint of a
+shape; the step passes each layer's inputs to the package's loader already flattened. The
+runner builds or loads every variant at start-up (one dummy step each, `variant_rows`), so no
+request waits for a build. Each package is built once and kept in the user's cache directory
+(loaders/cache.py), keyed by the layer's shapes, torch's version and this file, so a later
+process loads it in about a second (the three variants). Inductor rounds as eager torch does
+(`emulate_precision_casts`). The new K and V rows come back from each layer, and the step stores
+them together after the last.
 
 Where the int4 mode's int8 LM head has no FBGEMM (layers/int8_head.py), a lone row's head runs
 compiled too (`_int8_head`, torch.compile).
@@ -64,7 +66,7 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True, "realize_opcount_threshold":
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why `model` cannot decode through the compiled step, or None."""
+    """Why `model` cannot decode through the compiled layer, or None."""
     if not hasattr(torch._inductor, "aoti_compile_and_package"):
         return f"torch {torch.__version__} has no AOTInductor packages (torch 2.6 or later has them)"
     decoder = getattr(model, "model", None)
@@ -75,6 +77,21 @@ def unsupported_reason(model: nn.Module) -> str | None:
         if getattr(layer, "mlp_reads_metadata", False) or not hasattr(layer.mlp, "gate_up_proj"):
             return "a mixture-of-experts layer"
     return None
+
+
+def chosen_automatically(model: nn.Module, tensor_parallel_size: int) -> bool:
+    """Whether a CPU engine left to choose (cpu_compile=None) decodes compiled: where it runs on
+    one rank, this module covers the model, and Inductor finds a C++ compiler to build with."""
+    if tensor_parallel_size != 1 or unsupported_reason(model) is not None:
+        return False
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - no compiler (or an Inductor without the lookup): eager
+        logger.info("cpu_compile: no C++ compiler found (%s); decoding with the eager model", e)
+        return False
+    return True
 
 
 def _weight(linear: nn.Module, dense: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, int]:
@@ -145,36 +162,31 @@ def _decode_layer(
     return _linear(F.silu(gate) * up, down, down_bias), residual, k, v
 
 
-class _DecodeStep(nn.Module):
-    """Every decoder layer for B sequences decoding one token each: (hidden [B, H], residual
-    [B, H]) -> the last layer's pair, and the tokens' new K and V rows [B, 2 x layers, kv_heads,
-    head_dim] in the pool's order (layer i's K at i, its V at layers + i). The pool is read, not
-    written. The model's constants (eps, head counts, scale) are attributes: the exported
-    program holds them."""
+class _DecodeLayer(nn.Module):
+    """One decoder layer for B sequences decoding one token each, as the package runs it:
+    (hidden [B, H], residual [B, H]) -> the next layer's pair, and the tokens' K and V rows
+    [B, kv_heads, head_dim], which the caller stores. k_cache and v_cache [blocks, block_size,
+    kv_heads, head_dim] are the layer's caches (views of the pool: every layer's have the same
+    shape and strides, so one package serves them all); row b attends to its first context[b]
+    cached positions, in the blocks block_ids[b]. The caches are read, not written. The model's
+    constants (eps, head counts, scale) are attributes: the exported program holds them."""
 
     def __init__(self, eps: float, heads: int, kv_heads: int, scale: float) -> None:
         super().__init__()
         self.eps, self.heads, self.kv_heads, self.scale = eps, heads, kv_heads, scale
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,
-                weights: list, pool: torch.Tensor, block_ids: torch.Tensor, context: torch.Tensor):
-        layers, rows, blocks = len(weights), hidden.shape[0], block_ids.shape[1]
-        _, slots, block_size, kv_heads, head_dim = pool.shape
+                weights: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                context: torch.Tensor):
+        rows, blocks = hidden.shape[0], block_ids.shape[1]
+        _, block_size, kv_heads, head_dim = k_cache.shape
         positions = blocks * block_size
-        # Row b attends to its context[b] cached positions (every layer).
         mask = torch.zeros(rows, positions).masked_fill(torch.arange(positions)[None, :] >= context[:, None],
                                                         float("-inf")).view(rows, 1, 1, positions)
-
-        def cached(slot: int) -> torch.Tensor:  # [B, positions, kv_heads, head_dim]: the rows' blocks of one slot
-            return pool[:, slot][block_ids].view(rows, positions, kv_heads, head_dim)
-
-        new_k, new_v = [], []
-        for i, w in enumerate(weights):
-            hidden, residual, k, v = _decode_layer(hidden, residual, cos2, sin2, w, cached(i), cached(layers + i),
-                                                   mask, self.eps, self.heads, self.kv_heads, self.scale)
-            new_k.append(k)
-            new_v.append(v)
-        return hidden, residual, torch.stack(new_k + new_v, 1)
+        k_context = k_cache[block_ids].view(rows, positions, kv_heads, head_dim)
+        v_context = v_cache[block_ids].view(rows, positions, kv_heads, head_dim)
+        return _decode_layer(hidden, residual, cos2, sin2, weights, k_context, v_context, mask,
+                             self.eps, self.heads, self.kv_heads, self.scale)
 
 
 def _int8_head(hidden: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -184,9 +196,19 @@ def _int8_head(hidden: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
     return ((hidden.float().view(1, 1, -1) * codes.float()).sum(-1) * scales.float()).to(scales.dtype).float()
 
 
+def _describe(t) -> object:
+    """A weight's (or a tuple of them) shapes, strides and dtypes: what compiled code over it
+    depends on."""
+    if isinstance(t, torch.Tensor):
+        return (tuple(t.shape), t.stride(), str(t.dtype))
+    if isinstance(t, tuple):
+        return tuple(_describe(x) for x in t)
+    return t
+
+
 class CompiledCpuDecode:
     """`decode(input_ids [B], positions [B], meta) -> hidden [B, H]` for a step of B sequences
-    decoding one token each, through the compiled step (each variant built or loaded at its
+    decoding one token each, through the compiled layer (each variant built or loaded at its
     first step: the runner makes those at start-up, `variant_rows`)."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -198,36 +220,37 @@ class CompiledCpuDecode:
         self.attentions = [layer.self_attn.attn for layer in decoder.layers]
         first = decoder.layers[0].self_attn
         self.rotary_emb = first.rotary_emb
-        self.step = _DecodeStep(decoder.layers[0].input_layernorm.eps, first.num_heads, first.num_kv_heads,
-                                first.attn.scale)
+        self.layer = _DecodeLayer(decoder.layers[0].input_layernorm.eps, first.num_heads, first.num_kv_heads,
+                                  first.attn.scale)
         # Int4 weights with dense bf16 copies: steps of DENSE_MIN_ROWS rows or more multiply those.
         down = decoder.layers[0].mlp.down_proj.weight
         self.dense_from = DENSE_MIN_ROWS if isinstance(down, Int4Weight) and down.dense is not None else None
-        # The step's tensor inputs in the package's order are the pytree leaves of its arguments;
-        # the weights' part is flattened once here, not at each step.
-        self.weights = {dense: self._layer_weights(decoder, dense)
+        # Each layer's weights as the package takes them, over the codes and (where they exist) the
+        # dense copies; and their tensors, the package's weight inputs in order (pytree leaves),
+        # flattened once here, not at each step.
+        self.weights = {dense: [self._layer_weights(layer, dense) for layer in decoder.layers]
                         for dense in ((False, True) if self.dense_from is not None else (False,))}
-        self.weight_inputs = {dense: [t for t in pytree.tree_leaves(w) if isinstance(t, torch.Tensor)]
-                              for dense, w in self.weights.items()}
+        if len({repr(_describe(w)) for w in self.weights[False]}) > 1:
+            raise ValueError("cpu_compile: this model cannot decode compiled (its layers differ in shape)")
+        self.weight_inputs = {dense: [[t for t in pytree.tree_leaves(w) if isinstance(t, torch.Tensor)] for w in ws]
+                              for dense, ws in self.weights.items()}
         self.compiled: dict[tuple[bool, bool], object] = {}  # (batched, dense) -> the loaded AOTInductor package
         self._pool: torch.Tensor | None = None  # pool(), for the caches it was made of (_pool_of)
         self._pool_of: tuple | None = None
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's (K, V) slot of the pool
         self.lm_head = model.lm_head
         self.head = torch.compile(_int8_head, dynamic=False, options=COMPILE_OPTIONS)
 
     @staticmethod
-    def _layer_weights(decoder: nn.Module, dense: bool) -> list[tuple]:
-        weights = []
-        for layer in decoder.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            weights.append((
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                _weight(attn.qkv_proj, dense), attn.qkv_proj.bias, _weight(attn.o_proj, dense), attn.o_proj.bias,
-                _weight(mlp.gate_up_proj, dense), mlp.gate_up_proj.bias, _weight(mlp.down_proj, dense),
-                mlp.down_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
-                attn.k_norm.weight if attn.k_norm is not None else None,
-            ))
-        return weights
+    def _layer_weights(layer: nn.Module, dense: bool) -> tuple:
+        attn, mlp = layer.self_attn, layer.mlp
+        return (
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            _weight(attn.qkv_proj, dense), attn.qkv_proj.bias, _weight(attn.o_proj, dense), attn.o_proj.bias,
+            _weight(mlp.gate_up_proj, dense), mlp.gate_up_proj.bias, _weight(mlp.down_proj, dense),
+            mlp.down_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
+            attn.k_norm.weight if attn.k_norm is not None else None,
+        )
 
     def variant_rows(self) -> list[int]:
         """A step size for each variant: one row, a batch over the codes (or the dense weights),
@@ -257,6 +280,8 @@ class CompiledCpuDecode:
         k0 = self.attentions[0].k_cache
         if self._pool is None or self._pool_of != (k0.data_ptr(), k0.shape):  # the runner's caches, made once
             self._pool, self._pool_of = self.pool(), (k0.data_ptr(), k0.shape)
+            layers = len(self.attentions)
+            self._caches = [(self._pool[:, i], self._pool[:, layers + i]) for i in range(layers)]
         pool = self._pool
         block_size = pool.shape[2]
         # Two blocks at least: the exported block count is dynamic from 2 (a padding block is
@@ -269,9 +294,13 @@ class CompiledCpuDecode:
         context = meta.seq_lens - 1  # the positions cached before each token
         rows = len(input_ids)
         variant = (rows > 1, self.dense_from is not None and rows >= self.dense_from)
-        run = self._compiled(variant, hidden, residual, cos2, sin2, pool, block_ids, context)
-        hidden, residual, new = run.loader.boxed_run([hidden, residual, cos2, sin2, *self.weight_inputs[variant[1]],
-                                                      pool, block_ids, context])
+        run = self._compiled(variant, hidden, residual, cos2, sin2, *self._caches[0], block_ids, context).loader.boxed_run
+        new_k, new_v = [], []
+        for weights, (k_cache, v_cache) in zip(self.weight_inputs[variant[1]], self._caches):
+            hidden, residual, k, v = run([hidden, residual, cos2, sin2, *weights, k_cache, v_cache, block_ids, context])
+            new_k.append(k)
+            new_v.append(v)
+        new = torch.stack(new_k + new_v, 1)  # [B, 2 x layers, kv_heads, head_dim]: the pool's slot order
         slot = meta.slot_mapping  # -1: store nothing (a dummy step's rows)
         if len(slot) == 1:
             if int(slot[0]) >= 0:
@@ -294,32 +323,26 @@ class CompiledCpuDecode:
 
     def _compiled(self, variant: tuple[bool, bool], *example: torch.Tensor):
         """The loaded package of this variant (an AOTICompiledModel, run through its loader with
-        the inputs flattened): from the cache, or exported and compiled now on this step's
-        tensors (`example`: the step's inputs but the weights)."""
+        the inputs flattened): from the cache, or exported and compiled now on the first layer's
+        inputs in this step (`example`: those but the weights)."""
         run = self.compiled.get(variant)
         if run is None:
             batched, dense = variant
-            hidden, residual, cos2, sin2, pool, block_ids, context = example
-            args = (hidden, residual, cos2, sin2, self.weights[dense], pool, block_ids, context)
-            run = self.compiled[variant] = aot_package(self.step, args, batched, self._shape_key(pool, dense))
+            hidden, residual, cos2, sin2, k_cache, v_cache, block_ids, context = example
+            args = (hidden, residual, cos2, sin2, self.weights[dense][0], k_cache, v_cache, block_ids, context)
+            run = self.compiled[variant] = aot_package(self.layer, args, batched, self._shape_key(k_cache, dense))
         return run
 
-    def _shape_key(self, pool: torch.Tensor, dense: bool) -> str:
-        """What the compiled code depends on besides the dynamic sizes: the weights' and the
-        pool's shapes, strides and dtypes, and the model's constants."""
-        def describe(t):
-            if isinstance(t, torch.Tensor):
-                return (tuple(t.shape), t.stride(), str(t.dtype))
-            if isinstance(t, tuple):
-                return tuple(describe(x) for x in t)
-            return t
-        s = self.step
-        return repr((describe(self.weights[dense][0]), len(self.weights[dense]), pool.shape[1:], pool.stride(), str(pool.dtype),
+    def _shape_key(self, k_cache: torch.Tensor, dense: bool) -> str:
+        """What the compiled code depends on besides the dynamic sizes: a layer's weights' and
+        caches' shapes, strides and dtypes, and the model's constants."""
+        s = self.layer
+        return repr((_describe(self.weights[dense][0]), k_cache.shape[1:], k_cache.stride(), str(k_cache.dtype),
                      s.eps, s.heads, s.kv_heads, s.scale, self.embed_tokens.weight.dtype))
 
 
-def aot_package(step: nn.Module, args: tuple, batched: bool, shape_key: str):
-    """The AOTInductor package of `step` for inputs like `args` (one row, or any number where
+def aot_package(layer: nn.Module, args: tuple, batched: bool, shape_key: str):
+    """The AOTInductor package of `layer` for inputs like `args` (one row, or any number where
     `batched`; any block count from 2 and any pool size), loaded: from the user's cache where a
     process built it before, else exported, compiled and kept there, under a directory for this
     code (torch's version and this module), which drops the directories of other code."""
@@ -337,10 +360,10 @@ def aot_package(step: nn.Module, args: tuple, batched: bool, shape_key: str):
     pool_blocks = torch.export.Dim("pool_blocks", min=2)
     per_row = {0: rows} if batched else None
     dynamic = (per_row, per_row, per_row, per_row, pytree.tree_map(lambda _: None, args[4]), {0: pool_blocks},
-               {0: rows, 1: blocks} if batched else {1: blocks}, per_row)
-    logger.info("cpu_compile: compiling the %s decode step ahead of time (once per model shape)",
+               {0: pool_blocks}, {0: rows, 1: blocks} if batched else {1: blocks}, per_row)
+    logger.info("cpu_compile: compiling the %s decode layer ahead of time (once per model shape)",
                 "batched" if batched else "one-row")
-    program = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+    program = torch.export.export(layer, args, dynamic_shapes=dynamic, strict=False)
     keep = cache_enabled()
     if keep:  # packages of other code (another torch, an older nano-vllm) are not loaded again
         if path.parent.parent.is_dir():

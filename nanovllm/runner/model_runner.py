@@ -101,10 +101,12 @@ class ModelRunner:
         self.fastpath = None  # the lone-sequence fast path (nanovllm/fastpath/), asked once per step
         self.staging = HostStaging(self.device, slots=6) if self.device.type == "cuda" else None
         self.cpu_decode = None  # runner/cpu_compiled_decode.py, where config.cpu_compile asks for it
-        if config.cpu_compile and self.device.type == "cpu":
-            from nanovllm.runner.cpu_compiled_decode import CompiledCpuDecode
+        self.cpu_compile_required = bool(config.cpu_compile)  # asked for, not chosen automatically
+        if self.device.type == "cpu" and config.cpu_compile is not False:
+            from nanovllm.runner import cpu_compiled_decode
 
-            self.cpu_decode = CompiledCpuDecode(self.model)
+            if config.cpu_compile or cpu_compiled_decode.chosen_automatically(self.model, config.tensor_parallel_size):
+                self.cpu_decode = cpu_compiled_decode.CompiledCpuDecode(self.model)
         # The torch backend reads host-side lengths, so only the Triton / flash-attn backends are captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from nanovllm.fastpath.seam import FastPath
@@ -137,7 +139,8 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.capture()
         t_captured = time.perf_counter()
-        if self.cpu_decode is not None:
+        cpu_decode_tried = self.cpu_decode is not None
+        if cpu_decode_tried:
             self._prepare_cpu_decode()
         t4 = time.perf_counter()
         if self.device.type == "cuda":
@@ -157,7 +160,7 @@ class ModelRunner:
             "graph_capture": t_captured - t3,
             "allocator_warmup": time.perf_counter() - t4,
         }
-        if self.cpu_decode is not None:
+        if cpu_decode_tried:
             self.startup_seconds["cpu_decode_packages"] = t4 - t_captured
         logger.info(
             "model %s loaded in %.1fs on %s (%s), %s attention, KV pool %d blocks x %d tokens",
@@ -301,10 +304,18 @@ class ModelRunner:
     @torch.inference_mode()
     def _prepare_cpu_decode(self) -> None:
         """Build (or load from the cache) each variant of the compiled CPU decode now, through one
-        step of dummy sequences that stores nothing, so that no request waits for a build."""
-        for rows in self.cpu_decode.variant_rows():
-            zeros = torch.zeros(rows, dtype=torch.long)
-            self.cpu_decode(zeros, zeros, self._dummy_meta([1] * rows, num_decodes=rows))
+        step of dummy sequences that stores nothing, so that no request waits for a build. Where
+        the decode was chosen automatically, a failed build leaves the eager model decoding."""
+        try:
+            for rows in self.cpu_decode.variant_rows():
+                zeros = torch.zeros(rows, dtype=torch.long)
+                self.cpu_decode(zeros, zeros, self._dummy_meta([1] * rows, num_decodes=rows))
+        except Exception as e:
+            if self.cpu_compile_required:
+                raise
+            logger.warning("cpu_compile: the compiled decode could not be built (%s: %s); decoding with the eager "
+                           "model (cpu_compile=False skips the attempt)", type(e).__name__, e)
+            self.cpu_decode = None
 
     @torch.inference_mode()
     def _dry_decode_passes(self) -> None:
