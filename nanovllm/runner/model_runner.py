@@ -106,7 +106,12 @@ class ModelRunner:
             from nanovllm.runner import cpu_compiled_decode
 
             if config.cpu_compile or cpu_compiled_decode.chosen_automatically(self.model, config.tensor_parallel_size):
-                self.cpu_decode = cpu_compiled_decode.CompiledCpuDecode(self.model)
+                try:
+                    self.cpu_decode = cpu_compiled_decode.CompiledCpuDecode(self.model)
+                except ValueError as e:  # a model it does not cover
+                    if self.cpu_compile_required:
+                        raise
+                    logger.info("%s; decoding with the eager model", e)
         # The torch backend reads host-side lengths, so only the Triton / flash-attn backends are captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from nanovllm.fastpath.seam import FastPath
