@@ -166,6 +166,20 @@ def test_a_mixture_of_experts_model_is_refused(checkpoint_factory, monkeypatch):
     assert LLM(path, device="cpu", num_kvcache_blocks=16).engine.executor.runner.cpu_decode is None
 
 
+def test_a_model_whose_layers_differ_in_shape_is_not_covered(qwen3_tiny):
+    """One package serves every layer, so a layer unlike the others makes the model uncovered
+    (left to choose, its engine decodes eagerly; asked for, the compiled decode refuses it)."""
+    from torch import nn
+
+    from nanovllm.runner.cpu_compiled_decode import unsupported_reason
+
+    model = LLM(qwen3_tiny, device="cpu", num_kvcache_blocks=16).engine.executor.runner.model
+    assert unsupported_reason(model) is None
+    o_proj = model.model.layers[1].self_attn.o_proj
+    o_proj.weight = nn.Parameter(o_proj.weight.detach().double(), requires_grad=False)
+    assert "differ in shape" in unsupported_reason(model)
+
+
 def test_compiled_int8_head_gives_the_heads_logits(checkpoint_factory):
     """Where the head's int8 kernel is torch's reference one (no FBGEMM), a lone row's logits
     come from one compiled reduction over the codes: the reference kernel's logits up to one

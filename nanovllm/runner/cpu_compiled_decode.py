@@ -76,13 +76,19 @@ def unsupported_reason(model: nn.Module) -> str | None:
     for layer in layers:
         if getattr(layer, "mlp_reads_metadata", False) or not hasattr(layer.mlp, "gate_up_proj"):
             return "a mixture-of-experts layer"
+    if len({repr(_describe(_layer_weights(layer, dense=False))) for layer in layers}) > 1:
+        return "its layers differ in shape (one package serves every layer)"
     return None
 
 
 def chosen_automatically(model: nn.Module, tensor_parallel_size: int) -> bool:
     """Whether a CPU engine left to choose (cpu_compile=None) decodes compiled: where it runs on
     one rank, this module covers the model, and Inductor finds a C++ compiler to build with."""
-    if tensor_parallel_size != 1 or unsupported_reason(model) is not None:
+    if tensor_parallel_size != 1:
+        return False
+    reason = unsupported_reason(model)
+    if reason is not None:
+        logger.info("cpu_compile: this model decodes with the eager model (%s)", reason)
         return False
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
@@ -101,6 +107,29 @@ def _weight(linear: nn.Module, dense: bool) -> torch.Tensor | tuple[torch.Tensor
     if isinstance(w, Int4Weight):
         return w.dense if dense else (w.packed, w.scales_and_zeros, w.group_size)
     return w
+
+
+def _layer_weights(layer: nn.Module, dense: bool) -> tuple:
+    """A decoder layer's weights as `_decode_layer` takes them (`_weight`'s form for the
+    projections; None for a bias or a norm the layer lacks)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+        _weight(attn.qkv_proj, dense), attn.qkv_proj.bias, _weight(attn.o_proj, dense), attn.o_proj.bias,
+        _weight(mlp.gate_up_proj, dense), mlp.gate_up_proj.bias, _weight(mlp.down_proj, dense),
+        mlp.down_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
+        attn.k_norm.weight if attn.k_norm is not None else None,
+    )
+
+
+def _describe(t) -> object:
+    """A weight's (or a tuple of them) shapes, strides and dtypes: what compiled code over it
+    depends on."""
+    if isinstance(t, torch.Tensor):
+        return (tuple(t.shape), t.stride(), str(t.dtype))
+    if isinstance(t, tuple):
+        return tuple(_describe(x) for x in t)
+    return t
 
 
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
@@ -196,16 +225,6 @@ def _int8_head(hidden: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
     return ((hidden.float().view(1, 1, -1) * codes.float()).sum(-1) * scales.float()).to(scales.dtype).float()
 
 
-def _describe(t) -> object:
-    """A weight's (or a tuple of them) shapes, strides and dtypes: what compiled code over it
-    depends on."""
-    if isinstance(t, torch.Tensor):
-        return (tuple(t.shape), t.stride(), str(t.dtype))
-    if isinstance(t, tuple):
-        return tuple(_describe(x) for x in t)
-    return t
-
-
 class CompiledCpuDecode:
     """`decode(input_ids [B], positions [B], meta) -> hidden [B, H]` for a step of B sequences
     decoding one token each, through the compiled layer (each variant built or loaded at its
@@ -228,10 +247,8 @@ class CompiledCpuDecode:
         # Each layer's weights as the package takes them, over the codes and (where they exist) the
         # dense copies; and their tensors, the package's weight inputs in order (pytree leaves),
         # flattened once here, not at each step.
-        self.weights = {dense: [self._layer_weights(layer, dense) for layer in decoder.layers]
+        self.weights = {dense: [_layer_weights(layer, dense) for layer in decoder.layers]
                         for dense in ((False, True) if self.dense_from is not None else (False,))}
-        if len({repr(_describe(w)) for w in self.weights[False]}) > 1:
-            raise ValueError("cpu_compile: this model cannot decode compiled (its layers differ in shape)")
         self.weight_inputs = {dense: [[t for t in pytree.tree_leaves(w) if isinstance(t, torch.Tensor)] for w in ws]
                               for dense, ws in self.weights.items()}
         self.compiled: dict[tuple[bool, bool], object] = {}  # (batched, dense) -> the loaded AOTInductor package
@@ -240,17 +257,6 @@ class CompiledCpuDecode:
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's (K, V) slot of the pool
         self.lm_head = model.lm_head
         self.head = torch.compile(_int8_head, dynamic=False, options=COMPILE_OPTIONS)
-
-    @staticmethod
-    def _layer_weights(layer: nn.Module, dense: bool) -> tuple:
-        attn, mlp = layer.self_attn, layer.mlp
-        return (
-            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            _weight(attn.qkv_proj, dense), attn.qkv_proj.bias, _weight(attn.o_proj, dense), attn.o_proj.bias,
-            _weight(mlp.gate_up_proj, dense), mlp.gate_up_proj.bias, _weight(mlp.down_proj, dense),
-            mlp.down_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
-            attn.k_norm.weight if attn.k_norm is not None else None,
-        )
 
     def variant_rows(self) -> list[int]:
         """A step size for each variant: one row, a batch over the codes (or the dense weights),

@@ -101,17 +101,11 @@ class ModelRunner:
         self.fastpath = None  # the lone-sequence fast path (nanovllm/fastpath/), asked once per step
         self.staging = HostStaging(self.device, slots=6) if self.device.type == "cuda" else None
         self.cpu_decode = None  # runner/cpu_compiled_decode.py, where config.cpu_compile asks for it
-        self.cpu_compile_required = bool(config.cpu_compile)  # asked for, not chosen automatically
         if self.device.type == "cpu" and config.cpu_compile is not False:
             from nanovllm.runner import cpu_compiled_decode
 
             if config.cpu_compile or cpu_compiled_decode.chosen_automatically(self.model, config.tensor_parallel_size):
-                try:
-                    self.cpu_decode = cpu_compiled_decode.CompiledCpuDecode(self.model)
-                except ValueError as e:  # a model it does not cover
-                    if self.cpu_compile_required:
-                        raise
-                    logger.info("%s; decoding with the eager model", e)
+                self.cpu_decode = cpu_compiled_decode.CompiledCpuDecode(self.model)
         # The torch backend reads host-side lengths, so only the Triton / flash-attn backends are captured.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             from nanovllm.fastpath.seam import FastPath
@@ -316,7 +310,7 @@ class ModelRunner:
                 zeros = torch.zeros(rows, dtype=torch.long)
                 self.cpu_decode(zeros, zeros, self._dummy_meta([1] * rows, num_decodes=rows))
         except Exception as e:
-            if self.cpu_compile_required:
+            if self.config.cpu_compile:  # asked for, not chosen automatically
                 raise
             logger.warning("cpu_compile: the compiled decode could not be built (%s: %s); decoding with the eager "
                            "model (cpu_compile=False skips the attempt)", type(e).__name__, e)
