@@ -52,8 +52,8 @@ class EngineConfig:
     persistent_decode: bool = True
     # Decode steps a lone greedy or plain-temperature sequence runs per engine step, back to
     # back on the device (a decode burst: engine/scheduler.py). None = 8 once the persistent
-    # kernel's graphs are captured (CUDA), else 1; any value > 1 also runs elsewhere, as steps
-    # launched in a loop.
+    # kernel's graphs are captured (CUDA) and with the compiled CPU decode, else 1; any value
+    # > 1 also runs elsewhere, as steps launched in a loop.
     decode_burst: int | None = None
     seed: int = 0
     # Schedule step N+1 while step N runs on the device (outputs trail by one step). None = on

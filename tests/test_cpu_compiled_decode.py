@@ -112,6 +112,28 @@ def test_a_cpu_engine_left_to_choose_decodes_compiled(checkpoint_factory, monkey
     assert calls[0] == 7  # every step after the prompts' (both sequences decode together)
 
 
+def test_a_lone_sequence_decodes_in_bursts_with_the_eager_tokens(checkpoint_factory):
+    """With the compiled decode and decode_burst left to the engine, a lone sequence decodes
+    several tokens per engine step (fewer near max_tokens), with the eager model's tokens."""
+    path = checkpoint_factory("qwen3")
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    eager = LLM(path, device="cpu", num_kvcache_blocks=16)
+    want = eager.generate([PROMPTS[1]], sp, use_tqdm=False)[0]["token_ids"]
+    eager.shutdown()
+    llm = LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True)
+    scheduler = llm.engine.scheduler
+    schedule, bursts = scheduler.schedule, []
+
+    def recorded(*args):
+        out = schedule(*args)
+        bursts.extend(s.num_steps for s in out.seqs)
+        return out
+
+    scheduler.schedule = recorded
+    assert llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0]["token_ids"] == want
+    assert bursts == [1, 8, 8, 2, 1]  # the prompt's step, then 19 tokens: 8 + 8 + 2 + 1
+
+
 def test_without_a_cpp_compiler_the_default_decodes_eager(checkpoint_factory, monkeypatch):
     from torch._inductor import cpp_builder
 

@@ -86,6 +86,23 @@ def test_greedy_is_argmax(device):
     assert out.sampled_logprobs is None and out.top_token_ids is None and out.top_logprobs is None
 
 
+def test_greedy_argmax_takes_the_first_maximum_and_a_nan_as_torch_does():
+    """The CPU's greedy argmax (numpy's) against torch.argmax: ties, NaN, all -inf, bf16."""
+    from nanovllm.layers.sampler import greedy_argmax
+
+    inf, nan = float("inf"), float("nan")
+    logits = torch.randn(6, 49152)
+    logits[0, 7] = logits[0, 40000] = 1e4
+    logits[1, 3] = logits[1, 9] = nan
+    logits[2] = -inf
+    logits[3, 12] = inf
+    logits[4, -1] = 1e4
+    for x in (logits, logits.bfloat16(), logits[:, ::2]):
+        got = greedy_argmax(x)
+        assert got.dtype == torch.int64 and got.tolist() == x.argmax(dim=-1).tolist()
+    assert greedy_argmax(logits)[:5].tolist() == [7, 3, 0, 12, 49151]
+
+
 def test_tiny_temperature_is_greedy():
     # One rule for the sampler and for the runner's lone-sequence graph (its in-graph argmax).
     assert SamplingParams(temperature=1e-7).greedy and not SamplingParams(temperature=1e-4).greedy

@@ -37,6 +37,12 @@ from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger("nanovllm")
 
+# The compiled CPU decode's default burst (decode_burst=None): a lone token takes a few
+# milliseconds there, and the engine's scheduling and bookkeeping around each step, paid once
+# per burst instead, are a few percent of it.
+CPU_DECODE_BURST = 8
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -390,6 +396,12 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput) -> tuple:
         """`prepare` up to the gather of the previous step's tokens, which reads nothing yet:
         (..., where the pending rows are, which of the previous step's rows fill them)."""
+        if len(out.seqs) == 1 and len(out.seqs[0].token_ids) == 1:
+            return self._prepare_lone(out.seqs[0], out.num_decodes)
+        return self._prepare_batch(out)
+
+    def _prepare_batch(self, out: SchedulerOutput) -> tuple:
+        """`_prepare` of any step."""
         seqs = out.seqs
         num_seqs = len(seqs)
         qlens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=num_seqs)
@@ -430,6 +442,40 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         if not len(pending):
+            pending_dev = src_dev = None
+        return input_ids_dev, positions_dev, meta, logits_indices, pending_dev, src_dev
+
+    def _prepare_lone(self, item: ScheduledSeq, num_decodes: int) -> tuple:
+        """`_prepare` of a step of one token of one sequence (a lone stream's every decode step,
+        each of a burst's): the same inputs, written directly instead of derived for a batch.
+        On the CPU, where a lone token's whole step takes a few milliseconds, the batch
+        derivation is a noticeable share of it."""
+        position = item.start_pos
+        bs = self.block_size
+        token = item.token_ids[0]
+        pending = token == PLACEHOLDER_TOKEN
+        ints = np.array([token, position, item.block_table[position // bs] * bs + position % bs, 0,
+                         self.prev_rows[item.seq_id] if pending else 0], dtype=np.int64)
+        input_ids_dev, positions_dev, slot_mapping_dev, pending_dev, src_dev = self._to_device_packed(
+            [ints[0:1], ints[1:2], ints[2:3], ints[3:4], ints[4:5]], np.int64
+        )
+        block_table = np.asarray(item.block_table, dtype=np.int32)
+        qsl_dev, seq_lens_dev, block_tables_dev = self._to_device_packed(
+            [np.array([0, 1], dtype=np.int32), np.array([position + 1], dtype=np.int32), block_table[None]], np.int32
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping_dev,
+            query_start_loc=qsl_dev,
+            seq_lens=seq_lens_dev,
+            block_tables=block_tables_dev,
+            num_decodes=num_decodes,
+            max_query_len=1,
+            max_seq_len=position + 1,
+            query_lens_cpu=[1],
+            seq_lens_cpu=[position + 1],
+        )
+        logits_indices = np.zeros(1 if item.sample else 0, dtype=np.int64)
+        if not pending:
             pending_dev = src_dev = None
         return input_ids_dev, positions_dev, meta, logits_indices, pending_dev, src_dev
 
@@ -521,10 +567,13 @@ class ModelRunner:
     def decode_burst(self) -> int:
         """How many decode steps of a lone sequence one engine step
         may run (Scheduler.schedule): config.decode_burst where given, else the fast path's
-        burst once its graphs are captured (1 before, and without one)."""
+        burst once its graphs are captured (1 before), CPU_DECODE_BURST for the compiled CPU
+        decode, 1 otherwise."""
         if self.config.decode_burst is not None:
             return self.config.decode_burst
-        return self.fastpath.decode_burst if self.fastpath is not None else 1
+        if self.fastpath is not None:
+            return self.fastpath.decode_burst
+        return CPU_DECODE_BURST if self.cpu_decode is not None else 1
 
     def run_steps(self, item: ScheduledSeq,
                   launch: Callable[[ScheduledSeq], tuple[list[ScheduledSeq], SamplerOutput] | None]) -> StepResult:
