@@ -68,13 +68,14 @@ def main() -> None:
     for i in range(args.runs):
         llm.reset_prefix_cache()
         engine.add_request(f"s{i}", prompts[0], sp)
-        engine.step()
+        engine.step()  # the prompt, and the first token
         t = time.perf_counter()
-        steps = 0
+        final = None
         while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-        single.append(steps / (time.perf_counter() - t))
+            for out in engine.step():
+                final = out
+        # Tokens after the first over their time (a decode burst yields several per step).
+        single.append((len(final.outputs[0].token_ids) - 1) / (time.perf_counter() - t))
     print(json.dumps({"batch_tok_per_s": batch, "single_decode_tok_per_s": single,
                       "prompt_tokens": [len(p) for p in prompts], "threads": torch.get_num_threads(),
                       "dtype": str(llm.engine.executor.runner.dtype),
