@@ -3,6 +3,7 @@ every decode step of a lone stream) against the batch derivation of any step
 (ModelRunner._prepare_batch), its reference."""
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 import torch
@@ -13,11 +14,22 @@ from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
 BLOCKS = [7, 3, 11, 2]  # 16 positions each
 
 
-@pytest.fixture(scope="module")
-def runner(qwen3_tiny):
-    llm = LLM(qwen3_tiny, device="cpu", num_kvcache_blocks=16)
+@pytest.fixture(scope="module", params=[
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+])
+def runner(qwen3_tiny, request):
+    llm = LLM(qwen3_tiny, device=request.param, num_kvcache_blocks=16, enforce_eager=True)
     yield llm.engine.executor.runner
     llm.shutdown()
+
+
+def _on_host(prepared: tuple) -> tuple:
+    ids, pos, meta, idx, pend, src = prepared
+    host = lambda t: None if t is None else t.cpu()  # noqa: E731
+    meta = dataclasses.replace(meta, **{f: host(getattr(meta, f)) for f in
+                                        ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+    return host(ids), host(pos), meta, idx, host(pend), host(src)
 
 
 def _same(a, b) -> None:
@@ -42,8 +54,9 @@ def test_lone_token_inputs_equal_the_batch_derivation(runner, position, pending,
     item = ScheduledSeq(4, [token], position, BLOCKS, sample, SamplingParams(), None, None)
     out = SchedulerOutput([item], num_decodes, 1)
     runner.prev_rows = {4: 0}
-    lone = runner._prepare_lone(item, num_decodes)
-    batch = runner._prepare_batch(out)
+    # Copied to the host at once: on CUDA the next prepare's upload reuses the staging buffers.
+    lone = _on_host(runner._prepare_lone(item, num_decodes))
+    batch = _on_host(runner._prepare_batch(out))
     (ids_l, pos_l, meta_l, idx_l, pend_l, src_l), (ids_b, pos_b, meta_b, idx_b, pend_b, src_b) = lone, batch
     assert (pend_l is None) == (pend_b is None) == (not pending)
     if pending:
