@@ -426,24 +426,8 @@ class ModelRunner:
         pending = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
         src = np.fromiter((self.prev_rows[seqs[i].seq_id] for i in seq_index[pending]), dtype=np.int64, count=len(pending))
 
-        input_ids_dev, positions_dev, slot_mapping_dev, pending_dev, src_dev = self._to_device_packed(
-            [input_ids, positions, slot_mapping, pending, src], np.int64
-        )
-        qsl_dev, seq_lens_dev, block_tables_dev = self._to_device_packed([cu, seq_lens, block_tables], np.int32)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping_dev,
-            query_start_loc=qsl_dev,
-            seq_lens=seq_lens_dev,
-            block_tables=block_tables_dev,
-            num_decodes=out.num_decodes,
-            max_query_len=int(qlens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=qlens.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        if not len(pending):
-            pending_dev = src_dev = None
-        return input_ids_dev, positions_dev, meta, logits_indices, pending_dev, src_dev
+        return self._upload(out.num_decodes, [input_ids, positions, slot_mapping, pending, src],
+                            [cu, seq_lens, block_tables], qlens.tolist(), seq_lens.tolist(), logits_indices)
 
     def _prepare_lone(self, item: ScheduledSeq, num_decodes: int) -> tuple:
         """`_prepare` of a step of one token of one sequence (a lone stream's every decode step,
@@ -454,28 +438,34 @@ class ModelRunner:
         bs = self.block_size
         token = item.token_ids[0]
         pending = token == PLACEHOLDER_TOKEN
-        ints = np.array([token, position, item.block_table[position // bs] * bs + position % bs, 0,
-                         self.prev_rows[item.seq_id] if pending else 0], dtype=np.int64)
-        input_ids_dev, positions_dev, slot_mapping_dev, pending_dev, src_dev = self._to_device_packed(
-            [ints[0:1], ints[1:2], ints[2:3], ints[3:4], ints[4:5]], np.int64
-        )
-        block_table = np.asarray(item.block_table, dtype=np.int32)
-        qsl_dev, seq_lens_dev, block_tables_dev = self._to_device_packed(
-            [np.array([0, 1], dtype=np.int32), np.array([position + 1], dtype=np.int32), block_table[None]], np.int32
-        )
+        ints = np.array([token, position, item.block_table[position // bs] * bs + position % bs,
+                         0, self.prev_rows[item.seq_id] if pending else 0], dtype=np.int64)
+        # input ids, positions, slot mapping; pending row and its source row where the token is pending
+        int64s = [ints[0:1], ints[1:2], ints[2:3]] + ([ints[3:4], ints[4:5]] if pending else [ints[3:3], ints[4:4]])
+        int32s = [np.array([0, 1], dtype=np.int32), np.array([position + 1], dtype=np.int32),
+                  np.asarray(item.block_table, dtype=np.int32)[None]]
+        logits_indices = np.zeros(1 if item.sample else 0, dtype=np.int64)
+        return self._upload(num_decodes, int64s, int32s, [1], [position + 1], logits_indices)
+
+    def _upload(self, num_decodes: int, int64s: list[np.ndarray], int32s: list[np.ndarray], query_lens_cpu: list[int],
+                seq_lens_cpu: list[int], logits_indices: np.ndarray) -> tuple:
+        """`_prepare`'s result from the step's host arrays: int64s (input ids, positions, slot
+        mapping, pending rows, their source rows) and int32s (query start offsets, sequence
+        lengths, block tables), each group in one copy to the device."""
+        input_ids_dev, positions_dev, slot_mapping_dev, pending_dev, src_dev = self._to_device_packed(int64s, np.int64)
+        qsl_dev, seq_lens_dev, block_tables_dev = self._to_device_packed(int32s, np.int32)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping_dev,
             query_start_loc=qsl_dev,
             seq_lens=seq_lens_dev,
             block_tables=block_tables_dev,
             num_decodes=num_decodes,
-            max_query_len=1,
-            max_seq_len=position + 1,
-            query_lens_cpu=[1],
-            seq_lens_cpu=[position + 1],
+            max_query_len=max(query_lens_cpu),
+            max_seq_len=max(seq_lens_cpu),
+            query_lens_cpu=query_lens_cpu,
+            seq_lens_cpu=seq_lens_cpu,
         )
-        logits_indices = np.zeros(1 if item.sample else 0, dtype=np.int64)
-        if not pending:
+        if not len(int64s[3]):
             pending_dev = src_dev = None
         return input_ids_dev, positions_dev, meta, logits_indices, pending_dev, src_dev
 
