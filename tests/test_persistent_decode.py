@@ -380,7 +380,7 @@ class EagerFilteredReplay:
 
 
 def eager_fast_path(model, config, k_caches, v_caches):
-    """A FastPath on the CPU over a runner reduced to what it uses, the stepwise kernel for the
+    """A FastPath on the tests' device over a runner reduced to what it uses, the stepwise kernel for the
     persistent one (few programs and small context splits, as above); no graph captured yet."""
     from nanovllm.fastpath.seam import FastPath
     from nanovllm.layers.sampler import Sampler
@@ -404,7 +404,7 @@ def eager_fast_path(model, config, k_caches, v_caches):
 
 
 def test_fast_path_takes_lone_decodes_through_the_seam(checkpoint_factory):
-    """FastPath.take end to end on the CPU, its graph replaced by an eager call of the same step
+    """FastPath.take end to end on the tests' device, its graph replaced by an eager call of the same step
     (the stepwise kernel, then GreedyRow): a lone greedy decode's token, then a decode burst with
     no burst graph (one lone step per token, each input the token the last left in place), then
     a step that wants logprobs (the runner's sampler, from the step's logits) give the model's
@@ -416,13 +416,13 @@ def test_fast_path_takes_lone_decodes_through_the_seam(checkpoint_factory):
     gen = torch.Generator().manual_seed(0)
     context = 9
     table = torch.randperm(NUM_BLOCKS, generator=gen)[:6].to(torch.int32)
-    prompt = torch.randint(config.vocab_size, (context,), generator=gen)
+    prompt = torch.randint(config.vocab_size, (context,), generator=gen).to(DEVICE)
     expected, token = [], prompt[-1:]
     with torch.inference_mode():
-        model(prompt[:-1], torch.arange(context - 1), meta_for(table, 0, context - 1, 0))
+        model(prompt[:-1], torch.arange(context - 1, device=DEVICE), meta_for(table, 0, context - 1, 0))
         saved = [c.clone() for c in k_caches + v_caches]
         for pos in range(context - 1, context + 3):  # the model's own greedy decode
-            token = model.compute_logits(model(token, torch.tensor([pos]), meta_for(table, pos, 1, 1))).argmax(-1)
+            token = model.compute_logits(model(token, torch.tensor([pos], device=DEVICE), meta_for(table, pos, 1, 1))).argmax(-1)
             expected.append(token.item())
         for c, c0 in zip(k_caches + v_caches, saved):
             c.copy_(c0)
@@ -445,7 +445,7 @@ def test_fast_path_takes_lone_decodes_through_the_seam(checkpoint_factory):
 
 
 def test_fast_path_takes_a_penalized_lone_stream_through_the_filtered_graph(checkpoint_factory):
-    """FastPath.take end to end on the CPU with its filtered graph replaced by an eager call of
+    """FastPath.take end to end on the tests' device with its filtered graph replaced by an eager call of
     the same step (the stepwise kernel, the penalty kernel, the filtered sampler's argmax, the
     count): a greedy stream with presence, frequency and repetition penalties and a logit bias
     decodes the tokens of a plain torch loop over the model's logits, through lone steps, a decode
@@ -460,7 +460,7 @@ def test_fast_path_takes_a_penalized_lone_stream_through_the_filtered_graph(chec
     gen = torch.Generator().manual_seed(1)
     context = 9
     table = torch.randperm(NUM_BLOCKS, generator=gen)[:6].to(torch.int32)
-    prompt = torch.randint(config.vocab_size, (context,), generator=gen)
+    prompt = torch.randint(config.vocab_size, (context,), generator=gen).to(DEVICE)
     params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
                             logit_bias={int(prompt[0]): 0.5, 3: -100.0})
     steps = 6
@@ -477,10 +477,10 @@ def test_fast_path_takes_a_penalized_lone_stream_through_the_filtered_graph(chec
 
     expected, token = [], prompt[-1:]
     with torch.inference_mode():
-        model(prompt[:-1], torch.arange(context - 1), meta_for(table, 0, context - 1, 0))
+        model(prompt[:-1], torch.arange(context - 1, device=DEVICE), meta_for(table, 0, context - 1, 0))
         saved = [c.clone() for c in k_caches + v_caches]
         for pos in range(context - 1, context - 1 + steps):  # the penalized greedy decode
-            logits = model.compute_logits(model(token, torch.tensor([pos]), meta_for(table, pos, 1, 1)))
+            logits = model.compute_logits(model(token, torch.tensor([pos], device=DEVICE), meta_for(table, pos, 1, 1)))
             token = edited(logits, expected).argmax(-1, keepdim=True)
             expected.append(token.item())
         for c, c0 in zip(k_caches + v_caches, saved):
@@ -506,9 +506,10 @@ def test_fast_path_takes_a_penalized_lone_stream_through_the_filtered_graph(chec
         pos = context + 2
         item = ScheduledSeq(7, [got[-1]], pos, table.tolist(), True, params, None, None)
         assert fast.take(SchedulerOutput([item, item], 2, 2)) is None and fast.penalties.owner is None
-        logits = model.compute_logits(model(torch.tensor(got[-1:]), torch.tensor([pos]), meta_for(table, pos, 1, 1)))
+        logits = model.compute_logits(model(torch.tensor(got[-1:], device=DEVICE), torch.tensor([pos], device=DEVICE),
+                                                    meta_for(table, pos, 1, 1)))
         got += runner.sample([item], logits).token_ids.tolist()
-        runner.prev_tokens, runner.prev_rows = torch.tensor(got[-1:]), {7: 0}
+        runner.prev_tokens, runner.prev_rows = torch.tensor(got[-1:], device=DEVICE), {7: 0}
         got += lone(pos + 1, num_steps=2)  # alone again: the counts come back with the batch's token
     assert got == expected
     counts = Counter(expected)
