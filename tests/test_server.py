@@ -407,13 +407,18 @@ def test_metrics_parse_as_prometheus_text(live):
                  "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
                  "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "nanovllm_prefix_cache_hit_rate", "vllm:num_preemptions_total"):
+                 "nanovllm_prefix_cache_hit_rate", "vllm:num_preemptions_total", "nanovllm_engine_steps_total",
+                 "nanovllm_engine_step_seconds_total", "nanovllm_engine_device_wait_seconds_total"):
         assert name in names, name
     ok = samples[("nanovllm_http_requests_total", (("code", "200"), ("endpoint", "/v1/completions")))]
     assert ok >= 1
     assert samples[("vllm:generation_tokens_total", (("model_name", MODEL),))] >= 3
     assert samples[("vllm:kv_cache_usage_perc", (("model_name", MODEL),))] == 0.0
     assert 0.0 <= samples[("nanovllm_prefix_cache_hit_rate", ())] <= 1.0
+    # Three tokens took at least three engine steps; the loop's waits for the device are part of its steps.
+    assert samples[("nanovllm_engine_steps_total", ())] >= 3
+    step_seconds = samples[("nanovllm_engine_step_seconds_total", ())]
+    assert 0.0 < step_seconds and 0.0 <= samples[("nanovllm_engine_device_wait_seconds_total", ())] <= step_seconds
 
 
 def test_serve_bench_against_live_server(live):
@@ -425,6 +430,11 @@ def test_serve_bench_against_live_server(live):
     assert 8 <= result.output_chunks <= 48  # each stream: between one chunk and one per token
     assert 1 <= result.summary()["tokens_per_chunk"] <= 6
     assert result.summary()["ttft_ms_p50"] is not None
+    # The engine's counters over the run: 8 requests of 6 tokens, 4 at a time, took at least 12
+    # steps, and the loop was inside its steps for part of the run's wall time.
+    summary = result.summary()
+    assert result.engine_steps >= 12
+    assert 0.0 < summary["engine_busy"] <= 1.1 and 0.0 <= summary["engine_device_wait"] <= summary["engine_busy"]
     with pytest.raises(ValueError, match="127.0.0.1"):
         asyncio.run(run_serve_bench(ServeBenchConfig(url="http://example.com:8000")))
 

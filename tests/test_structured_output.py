@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import pytest
 
@@ -286,6 +287,13 @@ def test_a_request_waits_for_its_grammar_while_others_run(llm, monkeypatch):
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
     assert "constrained" in engine.grammars.waiting
     assert engine.requests["constrained"].seqs[0].completion_token_ids == []
+    # With nothing else to run, a step waits for the grammars (up to 0.05 s): it counts as a
+    # step, and its wait does not count in the engine's busy seconds (nanovllm_engine_step_seconds).
+    steps, busy, start = engine.num_steps, engine.step_seconds, time.perf_counter()
+    for _ in range(3):
+        assert engine.step() == []
+    waited = time.perf_counter() - start
+    assert engine.num_steps == steps + 3 and waited >= 0.1 and engine.step_seconds - busy < waited / 2
     aborted = engine.abort_request("aborted")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     release.set()

@@ -57,6 +57,9 @@ class EngineStats:
     prefix_hits: int = 0
     num_preemptions: int = 0
     num_aborted: int = 0  # requests aborted while still running
+    num_steps: int = 0  # engine steps since start
+    step_seconds: float = 0.0  # seconds spent inside them
+    device_wait_seconds: float = 0.0  # of which waiting for a launched step's tokens
     time: float = 0.0  # time.monotonic() of the snapshot
 
     @property

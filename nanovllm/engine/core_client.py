@@ -376,7 +376,7 @@ class CoreClient:
             s = out.stats
             self.stats = EngineStats(s.num_requests_running, s.num_requests_waiting, s.num_free_blocks, s.num_blocks,
                                      s.prefix_queries, s.prefix_hits, s.num_preemptions, s.num_aborted,
-                                     time.monotonic())
+                                     s.num_steps, s.step_seconds, s.device_wait_seconds, time.monotonic())
         if out.error is not None:
             self._die(out.error)
             return

@@ -125,6 +125,12 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
         self.last_step = StepStats()
+        # Since start: engine steps, the seconds spent inside them, and of those the seconds
+        # spent waiting for a launched step's tokens (async scheduling). A loop that spends
+        # nearly all its time in steps and little of it waiting is bound by its host.
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.device_wait_seconds = 0.0
         # Async scheduling: step N+1 is scheduled and launched before step N's sampled ids are
         # read back, so host work overlaps the device. Needs an executor that can launch
         # without waiting (the in-process one); the step in flight is kept here.
@@ -279,9 +285,9 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def load_snapshot(self) -> dict[str, int]:
-        """Requests running and waiting, the KV pool and the prefix cache, as the engine's
-        stats (AsyncEngine's, the core process's) publish them."""
+    def load_snapshot(self) -> dict[str, int | float]:
+        """Requests running and waiting, the KV pool, the prefix cache and the step counters,
+        as the engine's stats (AsyncEngine's, the core process's) publish them."""
         sched, bm = self.scheduler, self.block_manager
         running = len({seq.request_id for seq in sched.running})
         return dict(
@@ -292,17 +298,20 @@ class LLMEngine:
             prefix_queries=bm.prefix_queries,
             prefix_hits=bm.prefix_hits,
             num_preemptions=sched.num_preemptions,
+            num_steps=self.num_steps,
+            step_seconds=self.step_seconds,
+            device_wait_seconds=self.device_wait_seconds,
         )
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration. With async scheduling, this launches step N and then processes the
         results of step N-1 (so outputs trail the device by one step)."""
-        t0 = time.perf_counter()
         outputs = []
+        if self.grammars.waiting and not self.scheduler.has_unfinished() and self._in_flight is None:
+            self.grammars.wait(timeout=0.05)  # nothing else to do (idle: not counted in the step)
+        t0 = time.perf_counter()
         if self.grammars.waiting:
-            if not self.scheduler.has_unfinished() and self._in_flight is None:
-                self.grammars.wait(timeout=0.05)  # nothing else to do
             outputs += self._admit_compiled()
         deferred = self.async_scheduling and self.executor.defers_sampling
         if self._in_flight is not None and not deferred and self.grammars.samples_constrained(self._in_flight.sched):
@@ -341,6 +350,8 @@ class LLMEngine:
             if sched.is_empty:  # nothing was launched: drain now instead of on the next call
                 outputs += self._take_in_flight()
         self.last_step.seconds = time.perf_counter() - t0
+        self.num_steps += 1
+        self.step_seconds += self.last_step.seconds
         return outputs
 
     def _take_in_flight(self) -> list[RequestOutput]:
@@ -353,7 +364,9 @@ class LLMEngine:
         if self._in_flight is None:
             return [], set()
         step, self._in_flight = self._in_flight, None
+        t = time.perf_counter()
         output = step.result.result()
+        self.device_wait_seconds += time.perf_counter() - t
         rolled_back = self._check(step, output) if step.unchecked else set()
         return self._process(step.sched, output, step.void | rolled_back), rolled_back
 

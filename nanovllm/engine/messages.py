@@ -54,6 +54,9 @@ class Stats(msgspec.Struct, array_like=True):
     prefix_hits: int = 0
     num_preemptions: int = 0
     num_aborted: int = 0
+    num_steps: int = 0  # LLMEngine's step counters (since start)
+    step_seconds: float = 0.0
+    device_wait_seconds: float = 0.0
 
 
 class CoreOutput(msgspec.Struct, array_like=True):

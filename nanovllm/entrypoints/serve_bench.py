@@ -12,7 +12,11 @@ falls behind gets the merged newest text), TPOT = (last chunk - first chunk) / (
 p50 and p99. With --token-counts the requests ask for `logprobs: 0`, so every chunk lists its
 tokens and a chunk of k tokens after a gap g counts as k gaps of g / k. Also reported: failures
 (HTTP errors, broken streams, wrong token counts) with a sample message, and, from /metrics
-after the run, whether the KV block pool is entirely free again.
+after the run, whether the KV block pool is entirely free again and, over the run, the
+engine's steps and the fractions of the wall time it spent inside them (`engine_busy`) and,
+within them, waiting for the device's tokens (`engine_device_wait`); busy near 1 with little
+waiting means the engine's host work sets the pace (a nano-vllm server's nanovllm_engine_*
+counters).
 
 With --json-schema FILE every request carries `response_format` json_schema with that schema:
 a request may then end early where its document is complete (finish_reason "stop"; it must
@@ -93,6 +97,10 @@ class ServeBenchResult:
     tpot: list[float]
     errors: list[str]
     pool_free_after: bool | None  # None: /metrics unreadable
+    # Over the run, from the server's nanovllm_engine_* counters (None where it has none).
+    engine_steps: int | None = None
+    engine_step_seconds: float | None = None
+    engine_device_wait_seconds: float | None = None
 
     @property
     def requests_per_s(self) -> float:
@@ -126,8 +134,15 @@ class ServeBenchResult:
             "itl_ms_p50": ms(pct(self.itl, 50)), "itl_ms_p99": ms(pct(self.itl, 99)),
             "tpot_ms_p50": ms(pct(self.tpot, 50)), "tpot_ms_p99": ms(pct(self.tpot, 99)),
             "kv_pool_free_after": self.pool_free_after,
+            "engine_steps": self.engine_steps,
+            "engine_busy": self._engine_share(self.engine_step_seconds),
+            "engine_device_wait": self._engine_share(self.engine_device_wait_seconds),
             "first_error": self.errors[0] if self.errors else None,
         }
+
+    def _engine_share(self, seconds: float | None) -> float | None:
+        """seconds as a fraction of the run's wall time."""
+        return round(seconds / self.duration_s, 3) if seconds is not None and self.duration_s else None
 
     def format(self) -> str:
         s = self.summary()
@@ -220,17 +235,36 @@ async def _one_request(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: 
     return result
 
 
-async def _pool_free(client: httpx.AsyncClient, wait_s: float = 5.0) -> bool | None:
-    """True once /metrics shows no running/waiting request and every KV block free."""
+async def _metric_values(client: httpx.AsyncClient) -> dict[str, float] | None:
+    """Every sample of the server's /metrics by name (None where it cannot be read)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    try:
+        resp = await client.get("/metrics")
+        return {s.name: s.value for f in text_string_to_metric_families(resp.text) for s in f.samples}
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+ENGINE_COUNTERS = ("nanovllm_engine_steps_total", "nanovllm_engine_step_seconds_total",
+                   "nanovllm_engine_device_wait_seconds_total")
+
+
+async def _engine_counters(client: httpx.AsyncClient) -> tuple[float, ...] | None:
+    """The server's ENGINE_COUNTERS now (None where it does not export them)."""
+    values = await _metric_values(client)
+    if values is None or not all(k in values for k in ENGINE_COUNTERS):
+        return None
+    return tuple(values[k] for k in ENGINE_COUNTERS)
+
+
+async def _pool_free(client: httpx.AsyncClient, wait_s: float = 5.0) -> bool | None:
+    """True once /metrics shows no running/waiting request and every KV block free."""
     deadline = time.monotonic() + wait_s
     while True:
-        try:
-            resp = await client.get("/metrics")
-            values = {s.name: s.value for f in text_string_to_metric_families(resp.text) for s in f.samples}
-        except (httpx.HTTPError, ValueError):
+        values = await _metric_values(client)
+        if values is None:
             return None
         needed = ("nanovllm_kv_cache_blocks_free", "nanovllm_kv_cache_blocks_total", "vllm:num_requests_running",
                   "vllm:num_requests_waiting")
@@ -268,6 +302,7 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
                     return
                 results.append(await _one_request(client, cfg, model, prompt))
 
+        before = await _engine_counters(client)
         start = time.perf_counter()
         tasks = [asyncio.create_task(client_loop()) for _ in range(cfg.num_clients)]
         try:
@@ -276,6 +311,8 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
             pass
         duration = time.perf_counter() - start
         pool_free = await _pool_free(client)
+        after = await _engine_counters(client)
+    engine = [None] * len(ENGINE_COUNTERS) if before is None or after is None else [b - a for a, b in zip(before, after)]
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     return ServeBenchResult(
@@ -290,6 +327,9 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
         tpot=[r.tpot for r in ok if r.tpot is not None],
         errors=[r.error for r in failed if r.error] + (["not sent: time limit"] if len(results) < cfg.num_requests else []),
         pool_free_after=pool_free,
+        engine_steps=None if engine[0] is None else int(engine[0]),
+        engine_step_seconds=engine[1],
+        engine_device_wait_seconds=engine[2],
     )
 
 

@@ -140,6 +140,12 @@ class _EngineCollector:
             ("nanovllm_prefix_cache_queries", "Prompt blocks looked up in the prefix cache.", s.prefix_queries),
             ("nanovllm_prefix_cache_hits", "Prompt blocks found in the prefix cache.", s.prefix_hits),
             ("nanovllm_num_aborted_requests", "Requests aborted while running (client gone, shutdown).", s.num_aborted),
+            ("nanovllm_engine_steps", "Engine steps (scheduling, launching a step, processing the tokens of the "
+             "one before).", s.num_steps),
+            ("nanovllm_engine_step_seconds", "Seconds the engine spent inside its steps; its rate is the engine's "
+             "busy fraction.", s.step_seconds),
+            ("nanovllm_engine_device_wait_seconds", "Of nanovllm_engine_step_seconds, the seconds spent waiting "
+             "for a launched step's tokens (async scheduling).", s.device_wait_seconds),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
