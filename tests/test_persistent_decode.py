@@ -507,7 +507,7 @@ def test_fast_path_takes_a_penalized_lone_stream_through_the_filtered_graph(chec
         item = ScheduledSeq(7, [got[-1]], pos, table.tolist(), True, params, None, None)
         assert fast.take(SchedulerOutput([item, item], 2, 2)) is None and fast.penalties.owner is None
         logits = model.compute_logits(model(torch.tensor(got[-1:], device=DEVICE), torch.tensor([pos], device=DEVICE),
-                                                    meta_for(table, pos, 1, 1)))
+                                            meta_for(table, pos, 1, 1)))
         got += runner.sample([item], logits).token_ids.tolist()
         runner.prev_tokens, runner.prev_rows = torch.tensor(got[-1:], device=DEVICE), {7: 0}
         got += lone(pos + 1, num_steps=2)  # alone again: the counts come back with the batch's token

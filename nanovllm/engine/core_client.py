@@ -372,11 +372,8 @@ class CoreClient:
                 self._die(f"the core client failed: {exc!r}")
 
     def _dispatch(self, out: CoreOutput) -> None:
-        if out.stats is not None:
-            s = out.stats
-            self.stats = EngineStats(s.num_requests_running, s.num_requests_waiting, s.num_free_blocks, s.num_blocks,
-                                     s.prefix_queries, s.prefix_hits, s.num_preemptions, s.num_aborted,
-                                     s.num_steps, s.step_seconds, s.device_wait_seconds, time.monotonic())
+        if out.stats is not None:  # the core's Stats carry EngineStats' fields but its time
+            self.stats = EngineStats(**msgspec.structs.asdict(out.stats), time=time.monotonic())
         if out.error is not None:
             self._die(out.error)
             return

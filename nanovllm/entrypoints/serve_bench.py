@@ -312,7 +312,8 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
         duration = time.perf_counter() - start
         pool_free = await _pool_free(client)
         after = await _engine_counters(client)
-    engine = [None] * len(ENGINE_COUNTERS) if before is None or after is None else [b - a for a, b in zip(before, after)]
+    steps, step_seconds, wait_seconds = ((None,) * len(ENGINE_COUNTERS) if before is None or after is None
+                                         else (b - a for a, b in zip(before, after)))
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     return ServeBenchResult(
@@ -327,9 +328,9 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
         tpot=[r.tpot for r in ok if r.tpot is not None],
         errors=[r.error for r in failed if r.error] + (["not sent: time limit"] if len(results) < cfg.num_requests else []),
         pool_free_after=pool_free,
-        engine_steps=None if engine[0] is None else int(engine[0]),
-        engine_step_seconds=engine[1],
-        engine_device_wait_seconds=engine[2],
+        engine_steps=None if steps is None else int(steps),
+        engine_step_seconds=step_seconds,
+        engine_device_wait_seconds=wait_seconds,
     )
 
 
