@@ -408,7 +408,8 @@ def test_metrics_parse_as_prometheus_text(live):
                  "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
                  "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "nanovllm_prefix_cache_hit_rate", "vllm:num_preemptions_total", "nanovllm_engine_steps_total",
-                 "nanovllm_engine_step_seconds_total", "nanovllm_engine_device_wait_seconds_total"):
+                 "nanovllm_engine_step_seconds_total", "nanovllm_engine_device_wait_seconds_total",
+                 "process_cpu_seconds_total"):
         assert name in names, name
     ok = samples[("nanovllm_http_requests_total", (("code", "200"), ("endpoint", "/v1/completions")))]
     assert ok >= 1
@@ -435,6 +436,8 @@ def test_serve_bench_against_live_server(live):
     summary = result.summary()
     assert result.engine_steps >= 12
     assert 0.0 < summary["engine_busy"] <= 1.1 and 0.0 <= summary["engine_device_wait"] <= summary["engine_busy"]
+    # The load generator and the front-end that streamed the tokens both used the CPU.
+    assert summary["client_cpu"] > 0.0 and summary["frontend_cpu"] > 0.0
     with pytest.raises(ValueError, match="127.0.0.1"):
         asyncio.run(run_serve_bench(ServeBenchConfig(url="http://example.com:8000")))
 

@@ -16,7 +16,9 @@ after the run, whether the KV block pool is entirely free again and, over the ru
 engine's steps and the fractions of the wall time it spent inside them (`engine_busy`) and,
 within them, waiting for the device's tokens (`engine_device_wait`); busy near 1 with little
 waiting means the engine's host work sets the pace (a nano-vllm server's nanovllm_engine_*
-counters).
+counters). The CPU time of the load generator itself (`client_cpu`) and of the server's
+front-end process (`frontend_cpu`, from its process_cpu_seconds_total where it exports one) are
+given as fractions of the wall time too: near 1, that process is what the run measures.
 
 With --json-schema FILE every request carries `response_format` json_schema with that schema:
 a request may then end early where its document is complete (finish_reason "stop"; it must
@@ -101,6 +103,9 @@ class ServeBenchResult:
     engine_steps: int | None = None
     engine_step_seconds: float | None = None
     engine_device_wait_seconds: float | None = None
+    # CPU seconds over the run: this process's, and the server front-end's (None where unknown).
+    client_cpu_seconds: float | None = None
+    frontend_cpu_seconds: float | None = None
 
     @property
     def requests_per_s(self) -> float:
@@ -135,12 +140,14 @@ class ServeBenchResult:
             "tpot_ms_p50": ms(pct(self.tpot, 50)), "tpot_ms_p99": ms(pct(self.tpot, 99)),
             "kv_pool_free_after": self.pool_free_after,
             "engine_steps": self.engine_steps,
-            "engine_busy": self._engine_share(self.engine_step_seconds),
-            "engine_device_wait": self._engine_share(self.engine_device_wait_seconds),
+            "engine_busy": self._share_of_run(self.engine_step_seconds),
+            "engine_device_wait": self._share_of_run(self.engine_device_wait_seconds),
+            "client_cpu": self._share_of_run(self.client_cpu_seconds),
+            "frontend_cpu": self._share_of_run(self.frontend_cpu_seconds),
             "first_error": self.errors[0] if self.errors else None,
         }
 
-    def _engine_share(self, seconds: float | None) -> float | None:
+    def _share_of_run(self, seconds: float | None) -> float | None:
         """seconds as a fraction of the run's wall time."""
         return round(seconds / self.duration_s, 3) if seconds is not None and self.duration_s else None
 
@@ -249,14 +256,13 @@ async def _metric_values(client: httpx.AsyncClient) -> dict[str, float] | None:
 
 ENGINE_COUNTERS = ("nanovllm_engine_steps_total", "nanovllm_engine_step_seconds_total",
                    "nanovllm_engine_device_wait_seconds_total")
+FRONTEND_CPU = "process_cpu_seconds_total"
 
 
-async def _engine_counters(client: httpx.AsyncClient) -> tuple[float, ...] | None:
-    """The server's ENGINE_COUNTERS now (None where it does not export them)."""
-    values = await _metric_values(client)
-    if values is None or not all(k in values for k in ENGINE_COUNTERS):
-        return None
-    return tuple(values[k] for k in ENGINE_COUNTERS)
+async def _server_counters(client: httpx.AsyncClient) -> dict[str, float]:
+    """The server's ENGINE_COUNTERS and FRONTEND_CPU now, those it exports."""
+    values = await _metric_values(client) or {}
+    return {k: values[k] for k in (*ENGINE_COUNTERS, FRONTEND_CPU) if k in values}
 
 
 async def _pool_free(client: httpx.AsyncClient, wait_s: float = 5.0) -> bool | None:
@@ -302,18 +308,18 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
                     return
                 results.append(await _one_request(client, cfg, model, prompt))
 
-        before = await _engine_counters(client)
-        start = time.perf_counter()
+        before = await _server_counters(client)
+        start, cpu_start = time.perf_counter(), time.process_time()
         tasks = [asyncio.create_task(client_loop()) for _ in range(cfg.num_clients)]
         try:
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=cfg.time_limit_s + cfg.request_timeout_s)
         except asyncio.TimeoutError:
             pass
-        duration = time.perf_counter() - start
+        duration, client_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         pool_free = await _pool_free(client)
-        after = await _engine_counters(client)
-    steps, step_seconds, wait_seconds = ((None,) * len(ENGINE_COUNTERS) if before is None or after is None
-                                         else (b - a for a, b in zip(before, after)))
+        after = await _server_counters(client)
+    delta = {k: after[k] - before[k] for k in before.keys() & after.keys()}
+    steps, step_seconds, wait_seconds = (delta.get(k) for k in ENGINE_COUNTERS)
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     return ServeBenchResult(
@@ -331,6 +337,8 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
         engine_steps=None if steps is None else int(steps),
         engine_step_seconds=step_seconds,
         engine_device_wait_seconds=wait_seconds,
+        client_cpu_seconds=client_cpu,
+        frontend_cpu_seconds=delta.get(FRONTEND_CPU),
     )
 
 

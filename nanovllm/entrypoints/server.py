@@ -25,8 +25,9 @@ shutting down or is full; 500 is only for bugs.
 
 Metrics live in a per-app `CollectorRegistry` (two apps in one process do not collide): HTTP
 responses by endpoint and code, finished completions by reason, prompt/generation tokens, TTFT,
-inter-token latency and end-to-end histograms, and engine gauges read from `engine.stats` (a
-snapshot, so scraping never touches the engine).
+inter-token latency and end-to-end histograms, engine gauges read from `engine.stats` (a
+snapshot, so scraping never touches the engine), and, with one front-end process, that
+process's CPU time and memory (prometheus_client's process collector: `process_*`).
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -182,6 +184,9 @@ class ServerMetrics:
             from prometheus_client import multiprocess
 
             multiprocess.MultiProcessCollector(self.registry)
+        else:  # process_cpu_seconds_total and the like, of this front-end's process (one process only:
+            # with several, a scrape would show whichever one answered it)
+            ProcessCollector(registry=self.registry)
 
     def finished(self, reason: str) -> Any:
         """The finished-completions counter for `reason`."""
