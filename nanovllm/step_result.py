@@ -24,22 +24,56 @@ class StepResult(Protocol):
     def result(self) -> RunnerOutput: ...
 
 
+class ReadbackSlots:
+    """Pinned host buffers that launched steps' sampled ids are copied into, reused round-robin
+    (allocating pinned memory for every step costs the host more than the step's copy).
+
+    A slot is taken again `slots` steps later. The engine reads each step's ids before it
+    launches the step after next, so by then its previous ids were read; a PendingOutput read
+    after its slot was taken again raises instead of returning another step's ids."""
+
+    def __init__(self, slots: int = 4) -> None:
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._owners: list[object | None] = [None] * slots
+        self._next = 0
+
+    def take(self, like: torch.Tensor, owner: object) -> tuple[torch.Tensor, int]:
+        """(a pinned host tensor of like's shape and dtype, its slot), the slot now owner's."""
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        buf = self._buffers[i]
+        if buf is None or buf.dtype != like.dtype or buf.numel() < like.numel():
+            size = max(like.numel(), 2 * (0 if buf is None else buf.numel()), 256)
+            with torch.inference_mode(False):  # written later outside inference mode too
+                buf = self._buffers[i] = torch.empty(size, dtype=like.dtype, pin_memory=True)
+        self._owners[i] = owner
+        return buf[: like.numel()].view(like.shape), i
+
+    def owned_by(self, slot: int, owner: object) -> bool:
+        return self._owners[slot] is owner
+
+
 class PendingOutput:
     """The sampled ids of a launched step, on their way to the host.
 
-    The device-to-host copy is queued behind the step's kernels into pinned memory and marked
-    with an event, so the host can launch the next step before it waits for this one.
+    The device-to-host copy is queued behind the step's kernels into pinned memory (the ids
+    into one of `readback`'s slots) and marked with an event, so the host can launch the next
+    step before it waits for this one. readback None: the tensors are on the host already (CPU).
     """
 
-    def __init__(self, rows, sampled, device: torch.device) -> None:
+    def __init__(self, rows, sampled, readback: ReadbackSlots | None) -> None:
         self.rows = rows
         self.has_logprobs = sampled.sampled_logprobs is not None
         tensors = [sampled.token_ids]
         if self.has_logprobs:
             tensors += [sampled.sampled_logprobs, sampled.top_token_ids, sampled.top_logprobs]
         self.event = None
-        if device.type == "cuda":
-            self.host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+        self._readback = readback
+        if readback is not None:
+            ids, self._slot = readback.take(sampled.token_ids, self)
+            self.host = [ids.copy_(sampled.token_ids, non_blocking=True)]
+            self.host += [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in tensors[1:]]
             self.event = torch.cuda.Event()
             self.event.record()
         else:
@@ -48,6 +82,8 @@ class PendingOutput:
     def result(self) -> RunnerOutput:
         if self.event is not None:
             self.event.synchronize()
+            if not self._readback.owned_by(self._slot, self):
+                raise RuntimeError("a step's sampled ids were read after their readback slot was reused")
         token_ids = self.host[0].tolist()
         if not self.has_logprobs:
             return RunnerOutput(token_ids)

@@ -386,6 +386,7 @@ def eager_fast_path(model, config, k_caches, v_caches):
     from nanovllm.layers.sampler import Sampler
     from nanovllm.runner.model_runner import ModelRunner
     from nanovllm.runner.penalty_state import PenaltyState
+    from nanovllm.step_result import ReadbackSlots
 
     runner = SimpleNamespace(
         model=model, device=DEVICE, dtype=torch.float32, block_size=BLOCK_SIZE, rank=0,
@@ -393,6 +394,7 @@ def eager_fast_path(model, config, k_caches, v_caches):
         staging=EagerStaging(), graph_runner=SimpleNamespace(capture_in_pool=None),
         prev_tokens=None, prev_rows={}, generators={}, sampler=Sampler(),
         penalty_state=PenaltyState(config.vocab_size, DEVICE),
+        readback=ReadbackSlots() if DEVICE.type == "cuda" else None,
     )
     runner.sample = lambda rows, logits: ModelRunner.sample(runner, rows, logits)
     runner.run_steps = lambda item, launch: ModelRunner.run_steps(runner, item, launch)

@@ -442,6 +442,17 @@ def test_serve_bench_against_live_server(live):
         asyncio.run(run_serve_bench(ServeBenchConfig(url="http://example.com:8000")))
 
 
+def test_serve_bench_spreads_its_clients_over_processes(live):
+    cfg = ServeBenchConfig(url=live.url, num_clients=3, num_requests=7, input_len=8, output_len=5, api_key=KEY,
+                           time_limit_s=60, client_processes=2)
+    result = asyncio.run(run_serve_bench(cfg))
+    assert result.num_ok == 7 and result.num_failed == 0, result.errors
+    assert result.output_tokens == 35 and result.pool_free_after is True
+    assert len(result.ttft) == 7 and result.summary()["client_cpu"] > 0.0
+    with pytest.raises(ValueError, match="client_processes"):
+        asyncio.run(run_serve_bench(ServeBenchConfig(url=live.url, num_clients=2, client_processes=3)))
+
+
 def test_serve_bench_prompt_seed_option_chooses_the_prompts_seed():
     import argparse
 

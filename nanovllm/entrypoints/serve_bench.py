@@ -16,9 +16,12 @@ after the run, whether the KV block pool is entirely free again and, over the ru
 engine's steps and the fractions of the wall time it spent inside them (`engine_busy`) and,
 within them, waiting for the device's tokens (`engine_device_wait`); busy near 1 with little
 waiting means the engine's host work sets the pace (a nano-vllm server's nanovllm_engine_*
-counters). The CPU time of the load generator itself (`client_cpu`) and of the server's
-front-end process (`frontend_cpu`, from its process_cpu_seconds_total where it exports one) are
-given as fractions of the wall time too: near 1, that process is what the run measures.
+counters). The CPU time of the load generator itself (`client_cpu`, its busiest process) and
+of the server's front-end process (`frontend_cpu`, from its process_cpu_seconds_total where it
+exports one) are given as fractions of the wall time too: near 1, that process is what the run
+measures. So that it is not the load generator, its clients are spread over processes
+(`--client-processes`; by default one per 16 clients, as far as the machine's cores allow), each
+with its share of the clients and of the requests, all started together.
 
 With --json-schema FILE every request carries `response_format` json_schema with that schema:
 a request may then end early where its document is complete (finish_reason "stop"; it must
@@ -32,6 +35,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import queue
 import random
 import sys
 import time
@@ -61,14 +66,19 @@ class ServeBenchConfig:
     seed: int = 0
     count_tokens: bool = False  # ask for logprobs=0 so chunks carry their token count (per-token ITL)
     json_schema: dict | None = None  # every request constrained to this JSON schema (response_format)
+    # Processes the clients are spread over (each its own event loop and share of the clients
+    # and requests): one Python process parses some 10-20k stream chunks a second at most.
+    client_processes: int = 1
 
     def validate(self) -> None:
         host = urlparse(self.url).hostname
         if host not in LOCAL_HOSTS:
             raise ValueError(f"the serving benchmark only targets this machine (127.0.0.1), not {host!r}")
-        for name in ("num_clients", "num_requests", "input_len", "output_len"):
+        for name in ("num_clients", "num_requests", "input_len", "output_len", "client_processes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.client_processes > self.num_clients:
+            raise ValueError(f"client_processes ({self.client_processes}) must be at most num_clients ({self.num_clients})")
         if self.time_limit_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("time limits must be positive")
         if not 0 <= self.token_id_low < self.token_id_high:
@@ -103,7 +113,8 @@ class ServeBenchResult:
     engine_steps: int | None = None
     engine_step_seconds: float | None = None
     engine_device_wait_seconds: float | None = None
-    # CPU seconds over the run: this process's, and the server front-end's (None where unknown).
+    # CPU seconds over the run: the busiest load-generator process's, and the server front-end's
+    # (None where unknown).
     client_cpu_seconds: float | None = None
     frontend_cpu_seconds: float | None = None
 
@@ -283,39 +294,109 @@ async def _pool_free(client: httpx.AsyncClient, wait_s: float = 5.0) -> bool | N
         await asyncio.sleep(0.1)
 
 
-async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
+def _http_client(cfg: ServeBenchConfig) -> httpx.AsyncClient:
     import httpx
 
+    limits = httpx.Limits(max_connections=cfg.num_clients + 2, max_keepalive_connections=cfg.num_clients + 2)
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
+    return httpx.AsyncClient(base_url=cfg.url.rstrip("/"), limits=limits, timeout=timeout)
+
+
+async def _run_clients(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: str,
+                       prompts: list[list[int]]) -> list[_RequestResult]:
+    """cfg.num_clients clients sending these prompts, each prompt once, until they are all sent
+    or cfg.time_limit_s has passed."""
+    results: list[_RequestResult] = []
+    next_prompt = iter(prompts)
+    deadline = time.perf_counter() + cfg.time_limit_s
+
+    async def client_loop() -> None:
+        for prompt in next_prompt:  # shared iterator: each prompt is sent once
+            if time.perf_counter() > deadline:
+                return
+            results.append(await _one_request(client, cfg, model, prompt))
+
+    tasks = [asyncio.create_task(client_loop()) for _ in range(cfg.num_clients)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=cfg.time_limit_s + cfg.request_timeout_s)
+    except asyncio.TimeoutError:
+        pass
+    return results
+
+
+def _client_process(cfg: ServeBenchConfig, model: str, prompts: list[list[int]], ready, start, results) -> None:
+    """A load-generator process: its share of the clients, started with the others (`ready`,
+    then `start`, multiprocessing events); puts (its results, its CPU seconds) on `results`."""
+    async def run() -> tuple[list[_RequestResult], float]:
+        async with _http_client(cfg) as client:
+            ready.set()
+            await asyncio.get_running_loop().run_in_executor(None, start.wait)
+            cpu = time.process_time()
+            out = await _run_clients(client, cfg, model, prompts)
+            return out, time.process_time() - cpu
+
+    results.put(asyncio.run(run()))
+
+
+async def _run_client_processes(cfg: ServeBenchConfig, model: str,
+                                prompts: list[list[int]]) -> tuple[list[_RequestResult], float]:
+    """The clients spread over cfg.client_processes processes, started together; returns every
+    request's result and the CPU seconds of the busiest process."""
+    import multiprocessing
+    from dataclasses import replace
+
+    ctx = multiprocessing.get_context("spawn")
+    n = cfg.client_processes
+    start, results = ctx.Event(), ctx.Queue()
+    readies, procs = [], []
+    for k in range(n):
+        share = replace(cfg, num_clients=cfg.num_clients // n + (k < cfg.num_clients % n))
+        readies.append(ctx.Event())
+        procs.append(ctx.Process(target=_client_process, args=(share, model, prompts[k::n], readies[-1], start, results),
+                                 daemon=True))
+        procs[-1].start()
+    loop = asyncio.get_running_loop()
+    try:
+        for ready in readies:
+            if not await loop.run_in_executor(None, ready.wait, 120.0):
+                raise RuntimeError("a load-generator process did not start within 120 s")
+        start.set()
+        gathered, cpu = [], 0.0
+        for _ in procs:
+            try:
+                out, seconds = await loop.run_in_executor(None, results.get, True,
+                                                          cfg.time_limit_s + cfg.request_timeout_s + 30)
+            except queue.Empty:
+                raise RuntimeError("a load-generator process ended without its results") from None
+            gathered += out
+            cpu = max(cpu, seconds)
+        return gathered, cpu
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+
+async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
     cfg.validate()
     rng = random.Random(cfg.seed)
     prompts = [[rng.randrange(cfg.token_id_low, cfg.token_id_high) for _ in range(cfg.input_len)]
                for _ in range(cfg.num_requests)]
-    limits = httpx.Limits(max_connections=cfg.num_clients + 2, max_keepalive_connections=cfg.num_clients + 2)
-    timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
-    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), limits=limits, timeout=timeout) as client:
+    async with _http_client(cfg) as client:
         model = cfg.model
         if model is None:
             resp = await client.get("/v1/models", headers=_headers(cfg))
             resp.raise_for_status()
             model = resp.json()["data"][0]["id"]
-        results: list[_RequestResult] = []
-        next_prompt = iter(prompts)
-        deadline = time.perf_counter() + cfg.time_limit_s
-
-        async def client_loop() -> None:
-            for prompt in next_prompt:  # shared iterator: each prompt is sent once
-                if time.perf_counter() > deadline:
-                    return
-                results.append(await _one_request(client, cfg, model, prompt))
-
         before = await _server_counters(client)
         start, cpu_start = time.perf_counter(), time.process_time()
-        tasks = [asyncio.create_task(client_loop()) for _ in range(cfg.num_clients)]
-        try:
-            await asyncio.wait_for(asyncio.gather(*tasks), timeout=cfg.time_limit_s + cfg.request_timeout_s)
-        except asyncio.TimeoutError:
-            pass
-        duration, client_cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if cfg.client_processes == 1:
+            results = await _run_clients(client, cfg, model, prompts)
+            client_cpu = time.process_time() - cpu_start
+        else:
+            results, client_cpu = await _run_client_processes(cfg, model, prompts)
+        duration = time.perf_counter() - start
         pool_free = await _pool_free(client)
         after = await _server_counters(client)
     delta = {k: after[k] - before[k] for k in before.keys() & after.keys()}
@@ -358,6 +439,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                    help="ask for logprobs=0 so ITL is per token (default: per chunk, as vllm bench serve)")
     g.add_argument("--json-schema", dest="json_schema_file", default=None, metavar="FILE",
                    help="constrain every request to the JSON schema in FILE (response_format json_schema)")
+    g.add_argument("--client-processes", type=int, default=None,
+                   help="processes the clients are spread over (default: one per 16 clients, at most half "
+                        "this machine's cores)")
     g.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -368,7 +452,14 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         input_len=args.input_len, output_len=args.output_len, time_limit_s=args.time_limit, api_key=args.api_key,
         count_tokens=args.count_tokens, seed=args.prompt_seed,
         json_schema=_read_schema(args.json_schema_file) if args.json_schema_file else None,
+        client_processes=(args.client_processes if args.client_processes is not None
+                          else default_client_processes(args.num_clients)),
     )
+
+
+def default_client_processes(num_clients: int) -> int:
+    """One load-generator process per 16 clients, at most half this machine's cores."""
+    return max(1, min(-(-num_clients // 16), (os.cpu_count() or 2) // 2))
 
 
 def _read_schema(path: str) -> dict:

@@ -230,7 +230,7 @@ class FastPath:
         launched = self._execute_single(item, route)
         if launched is None:
             return Done(RunnerOutput([]))
-        return PendingOutput(*launched, self.runner.device)
+        return PendingOutput(*launched, self.runner.readback)
 
     def _lone_step(self, token: torch.Tensor, position: torch.Tensor, meta: AttentionMetadata,
                    next_token: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, steps: int = 1,

@@ -31,7 +31,7 @@ from nanovllm.precompile import compile_in_background, precompiling
 from nanovllm.runner.device import int4_dense_copies, resolve_device, resolve_dtype, resolve_quantization
 from nanovllm.runner.host_staging import HostStaging
 from nanovllm.runner.penalty_state import PenaltyState
-from nanovllm.step_result import Done, PendingOutput, RunnerOutput, StepResult
+from nanovllm.step_result import Done, PendingOutput, ReadbackSlots, RunnerOutput, StepResult
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
 
@@ -106,6 +106,8 @@ class ModelRunner:
         self.graph_runner = None
         self.fastpath = None  # the lone-sequence fast path (nanovllm/fastpath/), asked once per step
         self.staging = HostStaging(self.device, slots=6) if self.device.type == "cuda" else None
+        # Pinned buffers the sampled ids come back through (step_result.py); None on the CPU.
+        self.readback = ReadbackSlots() if self.device.type == "cuda" else None
         self.cpu_decode = None  # runner/cpu_compiled_decode.py, where config.cpu_compile asks for it
         if self.device.type == "cpu" and config.cpu_compile is not False:
             from nanovllm.runner import cpu_compiled_decode
@@ -487,7 +489,7 @@ class ModelRunner:
         launched = self._launch(out)
         if launched is None:
             return Done(RunnerOutput([]))
-        return PendingOutput(*launched, self.device)
+        return PendingOutput(*launched, self.readback)
 
     @torch.inference_mode()
     def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
@@ -577,7 +579,7 @@ class ModelRunner:
                                 penalty_prompt_ids=item.penalty_prompt_ids if i == 0 else None)
             _, sampled = launch(step)
             tokens.append(sampled.token_ids.clone())  # the lone-sequence graph writes its argmax in place
-        return PendingOutput([item], SamplerOutput(torch.cat(tokens), None, None, None), self.device)
+        return PendingOutput([item], SamplerOutput(torch.cat(tokens), None, None, None), self.readback)
 
     def _token_bitmask(self, num_rows: int, masks: list[tuple[int, torch.Tensor]]):
         """The step's grammar masks on this runner's device (structured/bitmask.py)."""
@@ -638,7 +640,7 @@ class DeferredSample:
             return Done(RunnerOutput([]))
         with torch.inference_mode():
             sampled = self._runner.sample_rows(self._rows, self._logits)
-        return PendingOutput(self._rows, sampled, self._runner.device)
+        return PendingOutput(self._rows, sampled, self._runner.readback)
 
 
 def _with_bans(rows: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
