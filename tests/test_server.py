@@ -435,6 +435,7 @@ def test_serve_bench_against_live_server(live):
     # steps, and the loop was inside its steps for part of the run's wall time.
     summary = result.summary()
     assert result.engine_steps >= 12
+    assert summary["tokens_per_engine_step"] > 0.0
     assert 0.0 < summary["engine_busy"] <= 1.1 and 0.0 <= summary["engine_device_wait"] <= summary["engine_busy"]
     # The load generator and the front-end that streamed the tokens both used the CPU.
     assert summary["client_cpu"] > 0.0 and summary["frontend_cpu"] > 0.0

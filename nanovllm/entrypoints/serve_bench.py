@@ -151,6 +151,11 @@ class ServeBenchResult:
             "tpot_ms_p50": ms(pct(self.tpot, 50)), "tpot_ms_p99": ms(pct(self.tpot, 99)),
             "kv_pool_free_after": self.pool_free_after,
             "engine_steps": self.engine_steps,
+            # Output tokens per engine step: about the requests in flight in each decode step (a lone
+            # stream's decode burst counts its several tokens); below the client count where
+            # requests wait between one ending and the next arriving.
+            "tokens_per_engine_step": (round(self.output_tokens / self.engine_steps, 1)
+                                       if self.engine_steps else None),
             "engine_busy": self._share_of_run(self.engine_step_seconds),
             "engine_device_wait": self._share_of_run(self.engine_device_wait_seconds),
             "client_cpu": self._share_of_run(self.client_cpu_seconds),
