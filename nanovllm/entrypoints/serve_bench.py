@@ -402,8 +402,8 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
         else:
             results, client_cpu = await _run_client_processes(cfg, model, prompts)
         duration = time.perf_counter() - start
+        after = await _server_counters(client)  # before _pool_free's scrapes, which are not the run's
         pool_free = await _pool_free(client)
-        after = await _server_counters(client)
     delta = {k: after[k] - before[k] for k in before.keys() & after.keys()}
     steps, step_seconds, wait_seconds = (delta.get(k) for k in ENGINE_COUNTERS)
     ok = [r for r in results if r.ok]
