@@ -214,3 +214,57 @@ def test_ranks_from_the_routing_launch_group_every_slot_once(block_m):
     got = fused_moe.fused_moe(x, logits, w13, w2, top_k, True, slot_mapping=slots)
     assert torch.equal(got[-4:], torch.zeros_like(got[-4:]))
     torch.testing.assert_close(got[:-4], moe_reference(x[:-4], logits[:-4], w13, w2, top_k, True), atol=1e-5, rtol=1e-5)
+
+
+def test_routing_launch_groups_every_real_slot_once_in_its_experts_rows():
+    """route_by_expert: each expert's rows hold exactly the slots routed to it (padding rows'
+    nowhere), in whatever order the atomics gave."""
+    tokens, experts, top_k = 30, 6, 3
+    _, logits, _, _ = make_inputs(tokens, experts, top_k, 16, 16, torch.float32)
+    slots = torch.arange(tokens, device=DEVICE)
+    slots[-5:] = -1
+    weights, ids, rows = fused_moe.route_by_expert(logits, top_k, True, slots, 16)
+    want_weights, want_ids = fused_moe.route(logits, top_k, True, slots)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    flat = ids.reshape(-1).tolist()
+    counts, sorted_slots = rows.counts.tolist(), rows.sorted_slots.tolist()
+    assert rows.capacity == tokens
+    for e in range(experts):
+        mine = sorted_slots[e * tokens:e * tokens + counts[e]]
+        assert sorted(mine) == [s for s, i in enumerate(flat) if i == e]
+    assert sum(counts[:experts]) == (tokens - 5) * top_k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_experts_over_their_rows_in_several_blocks_match_the_reference(dtype, block_m):
+    """With `ExpertRows` a program runs its expert's rows block_m at a time: a crowded expert
+    (40 rows here) takes several passes. The result equals the reference, padding rows zero."""
+    tokens, experts, top_k = 48, 5, 2
+    x, logits, w13, w2 = make_inputs(tokens, experts, top_k, 40, 24, dtype)
+    logits[:40, 3] += 10.0  # expert 3 is every token's first choice for 40 tokens
+    slots = torch.arange(tokens, device=DEVICE)
+    slots[-3:] = -1
+    config = fused_moe.MoEKernelConfig(block_m=block_m, block_n=16, block_k=16)
+    weights, ids, rows = fused_moe.route_by_expert(logits, top_k, True, slots, block_m)
+    assert rows.counts[3].item() >= 40
+    got = fused_moe.fused_experts(x, w13, w2, weights, ids, config, rows)
+    assert torch.equal(got[-3:], torch.zeros_like(got[-3:]))
+    want = moe_reference(x[:-3], logits[:-3], w13, w2, top_k, True)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got[:-3], want, **tol)
+
+
+@pytest.mark.parametrize("tokens, by_expert", [(40, True), (65, False)], ids=["by-expert", "blocks"])
+def test_fused_moe_on_both_sides_of_the_grouping_switch(tokens, by_expert):
+    """Past ONE_SLOT_PER_BLOCK_MAX_SLOTS slots and up to BY_EXPERT_MAX_ROWS_PER_EXPERT slots
+    per expert the routing launch groups the slots; above, align_by_expert's blocks do. Both
+    give the reference."""
+    experts, top_k = 16, 2
+    slots = tokens * top_k
+    assert slots > fused_moe.ONE_SLOT_PER_BLOCK_MAX_SLOTS
+    assert (slots <= fused_moe.BY_EXPERT_MAX_ROWS_PER_EXPERT * experts) == by_expert
+    x, logits, w13, w2 = make_inputs(tokens, experts, top_k, 32, 24, torch.float32)
+    got = fused_moe.fused_moe(x, logits, w13, w2, top_k, False)
+    torch.testing.assert_close(got, moe_reference(x, logits, w13, w2, top_k, False), atol=1e-5, rtol=1e-5)
+

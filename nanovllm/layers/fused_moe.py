@@ -8,20 +8,26 @@ S = T * top_k (token, choice) slots:
    (ties to the lower expert id, as torch.topk), optionally renormalised to sum to 1. Gives
    weights [T, top_k] fp32 and expert ids [T, top_k] int32. `route_and_rank` also takes each
    slot's rank within its expert by an atomic add on the experts' counts (`SlotRanks`).
-2. `align_by_expert` (vLLM's moe_align_block_size, written here; for S <= 64, instead, `route`
-   gives each slot a block of its own): the S slots grouped by expert,
-   each expert's group padded to a multiple of BLOCK_M, so that every block of BLOCK_M rows
-   belongs to one expert. Each slot's rank within its expert comes from the routing launch, or
-   from a launch of its own (per chunk of slots, a one-hot cumsum inside the chunk plus an
-   atomic add of the chunk's counts); then every program of one launch lays out the groups from
-   the counts (each expert's padded start, a cumsum over E that each program repeats), writes
-   each slot of its chunk to its row, and gives each block of its chunk of blocks its expert and
-   its last valid row. Every size is a bound computed from shapes (S, E, BLOCK_M), never from
-   the routing, so nothing is read back to the host. Rows within an expert come in whatever
-   order the atomics gave; each row of a GEMM is computed on its own, so the results do not
-   depend on it.
-3. `_gate_up_kernel`: per block of rows and of intermediate columns, x[token] @ w13[e].T for the
-   gate and the up halves, then silu(gate) * up, into a [S, I] buffer (rows by slot).
+2. Grouping by expert, in one of three ways by the batch's size:
+   - up to 64 slots, `route_one_slot_per_block`: the routing launch gives each slot a block of
+     its own;
+   - up to 8 slots per expert on average (decode), `route_by_expert`: the routing launch writes
+     each slot at its rank in its expert's rows (`ExpertRows`, E groups of capacity T), and the
+     GEMMs run one program per expert (and block of columns) over its rows, BLOCK_M at a time;
+   - above, `align_by_expert` (vLLM's moe_align_block_size, written here): the S slots
+     grouped by expert, each expert's group padded to a multiple of BLOCK_M, so that every
+     block of BLOCK_M rows belongs to one expert. Each slot's rank within its expert comes
+     from the routing launch, or from a launch of its own (per chunk of slots, a one-hot
+     cumsum inside the chunk plus an atomic add of the chunk's counts); then every program of
+     one launch lays out the groups from the counts (each expert's padded start, a cumsum over
+     E that each program repeats), writes each slot of its chunk to its row, and gives each
+     block of its chunk of blocks its expert and its last valid row.
+   Every size is a bound computed from shapes (S, E, BLOCK_M), never from the routing, so
+   nothing is read back to the host. Rows within an expert come in whatever order the atomics
+   gave; each row of a GEMM is computed on its own, so the results do not depend on it.
+3. `_gate_up_kernel`: per block of rows (or expert) and of intermediate columns,
+   x[token] @ w13[e].T for the gate and the up halves, then silu(gate) * up, into a [S, I]
+   buffer (rows by slot).
 4. `_down_kernel`: per block, act[slot] @ w2[e].T times the slot's routing weight, into [S, H];
    `_sum_kernel` adds each token's top_k rows into [T, H].
 
@@ -66,6 +72,10 @@ ALIGN_CHUNK = 64  # slots per program in the rank and scatter launches
 # laid out by the routing launch: the grouping's launches cost more than the few experts
 # two slots share would save.
 ONE_SLOT_PER_BLOCK_MAX_SLOTS = 64
+# Up to this many slots per expert on average (decode-sized batches), the routing launch groups
+# the slots itself (`ExpertRows`), one launch fewer than `align_by_expert`; above, where a
+# crowded expert's rows are better split over programs, `align_by_expert`'s blocks do.
+BY_EXPERT_MAX_ROWS_PER_EXPERT = 8
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,20 @@ class ExpertLayout:
         return self.block_expert.numel()
 
 
+@dataclass(frozen=True)
+class ExpertRows:
+    """Slots grouped by expert with no padding between groups: expert e's slots are
+    sorted_slots[e * capacity : e * capacity + counts[e]], where capacity is the token count
+    (a token sends at most one slot to an expert). The routing launch writes it as it ranks
+    the slots, so no grouping launch follows; the GEMMs run one program per expert and block of
+    columns, over its rows BLOCK_M at a time (what decode-sized batches use: a few rows each)."""
+
+    sorted_slots: torch.Tensor  # [E * capacity] int32
+    counts: torch.Tensor  # [E_PAD] int32
+    capacity: int
+    block_m: int
+
+
 @dataclass
 class SlotRanks:
     """Each slot's rank among the slots of its expert, and each expert's count of slots: what
@@ -123,18 +147,19 @@ class SlotRanks:
 
     counts: torch.Tensor  # [E_PAD] int32
     rank: torch.Tensor  # [S] int32
+    expert_rows: torch.Tensor | None = None  # [E * T] int32: ExpertRows.sorted_slots, when asked for
 
 
 # ---- 1. routing ------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["capacity"])
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, slot_ptr, stride_l, E,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
     sorted_slots_ptr, block_expert_ptr, block_row_end_ptr, LAYOUT_BLOCK_M: tl.constexpr,
-    counts_ptr, rank_ptr, RANK: tl.constexpr,
+    counts_ptr, rank_ptr, RANK: tl.constexpr, expert_rows_ptr, capacity, BY_EXPERT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -164,6 +189,9 @@ def _route_kernel(
     if RANK:  # each slot's rank among its expert's slots, in the order the atomics come (ids distinct per token)
         rank = tl.atomic_add(counts_ptr + ids, 1, mask=kmask & (ids < E))
         tl.store(rank_ptr + row * TOP_K + koffs, rank, mask=kmask)
+        if BY_EXPERT:  # the slot's row among its expert's (ExpertRows): the grouping is done
+            tl.store(expert_rows_ptr + ids.to(tl.int64) * capacity + rank, (row * TOP_K + koffs).to(tl.int32),
+                     mask=kmask & (ids < E))
     if LAYOUT_BLOCK_M > 0:  # one block per slot (small batches): no grouping launches
         slots = row * TOP_K + koffs
         tl.store(sorted_slots_ptr + slots * LAYOUT_BLOCK_M, slots.to(tl.int32), mask=kmask)
@@ -199,9 +227,17 @@ def route_one_slot_per_block(
     return weights, ids, layout
 
 
+def route_by_expert(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, ExpertRows]:
+    """`route`, plus the slots grouped by expert (`ExpertRows`) from the same launch."""
+    weights, ids, _, ranks = _route(router_logits, top_k, renormalize, slot_mapping, 0, True, by_expert=True)
+    return weights, ids, ExpertRows(ranks.expert_rows, ranks.counts, router_logits.shape[0], block_m)
+
+
 def _route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, slot_mapping: torch.Tensor | None,
-    layout_block_m: int, rank: bool,
+    layout_block_m: int, rank: bool, by_expert: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout | None, SlotRanks | None]:
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
@@ -224,6 +260,8 @@ def _route(
     if rank:
         ranks = SlotRanks(torch.zeros(triton.next_power_of_2(num_experts), dtype=torch.int32, device=device),
                           torch.empty(num_slots, dtype=torch.int32, device=device))
+        if by_expert:
+            ranks.expert_rows = torch.empty(num_experts * num_tokens, dtype=torch.int32, device=device)
     if num_tokens:
         launch(
             _route_kernel, (num_tokens,), router_logits, weights, ids,
@@ -234,6 +272,7 @@ def _route(
             block_expert_ptr=layout.block_expert if layout else ids,
             block_row_end_ptr=layout.block_row_end if layout else ids, LAYOUT_BLOCK_M=layout_block_m,
             counts_ptr=ranks.counts if ranks else ids, rank_ptr=ranks.rank if ranks else ids, RANK=rank,
+            expert_rows_ptr=ranks.expert_rows if by_expert else ids, capacity=num_tokens, BY_EXPERT=by_expert,
         )
     return weights, ids, layout, ranks
 
@@ -325,26 +364,14 @@ def align_by_expert(
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr, w, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
-    N, K, E, stride_xt, stride_we, stride_wn, stride_ot,
+def _gate_up_rows(
+    x_ptr, w, out_ptr, sorted_slots_ptr, expert, m0, end, pid_n, N, K, stride_xt, stride_we, stride_wn, stride_ot,
     TOP_K: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[slot, n] = silu(x[slot // TOP_K] . w[e, n]) * (x[slot // TOP_K] . w[e, N + n]).
-
-    w: the expert weights [E, 2N, K] through a pointer, or with TMA a tensor descriptor over
-    them seen as [E * 2N, K] (tiles [BLOCK_N, BLOCK_K]). A descriptor's tile that runs past its
-    expert's N rows reads the next matrix's rows, whose columns the store masks off; past K or
-    the last row, the descriptor reads zeros."""
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = tl.program_id(0) // num_n
-    pid_n = tl.program_id(0) % num_n
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert >= E:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < tl.load(block_row_end_ptr + pid_m)
+    """Rows m0 .. min(m0 + BLOCK_M, end) of the sorted slots, columns of block pid_n."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    valid = rows < end
     slots = tl.load(sorted_slots_ptr + rows, mask=valid, other=0)
     tokens = (slots // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -387,24 +414,48 @@ def _gate_up_kernel(
     tl.store(out_ptrs, act.to(dtype), mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _down_kernel(
-    a_ptr, w, route_w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, block_row_end_ptr,
-    N, K, E, stride_at, stride_we, stride_wn, stride_ot,
-    TMA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+@triton.jit(do_not_specialize=["capacity"])
+def _gate_up_kernel(
+    x_ptr, w, out_ptr, sorted_slots_ptr, block_expert_ptr, row_end_ptr, capacity,
+    N, K, E, stride_xt, stride_we, stride_wn, stride_ot,
+    TOP_K: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BY_EXPERT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[slot, n] = (a[slot] . w[e, n]) * route_w[slot]. w: [E, N, K] through a pointer, or
-    with TMA a tensor descriptor over it seen as [E * N, K] (rows past the expert's N are
-    masked at the store, as in _gate_up_kernel)."""
+    """out[slot, n] = silu(x[slot // TOP_K] . w[e, n]) * (x[slot // TOP_K] . w[e, N + n]).
+
+    A program takes one `ExpertLayout` block of rows, or with BY_EXPERT all of expert pid_m's
+    rows (`ExpertRows`; row_end_ptr: its counts), BLOCK_M at a time. w: the expert weights
+    [E, 2N, K] through a pointer, or with TMA a tensor descriptor over them seen as [E * 2N, K]
+    (tiles [BLOCK_N, BLOCK_K]). A descriptor's tile that runs past its expert's N rows reads the
+    next matrix's rows, whose columns the store masks off; past K or the last row, the
+    descriptor reads zeros."""
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
     pid_n = tl.program_id(0) % num_n
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert >= E:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < tl.load(block_row_end_ptr + pid_m)
+    if BY_EXPERT:
+        first = pid_m * capacity
+        end = first + tl.load(row_end_ptr + pid_m)
+        for m0 in range(first, end, BLOCK_M):
+            _gate_up_rows(x_ptr, w, out_ptr, sorted_slots_ptr, pid_m, m0, end, pid_n, N, K, stride_xt, stride_we,
+                          stride_wn, stride_ot, TOP_K, TMA, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < E:
+            _gate_up_rows(x_ptr, w, out_ptr, sorted_slots_ptr, expert, pid_m * BLOCK_M, tl.load(row_end_ptr + pid_m),
+                          pid_n, N, K, stride_xt, stride_we, stride_wn, stride_ot, TOP_K, TMA, IEEE, UPCAST, BLOCK_M,
+                          BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _down_rows(
+    a_ptr, w, route_w_ptr, out_ptr, sorted_slots_ptr, expert, m0, end, pid_n, N, K,
+    stride_at, stride_we, stride_wn, stride_ot,
+    TMA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Rows m0 .. min(m0 + BLOCK_M, end) of the sorted slots, columns of block pid_n."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    valid = rows < end
     slots = tl.load(sorted_slots_ptr + rows, mask=valid, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -434,6 +485,33 @@ def _down_kernel(
     route_w = tl.load(route_w_ptr + slots, mask=valid, other=0.0).to(dtype).to(tl.float32)
     out = acc.to(dtype).to(tl.float32) * route_w[:, None]
     tl.store(out_ptr + slots[:, None] * stride_ot + offs_n[None, :], out.to(dtype), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["capacity"])
+def _down_kernel(
+    a_ptr, w, route_w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr, row_end_ptr, capacity,
+    N, K, E, stride_at, stride_we, stride_wn, stride_ot,
+    TMA: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BY_EXPERT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[slot, n] = (a[slot] . w[e, n]) * route_w[slot], over rows as _gate_up_kernel takes
+    them. w: [E, N, K] through a pointer, or with TMA a tensor descriptor over it seen as
+    [E * N, K] (rows past the expert's N are masked at the store, as in _gate_up_kernel)."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    if BY_EXPERT:
+        first = pid_m * capacity
+        end = first + tl.load(row_end_ptr + pid_m)
+        for m0 in range(first, end, BLOCK_M):
+            _down_rows(a_ptr, w, route_w_ptr, out_ptr, sorted_slots_ptr, pid_m, m0, end, pid_n, N, K, stride_at,
+                       stride_we, stride_wn, stride_ot, TMA, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < E:
+            _down_rows(a_ptr, w, route_w_ptr, out_ptr, sorted_slots_ptr, expert, pid_m * BLOCK_M,
+                       tl.load(row_end_ptr + pid_m), pid_n, N, K, stride_at, stride_we, stride_wn, stride_ot, TMA, IEEE,
+                       UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -490,10 +568,11 @@ def _reads_by_tma(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, tma: boo
 
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    config: MoEKernelConfig | None = None, layout: ExpertLayout | None = None,
+    config: MoEKernelConfig | None = None, layout: ExpertLayout | ExpertRows | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token: [T, H] (an id
-    of E, a padding row's, adds nothing)."""
+    of E, a padding row's, adds nothing). layout: the slots grouped by expert (`ExpertLayout`
+    or `ExpertRows`), else grouped here by `align_by_expert`."""
     _check(x, w13, w2)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
@@ -507,6 +586,11 @@ def fused_experts(
         layout = align_by_expert(topk_ids, num_experts, config.block_m)
     elif layout.block_m != config.block_m:
         raise ValueError(f"fused_experts: layout.block_m={layout.block_m} != config.block_m={config.block_m}")
+    by_expert = isinstance(layout, ExpertRows)
+    if by_expert:  # one program per expert (and block of columns), over its rows
+        programs, block_expert, row_end, capacity = num_experts, layout.counts, layout.counts, layout.capacity
+    else:  # one program per block of rows
+        programs, block_expert, row_end, capacity = layout.num_blocks, layout.block_expert, layout.block_row_end, 0
     num_slots = num_tokens * top_k
     act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
@@ -514,8 +598,8 @@ def fused_experts(
     # The Triton interpreter multiplies 16-bit tl.dot operands wrongly (3.9); there they are
     # widened to fp32 first, which leaves the products exact.
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and not ieee
-    tiles = dict(UPCAST=upcast, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                 num_warps=config.num_warps, num_stages=config.num_stages)
+    tiles = dict(UPCAST=upcast, BY_EXPERT=by_expert, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     tma = _reads_by_tma(x, w13, w2, config.tma)
     if tma:
         tile = [config.block_n, config.block_k]
@@ -524,14 +608,14 @@ def fused_experts(
     else:
         w13_read, w2_read = w13, w2
     launch(
-        _gate_up_kernel, (layout.num_blocks * triton.cdiv(inter, config.block_n),),
-        x, w13_read, act, layout.sorted_slots, layout.block_expert, layout.block_row_end,
+        _gate_up_kernel, (programs * triton.cdiv(inter, config.block_n),),
+        x, w13_read, act, layout.sorted_slots, block_expert, row_end, capacity,
         inter, hidden, num_experts, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, TMA=tma, IEEE=ieee, **tiles,
     )
     launch(
-        _down_kernel, (layout.num_blocks * triton.cdiv(hidden, config.block_n),),
-        act, w2_read, topk_weights.reshape(-1), down, layout.sorted_slots, layout.block_expert, layout.block_row_end,
+        _down_kernel, (programs * triton.cdiv(hidden, config.block_n),),
+        act, w2_read, topk_weights.reshape(-1), down, layout.sorted_slots, block_expert, row_end, capacity,
         hidden, inter, num_experts, act.stride(0), w2.stride(0), w2.stride(1), down.stride(0),
         TMA=tma, IEEE=ieee, **tiles,
     )
@@ -558,6 +642,10 @@ def fused_moe(
     if num_tokens * top_k <= ONE_SLOT_PER_BLOCK_MAX_SLOTS:
         weights, ids, layout = route_one_slot_per_block(router_logits, top_k, renormalize, slot_mapping, config.block_m)
         return fused_experts(x, w13, w2, weights, ids, config, layout)
+    if num_tokens * top_k <= BY_EXPERT_MAX_ROWS_PER_EXPERT * num_experts:
+        weights, ids, rows = route_by_expert(router_logits, top_k, renormalize, slot_mapping, config.block_m)
+        return fused_experts(x, w13, w2, weights, ids, config, rows)
     weights, ids, ranks = route_and_rank(router_logits, top_k, renormalize, slot_mapping)
     layout = align_by_expert(ids, num_experts, config.block_m, ranks)
     return fused_experts(x, w13, w2, weights, ids, config, layout)
+
