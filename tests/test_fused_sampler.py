@@ -179,6 +179,90 @@ def test_greedy_batches_under_grammar_masks_take_the_kernel_and_match_the_refere
     assert len(calls) == 3
 
 
+def _masked_argmax(logits, words_allowed, row_of):
+    """The reference: each row's disallowed logits at -inf, then torch.argmax (fp32)."""
+    x = logits.float().cpu().clone()
+    for b, r in enumerate(row_of):
+        if r >= 0:
+            banned = [t for t in range(x.shape[1]) if t not in words_allowed[r]]
+            x[b, banned] = float("-inf")
+    return x.argmax(-1).tolist()
+
+
+def test_masked_greedy_is_the_argmax_among_allowed_tokens():
+    """MaskedGreedy against masking then torch.argmax: rows without a grammar (row_of -1),
+    a row's max in the ragged last tile, ties inside a tile, between tiles and across chunks (the lowest id
+    wins), bf16 logits, a mask row shared by two batch rows; launches of other batch sizes in
+    between reuse and grow the workspace, whose arrival counts are back at 0 after each."""
+    v = 4 * fused_sampler.MASKED_GREEDY_BLOCK + 45  # two chunks a row on the interpreter's 4 "SMs"
+    assert fused_sampler.choose_num_splits(6, v, 4) == 2
+    gen = torch.Generator().manual_seed(5)
+    greedy = fused_sampler.MaskedGreedy(DEV)
+    for rows in (6, 70, 6):
+        logits = torch.randn(rows, v, generator=gen) * 3
+        words, allowed = random_masks(3, v, gen)
+        row_of = [(b % 4) - 1 for b in range(rows)]  # -1, 0, 1, 2, -1, ...
+        top = sorted(allowed[0])[-1]  # row 1 (mask row 0): its max in the ragged last tile
+        assert top >= 4 * fused_sampler.MASKED_GREEDY_BLOCK
+        logits[1, top] = 40.0
+        tie = sorted(allowed[1])
+        logits[2, tie[1]] = logits[2, tie[-2]] = 50.0  # across chunks: the lower id
+        # No grammar: ties inside a tile and in one lane of the chunk's next tile.
+        logits[4, 7] = logits[4, 9] = logits[4, 7 + fused_sampler.MASKED_GREEDY_BLOCK] = 60.0
+        for dtype in (torch.float32, torch.bfloat16):
+            x = logits.to(dtype)
+            got = greedy(x.to(DEV), words.to(DEV), torch.tensor(row_of, dtype=torch.int32, device=DEV)).tolist()
+            assert got == _masked_argmax(x, allowed, row_of)
+            assert got[1] == top and got[2] == tie[1] and got[4] == 7
+            assert greedy.count.cpu().eq(0).all()
+
+
+def test_masked_greedy_edge_rows():
+    """A row whose allowed logits are all -inf gets its lowest allowed token; a row whose mask
+    allows nothing gets 0, as torch.argmax of a row of -inf; a single allowed token is taken
+    whatever the logits; one row alone; bad shapes are a ValueError naming the argument."""
+    v = 3 * fused_sampler.MASKED_GREEDY_BLOCK + 11
+    logits = torch.randn(3, v)
+    words = torch.zeros((3, (v + 31) // 32), dtype=torch.int32)
+    words[0, 3] = 0b1010  # tokens 97 and 99
+    logits[0, 97] = logits[0, 99] = float("-inf")
+    words[2, (v - 1) // 32] = 1 << ((v - 1) % 32)  # only the last token
+    logits[2, v - 1] = -1e30
+    greedy = fused_sampler.MaskedGreedy(DEV)
+    row_of = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    assert greedy(logits.to(DEV), words.to(DEV), row_of).tolist() == [97, 0, v - 1]
+    one = greedy(logits[:1].to(DEV), words[2:].to(DEV), torch.zeros(1, dtype=torch.int32, device=DEV))
+    assert one.tolist() == [v - 1]
+    with pytest.raises(ValueError, match="row_of"):
+        greedy(logits.to(DEV), words.to(DEV), row_of[:2])
+    with pytest.raises(ValueError, match="mask words"):
+        greedy(logits.to(DEV), words[:, :3].to(DEV), row_of)
+
+
+def test_sampler_greedy_batches_match_the_reference_pipeline():
+    """Sampler.greedy (greedy rows and nothing else: no SamplingTensors) gives what the
+    reference pipeline gives for the same rows, with and without grammar masks, on the fused
+    path (MaskedGreedy) and on the reference one."""
+    pytest.importorskip("xgrammar", reason="xgrammar is not installed")
+    from nanovllm.structured.bitmask import TokenBitmask
+
+    v = 300
+    gen = torch.Generator().manual_seed(8)
+    rows = 9
+    logits = (torch.randn(rows, v, generator=gen) * 2).to(DEV)
+    words, allowed = random_masks(3, v, gen)
+    masks = [(0, words[1:2]), (4, words[0:1]), (8, words[2:3])]
+    params = [SamplingParams(temperature=0)] * rows
+    reference = Sampler(fused=False)
+    st = SamplingTensors.from_params(params, None, v, DEV)
+    st.token_mask = TokenBitmask.from_rows(rows, masks, DEV)
+    expected = reference(logits, st).token_ids.tolist()
+    assert expected[0] in allowed[1] and expected[4] in allowed[0] and expected[8] in allowed[2]
+    for sampler in (fused_sampler_on(), reference):
+        assert sampler.greedy(logits, TokenBitmask.from_rows(rows, masks, DEV)).token_ids.tolist() == expected
+        assert sampler.greedy(logits).token_ids.tolist() == logits.argmax(-1).tolist()
+
+
 def test_choose_num_splits():
     # Enough 8-warp programs to fill 132 SMs 8 times over, each chunk at least two tiles.
     assert fused_sampler.choose_num_splits(256, 151936, 132) == 8

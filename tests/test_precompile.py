@@ -166,6 +166,9 @@ _COMPILE_LOG_SCRIPT = textwrap.dedent(
     # fused sampler's masked variant (40 rows: more than Sampler.fast_path_min_rows).
     grammar = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(json_object=True))
     llm.generate([[5 + i, 6, 7] for i in range(40)], grammar, use_tqdm=False)
+    # Greedy rows under their masks, a few: the masked argmax (Sampler.greedy).
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=StructuredOutputsParams(json_object=True))
+    llm.generate([[9 + i, 6, 7] for i in range(5)], greedy, use_tqdm=False)
     print(json.dumps({"start": at_start, "serving": events[len(at_start):]}))
     """
 )
@@ -196,11 +199,11 @@ def test_start_up_compiles_every_kernel_in_the_dry_pass(qwen3_tiny, tmp_path):
     # Serving compiles nothing at a real launch; the persistent decode kernel, its graph's
     # greedy argmax and the kernels of its filtered (sampling) graphs compile on their background
     # thread (fastpath/seam.py's dry pass: warmups, whether they land before or after LLM() returns),
-    # and so does the fused sampler's variant that reads grammar masks (Sampler.masked_dry_pass).
+    # and so do the fused sampler's kernels that read grammar masks (Sampler.masked_dry_pass).
     assert [name for name, warmup in log["serving"] if not warmup] == [], "serving compiled at a real launch"
     background_kernels = ("_decode_kernel", "_greedy_row_kernel", "_penalize_kernel", "_count_kernel",
                           "_tile_stats_kernel", "_threshold_kernel", "_candidates_kernel", "_pick_kernel",
-                          "_refine_kernel", "_gumbel_argmax_kernel")
+                          "_refine_kernel", "_gumbel_argmax_kernel", "_masked_greedy_kernel")
     background = [name for name, _ in start + log["serving"] if name.endswith(background_kernels)]
     assert {name.rsplit(".", 1)[-1] for name in background} >= {"_decode_kernel", "_greedy_row_kernel"}, background
     assert {name for name, _ in log["serving"]} <= set(background), log["serving"]

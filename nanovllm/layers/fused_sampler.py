@@ -27,6 +27,10 @@ torch.Generator stream, so they are reproducible whatever the batch) and without
 this path; everything else stays on the reference path. Grammar masks (one bitmask row per
 constrained row) are read in the same scan: a disallowed token never scores. Ties go to the
 lowest token id, as torch.argmax does.
+
+A batch of greedy rows under grammar masks takes `MaskedGreedy` instead: no noise, one launch
+(each row's last program to finish picks its best chunk), and its workspace is kept from batch
+to batch. `GreedyRow` is the one-row argmax of the lone-sequence graphs.
 """
 from __future__ import annotations
 
@@ -302,4 +306,102 @@ class GreedyRow:
             raise ValueError(f"GreedyRow: logits must be [1, {self.vocab_size}] and contiguous, got {tuple(logits.shape)}")
         launch(_greedy_row_kernel, (self.programs,), logits, self.part_val, self.part_idx, self.count, out,
                self.vocab_size, BLOCK=GREEDY_BLOCK, PARTS=triton.next_power_of_2(self.programs), num_warps=4)
+        return out
+
+
+# A batch of greedy rows under grammar masks (MaskedGreedy): each row's vocabulary in chunks of
+# whole MASKED_GREEDY_BLOCK tiles, one program each.
+MASKED_GREEDY_BLOCK = 2048
+
+
+@triton.jit(do_not_specialize=("chunk", "num_splits"))
+def _masked_greedy_kernel(logits_ptr, stride_row, vocab_size, chunk, num_splits, words_ptr, words_stride, row_of_ptr,
+                          part_val_ptr, part_idx_ptr, count_ptr, out_ptr, BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    """Program (row, split) scans columns [split * chunk, (split + 1) * chunk) of its row, the
+    columns its mask row (row_of_ptr[row]; -1: none) allows, keeping each lane's best (value,
+    lowest column); it stores the chunk's best and counts itself in, and the last program of
+    the row to arrive (acq_rel count) picks the row's best chunk, lowest column on ties, and
+    puts the row's count back to 0 for the next launch. A row whose allowed logits are all
+    -inf gets its lowest allowed column; a row that allows nothing, 0 (torch.argmax of a row
+    of -inf)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    mask_row = tl.load(row_of_ptr + row)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    row_words = words_ptr + tl.maximum(mask_row, 0).to(tl.int64) * words_stride
+    offs = tl.arange(0, BLOCK)
+    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_idx = tl.full((BLOCK,), 2**31 - 1, tl.int32)
+    lo = split * chunk
+    hi = tl.minimum(vocab_size, lo + chunk)
+    for start in range(lo, hi, BLOCK):
+        cols = start + offs
+        valid = cols < hi
+        # (mask_row broadcast over the columns first: Triton's interpreter cannot combine a
+        # block's mask with a scalar condition; the compiler folds cols * 0 away.)
+        words = tl.load(row_words + cols // 32, mask=valid & ((cols * 0 + mask_row) >= 0), other=-1)
+        valid = valid & (((words >> (cols % 32)) & 1) != 0)
+        x = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        # Each lane sees its columns in increasing order: strictly better, or the first allowed
+        # column while the lane has none (an allowed -inf).
+        better = valid & ((x > best_val) | (best_idx == 2**31 - 1))
+        best_val = tl.where(better, x, best_val)
+        best_idx = tl.where(better, cols, best_idx)
+    top = tl.max(best_val, axis=0)
+    top_idx = tl.min(tl.where(best_val == top, best_idx, 2**31 - 1), axis=0)
+    parts = row * PARTS
+    tl.store(part_val_ptr + parts + split, top)
+    tl.store(part_idx_ptr + parts + split, top_idx)
+    arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        best = best_part(part_val_ptr + parts, part_idx_ptr + parts, num_splits, PARTS)
+        tl.store(out_ptr + row, tl.where(best == 2**31 - 1, 0, best).to(tl.int64))
+        tl.store(count_ptr + row, 0)
+
+
+class MaskedGreedy:
+    """`masked_greedy(logits [B, V], words, row_of) -> [B] int64`: each row's argmax among the
+    tokens its grammar mask allows (structured/bitmask.py TokenBitmask: words int32 [R, W], bit
+    t of a row set = token t allowed; row_of int32 [B], the row of words each batch row reads,
+    -1 for a row without a grammar), the lowest token id on ties: what setting the disallowed
+    logits to -inf and torch.argmax give (a NaN logit is never picked, where torch.argmax would
+    pick it). One launch for the batch, in place of the reference's copy, masking and argmax
+    (and of gumbel_argmax's two launches): each row's vocabulary is cut into chunks as there
+    (choose_num_splits), and the last of a row's programs to finish picks its best chunk. The
+    workspace (each program's best, one arrival count a row that the last program resets) lives
+    here and grows with the batch, so one instance serves one stream of launches at a time."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
+        self._rows = 0
+        self.part_val = self.part_idx = self.count = None
+
+    def _workspace(self, rows: int) -> None:
+        if rows > self._rows:
+            self._rows = max(rows, 64, 2 * self._rows)
+            self.part_val = torch.empty((self._rows, MAX_SPLITS), dtype=torch.float32, device=self.device)
+            self.part_idx = torch.empty((self._rows, MAX_SPLITS), dtype=torch.int32, device=self.device)
+            self.count = torch.zeros(self._rows, dtype=torch.int32, device=self.device)
+
+    def __call__(self, logits: torch.Tensor, words: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+        if logits.dim() != 2 or logits.stride(1) != 1:
+            raise ValueError(f"MaskedGreedy: logits must be [B, V] with contiguous rows, got {tuple(logits.shape)}")
+        rows, vocab = logits.shape
+        if words.dtype != torch.int32 or words.dim() != 2 or words.stride(1) != 1 or words.shape[1] * 32 < vocab:
+            raise ValueError(f"MaskedGreedy: mask words must be int32 [R, >= {triton.cdiv(vocab, 32)}] with "
+                             f"contiguous rows, got {words.dtype} {tuple(words.shape)}")
+        if row_of.dtype != torch.int32 or row_of.shape != (rows,):
+            raise ValueError(f"MaskedGreedy: row_of must be int32 [{rows}], got {row_of.dtype} {tuple(row_of.shape)}")
+        if rows * triton.cdiv(vocab, MASKED_GREEDY_BLOCK) * MASKED_GREEDY_BLOCK >= 2**31:
+            raise ValueError(f"MaskedGreedy: {rows} rows x {vocab} columns overflow the kernel's 32-bit indices")
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        if not rows:
+            return out
+        self._workspace(rows)
+        num_splits = choose_num_splits(rows, vocab, self.num_sms)
+        chunk = triton.cdiv(triton.cdiv(vocab, num_splits), MASKED_GREEDY_BLOCK) * MASKED_GREEDY_BLOCK
+        launch(_masked_greedy_kernel, (rows, num_splits), logits, logits.stride(0), vocab, chunk, num_splits,
+               words, words.stride(0), row_of, self.part_val, self.part_idx, self.count, out,
+               BLOCK=MASKED_GREEDY_BLOCK, PARTS=MAX_SPLITS, num_warps=8)
         return out

@@ -35,7 +35,10 @@ Design decisions:
   top_p, and always the most likely token. Min-p then drops tokens with prob < min_p * max prob
   (a ratio that top-k/top-p renormalisation does not change).
 - Greedy rows (temperature 0) take argmax of the (biased, penalized) logits (first index on
-  ties, as torch.argmax and HF do). Temperatures below `GREEDY_EPS` are treated as greedy
+  ties, as torch.argmax and HF do). A batch of greedy rows and nothing else (no bias,
+  penalties or logprobs: the common case, and every greedy request under a grammar) skips the
+  pipeline: `Sampler.greedy` takes the argmax of the logits as they are, or under the rows'
+  grammar masks (on CUDA one kernel, fused_sampler.MaskedGreedy). Temperatures below `GREEDY_EPS` are treated as greedy
   (`SamplingParams.greedy`): dividing by them overflows.
 - Everything that decides control flow (the flags, which rows are seeded, how many logprobs) is
   known on the host when `SamplingTensors` is built, so `Sampler.forward` never reads the device.
@@ -228,6 +231,7 @@ class Sampler(nn.Module):
         self.fused_devices: tuple[str, ...] = ("cuda",) if fused else ()
         self._filtered = None  # filtered_sampler.FilteredSampler, made at the first batch that needs it
         self._greedy: tuple[torch.Tensor, torch.Tensor] | None = None  # _greedy_inputs
+        self._masked_greedy = None  # fused_sampler.MaskedGreedy, made at the first masked greedy batch
 
     # The fused kernel runs one program per row: it pays for large batches that sample (one pass
     # instead of ~6); a small batch, or an all-greedy one without grammar masks, is faster as
@@ -250,18 +254,40 @@ class Sampler(nn.Module):
         return device.type in self.fused_devices and any(p.filters_or_seed for p in params)
 
     def masked_dry_pass(self, logits: torch.Tensor) -> None:
-        """The fused path's launch for a greedy batch under grammar masks, on logits [B, V] of
-        the model's dtype (B >= fast_path_min_rows): inside a dry pass (nanovllm/precompile.py)
-        it only queues the compile of the kernel's masked variant. A batch's first grammar mask
-        can come in the middle of a loaded run, and compiling then would stall the batch."""
-        from nanovllm.layers.fused_sampler import gumbel_argmax
+        """The fused launches for a batch under grammar masks, on logits [B, V] of the model's
+        dtype: greedy rows (Sampler.greedy) and, where B >= fast_path_min_rows, sampled ones
+        (the fused kernel's masked variant). Inside a dry pass (nanovllm/precompile.py) they
+        only queue their compiles: a batch's first grammar mask can come in the middle of a
+        loaded run, and compiling then would stall the batch."""
+        from nanovllm.layers.fused_sampler import MaskedGreedy, gumbel_argmax
 
         rows, vocab = logits.shape
         device = logits.device
         words = torch.zeros((rows, (vocab + 31) // 32), dtype=torch.int32, device=device)
         row_of = torch.zeros(rows, dtype=torch.int32, device=device)
-        temperature, seed = self._greedy_inputs(rows, device)
-        gumbel_argmax(logits.contiguous(), temperature, seed, None, (words, row_of))
+        MaskedGreedy(device)(logits.contiguous(), words, row_of)
+        if rows >= self.fast_path_min_rows:
+            temperature, seed = self._greedy_inputs(rows, device)
+            gumbel_argmax(logits.contiguous(), temperature, seed, None, (words, row_of))
+
+    def greedy(self, logits: torch.Tensor, token_mask: TokenBitmask | None = None) -> SamplerOutput:
+        """A batch whose every row takes the argmax (SamplingParams.takes_argmax, no logit
+        bias): each row's most likely token among those its grammar mask allows, the lowest id
+        on ties. No SamplingTensors are built: nothing but the logits and the masks is read. On
+        the fused devices the masked argmax is one kernel (fused_sampler.MaskedGreedy); else the
+        disallowed logits of an fp32 copy are set to -inf first."""
+        if token_mask is None:
+            return SamplerOutput(greedy_argmax(logits), None, None, None)
+        if logits.device.type in self.fused_devices:
+            if self._masked_greedy is None:
+                from nanovllm.layers.fused_sampler import MaskedGreedy
+
+                self._masked_greedy = MaskedGreedy(logits.device)
+            return SamplerOutput(self._masked_greedy(logits.contiguous(), token_mask.words, token_mask.row_of),
+                                 None, None, None)
+        masked = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        token_mask.apply_(masked)
+        return SamplerOutput(greedy_argmax(masked), None, None, None)
 
     def _greedy_inputs(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(zero temperatures [rows], a seed) on device for an all-greedy batch of the fused

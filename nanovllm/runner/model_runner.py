@@ -288,9 +288,9 @@ class ModelRunner:
                                                          step_seeds=seeds))
         plain = [SamplingParams(temperature=1.0)] * rows  # the fused path, when the batch is large enough
         self.sampler(logits, SamplingTensors.from_params(plain, None, vocab, self.device))
-        if self.device.type in self.sampler.fused_devices and rows >= self.sampler.fast_path_min_rows:
-            # Grammar masks on a large batch: the fused kernel's masked variant compiles on a
-            # thread of its own (finish_background_compile waits for it).
+        if self.device.type in self.sampler.fused_devices:
+            # Grammar masks: the masked kernels compile on a thread of their own
+            # (finish_background_compile waits for them).
             self._background_compiles.append(compile_in_background(partial(self.sampler.masked_dry_pass, logits)))
 
     def _dummy_meta(self, query_lens: list[int], num_decodes: int = 0) -> AttentionMetadata:
@@ -594,7 +594,11 @@ class ModelRunner:
     def sample(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
         """Sample one token per row of `logits` under each row's parameters (and seed); a
         penalized row's token is added to its sequence's counts (runner/penalty_state.py); a row
-        with a grammar samples only what its bitmask allows (structured/bitmask.py)."""
+        with a grammar samples only what its bitmask allows (structured/bitmask.py). A batch of
+        greedy rows and nothing else takes Sampler.greedy (no per-row tensors are built)."""
+        if all(s.params.takes_argmax and s.params.logit_bias is None and not s.banned_token_ids for s in rows):
+            masks = [(i, s.token_bitmask) for i, s in enumerate(rows) if s.token_bitmask is not None]
+            return self.sampler.greedy(logits, self._token_bitmask(len(rows), masks) if masks else None)
         logits = _with_bans(rows, logits)
         params = [s.params for s in rows]
         step_seeds = None
