@@ -104,6 +104,16 @@ def gumbel_score(x, cols, inv_t, seed, BLOCK: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def mask_allows(words_ptr, mask_row, cols, valid):
+    """valid & whether each column's bit is set in the mask row at words_ptr (bit c % 32 of word
+    c // 32); every column counts as allowed where mask_row is -1 (no grammar)."""
+    # (mask_row broadcast over the columns first: Triton's interpreter cannot combine a
+    # block's mask with a scalar condition; the compiler folds cols * 0 away.)
+    words = tl.load(words_ptr + cols // 32, mask=valid & ((cols * 0 + mask_row) >= 0), other=-1)
+    return valid & (((words >> (cols % 32)) & 1) != 0)
+
+
+@triton.jit
 def _keep_best(best_val, best_idx, row_ptr, cols, hi, u, inv_t, noise_scale, words_ptr, mask_row,
                FAST: tl.constexpr, HAS_MASK: tl.constexpr):
     """Fold one quarter-tile into the per-lane running best (no cross-lane reduction). With
@@ -111,10 +121,7 @@ def _keep_best(best_val, best_idx, row_ptr, cols, hi, u, inv_t, noise_scale, wor
     mask words (bit c % 32 of word c // 32)."""
     valid = cols < hi
     if HAS_MASK:
-        # (mask_row broadcast over the columns first: Triton's interpreter cannot combine a
-        # block's mask with a scalar condition; the compiler folds cols * 0 away.)
-        words = tl.load(words_ptr + cols // 32, mask=valid & ((cols * 0 + mask_row) >= 0), other=-1)
-        valid = valid & (((words >> (cols % 32)) & 1) != 0)
+        valid = mask_allows(words_ptr, mask_row, cols, valid)
     x = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
     score = tl.where(valid, x * inv_t + _gumbel(u, FAST) * noise_scale, float("-inf"))
     better = score > best_val  # strict: each lane sees its columns in increasing order
@@ -198,6 +205,16 @@ def _best_split_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_splits, MAX: tl.
     tl.store(out_ptr + row, tl.load(best_idx_ptr + row * num_splits + winner))
 
 
+def check_mask(caller: str, words: torch.Tensor, row_of: torch.Tensor, rows: int, vocab_size: int) -> None:
+    """ValueError naming the argument unless (words, row_of) are grammar masks the kernels read
+    for `rows` rows of `vocab_size` logits (structured/bitmask.py TokenBitmask)."""
+    if words.dtype != torch.int32 or words.dim() != 2 or words.stride(1) != 1 or words.shape[1] * 32 < vocab_size:
+        raise ValueError(f"{caller}: mask words must be int32 [R, >= {triton.cdiv(vocab_size, 32)}] with "
+                         f"contiguous rows, got {words.dtype} {tuple(words.shape)}")
+    if row_of.dtype != torch.int32 or row_of.shape != (rows,):
+        raise ValueError(f"{caller}: mask row_of must be int32 [{rows}], got {row_of.dtype} {tuple(row_of.shape)}")
+
+
 def gumbel_argmax(
     logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, num_splits: int | None = None,
     mask: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -229,11 +246,7 @@ def gumbel_argmax(
     best_idx = torch.empty((rows, num_splits), dtype=torch.int64, device=logits.device)
     if mask is not None:
         words, row_of = mask
-        if words.dtype != torch.int32 or words.stride(1) != 1 or words.shape[1] * 32 < vocab:
-            raise ValueError(f"gumbel_argmax: mask words must be int32 [R, >= {triton.cdiv(vocab, 32)}] with "
-                             f"contiguous rows, got {words.dtype} {tuple(words.shape)}")
-        if row_of.dtype != torch.int32 or row_of.shape != (rows,):
-            raise ValueError(f"gumbel_argmax: mask row_of must be int32 [{rows}], got {row_of.dtype} {tuple(row_of.shape)}")
+        check_mask("gumbel_argmax", words, row_of, rows, vocab)
         mask_args = (words, row_of, words.stride(0))
     else:
         mask_args = (best_idx, best_idx, 0)  # not read
@@ -336,11 +349,7 @@ def _masked_greedy_kernel(logits_ptr, stride_row, vocab_size, chunk, num_splits,
     hi = tl.minimum(vocab_size, lo + chunk)
     for start in range(lo, hi, BLOCK):
         cols = start + offs
-        valid = cols < hi
-        # (mask_row broadcast over the columns first: Triton's interpreter cannot combine a
-        # block's mask with a scalar condition; the compiler folds cols * 0 away.)
-        words = tl.load(row_words + cols // 32, mask=valid & ((cols * 0 + mask_row) >= 0), other=-1)
-        valid = valid & (((words >> (cols % 32)) & 1) != 0)
+        valid = mask_allows(row_words, mask_row, cols, cols < hi)
         x = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
         # Each lane sees its columns in increasing order: strictly better, or the first allowed
         # column while the lane has none (an allowed -inf).
@@ -388,11 +397,7 @@ class MaskedGreedy:
         if logits.dim() != 2 or logits.stride(1) != 1:
             raise ValueError(f"MaskedGreedy: logits must be [B, V] with contiguous rows, got {tuple(logits.shape)}")
         rows, vocab = logits.shape
-        if words.dtype != torch.int32 or words.dim() != 2 or words.stride(1) != 1 or words.shape[1] * 32 < vocab:
-            raise ValueError(f"MaskedGreedy: mask words must be int32 [R, >= {triton.cdiv(vocab, 32)}] with "
-                             f"contiguous rows, got {words.dtype} {tuple(words.shape)}")
-        if row_of.dtype != torch.int32 or row_of.shape != (rows,):
-            raise ValueError(f"MaskedGreedy: row_of must be int32 [{rows}], got {row_of.dtype} {tuple(row_of.shape)}")
+        check_mask("MaskedGreedy", words, row_of, rows, vocab)
         if rows * triton.cdiv(vocab, MASKED_GREEDY_BLOCK) * MASKED_GREEDY_BLOCK >= 2**31:
             raise ValueError(f"MaskedGreedy: {rows} rows x {vocab} columns overflow the kernel's 32-bit indices")
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)

@@ -38,8 +38,8 @@ Design decisions:
   ties, as torch.argmax and HF do). A batch of greedy rows and nothing else (no bias,
   penalties or logprobs: the common case, and every greedy request under a grammar) skips the
   pipeline: `Sampler.greedy` takes the argmax of the logits as they are, or under the rows'
-  grammar masks (on CUDA one kernel, fused_sampler.MaskedGreedy). Temperatures below `GREEDY_EPS` are treated as greedy
-  (`SamplingParams.greedy`): dividing by them overflows.
+  grammar masks (on CUDA one kernel, fused_sampler.MaskedGreedy). Temperatures below
+  `GREEDY_EPS` are treated as greedy (`SamplingParams.greedy`): dividing by them overflows.
 - Everything that decides control flow (the flags, which rows are seeded, how many logprobs) is
   known on the host when `SamplingTensors` is built, so `Sampler.forward` never reads the device.
 """
@@ -265,6 +265,7 @@ class Sampler(nn.Module):
         device = logits.device
         words = torch.zeros((rows, (vocab + 31) // 32), dtype=torch.int32, device=device)
         row_of = torch.zeros(rows, dtype=torch.int32, device=device)
+        # An instance of its own: the dry pass runs on a compile thread beside the engine.
         MaskedGreedy(device)(logits.contiguous(), words, row_of)
         if rows >= self.fast_path_min_rows:
             temperature, seed = self._greedy_inputs(rows, device)

@@ -596,8 +596,8 @@ class ModelRunner:
         penalized row's token is added to its sequence's counts (runner/penalty_state.py); a row
         with a grammar samples only what its bitmask allows (structured/bitmask.py). A batch of
         greedy rows and nothing else takes Sampler.greedy (no per-row tensors are built)."""
+        masks = [(i, s.token_bitmask) for i, s in enumerate(rows) if s.token_bitmask is not None]
         if all(s.params.takes_argmax and s.params.logit_bias is None and not s.banned_token_ids for s in rows):
-            masks = [(i, s.token_bitmask) for i, s in enumerate(rows) if s.token_bitmask is not None]
             return self.sampler.greedy(logits, self._token_bitmask(len(rows), masks) if masks else None)
         logits = _with_bans(rows, logits)
         params = [s.params for s in rows]
@@ -620,7 +620,6 @@ class ModelRunner:
             slots, *token_stats = self.penalty_state.gather(rows)
         st = SamplingTensors.from_params(params, generators, logits.shape[-1], self.device, token_stats=token_stats,
                                          step_seeds=step_seeds)
-        masks = [(i, s.token_bitmask) for i, s in enumerate(rows) if s.token_bitmask is not None]
         if masks:  # xgrammar is imported only once a request has a grammar
             st.token_mask = self._token_bitmask(len(rows), masks)
         sampled = self.sampler(logits, st)
