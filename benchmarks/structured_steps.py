@@ -7,8 +7,8 @@ schema (benchmarks/structured_schema.json), offline: 64 greedy requests of 128 p
     python benchmarks/structured_steps.py MODEL --arrivals steady   # 512 requests, 64 in flight, as under load
 
 Prints, for each of two rounds of each kind, tok/s, ms per engine step, how many greedy tokens
-sampled without their masks were checked and refused, and per step the time
-spent in the engine's phases (wall time around the engine's and runner's methods; nested ones
+sampled without their masks were checked and refused, how many masks were filled, and per
+step the time spent in the engine's phases (wall time around the engine's and runner's methods; nested ones
 are counted in their callers too): scheduling, building the forward pass's inputs and
 launching it, checking the previous step's unmasked greedy tokens (and rolling back refused
 ones), waiting for and processing the previous step's tokens, filling the step's masks,
@@ -84,6 +84,13 @@ def main() -> None:
         return refused
 
     grammars.Grammars.check = counted_check
+    fill = grammars.Grammars._fill
+
+    def counted_fill(self, seq_ids):
+        fill(self, seq_ids)
+        checks["filled"] += len(seq_ids)
+
+    grammars.Grammars._fill = counted_fill
 
     llm = LLM(args.model, max_model_len=1024, decode_burst=1)
     timed(type(llm.engine.scheduler), "schedule", "schedule")
@@ -105,7 +112,7 @@ def main() -> None:
         steps = calls["engine step"]
         print(f"{name}: {tokens} tokens in {elapsed:.3f} s, {tokens / elapsed:.0f} tok/s, {steps} steps, "
               f"{elapsed / steps * 1e3:.2f} ms per step; unmasked tokens checked {checks['checked']}, "
-              f"refused {checks['refused']}")
+              f"refused {checks['refused']}; masks filled {checks['filled']}")
         for label in seconds:
             print(f"    {label:45s} {seconds[label] / steps * 1e3:6.3f} ms per step")
 
