@@ -8,11 +8,11 @@ schema (benchmarks/structured_schema.json), offline: 64 greedy requests of 128 p
 
 Prints, for each of two rounds of each kind, tok/s, ms per engine step, how many greedy tokens
 sampled without their masks were checked and refused, how many masks were filled, and per
-step the time spent in the engine's phases (wall time around the engine's and runner's methods; nested ones
-are counted in their callers too): scheduling, building the forward pass's inputs and
-launching it, checking the previous step's unmasked greedy tokens (and rolling back refused
-ones), waiting for and processing the previous step's tokens, filling the step's masks,
-staging them for the device, launching the sampling.
+step the time spent in the engine's phases (wall time around the engine's and runner's
+methods; nested ones are counted in their callers too): scheduling, building the forward
+pass's inputs and launching it, checking the previous step's unmasked greedy tokens (and
+rolling back refused ones), waiting for and processing the previous step's tokens, filling
+the step's masks, staging them for the device, launching the sampling.
 """
 from __future__ import annotations
 
