@@ -46,6 +46,11 @@ _PROGRAMS_PER_SM = 8
 MAX_SPLITS = 32
 
 
+def sm_count(device: torch.device) -> int:
+    """The device's SM count, for choose_num_splits; 4 off CUDA (the Triton interpreter in tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def choose_num_splits(rows: int, vocab_size: int, num_sms: int) -> int:
     """Vocabulary chunks per row: enough programs to fill every SM, each at least 2 tiles long."""
     if rows == 0:
@@ -235,8 +240,7 @@ def gumbel_argmax(
     if not rows:
         return out
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
-        num_splits = choose_num_splits(rows, vocab, sms)
+        num_splits = choose_num_splits(rows, vocab, sm_count(logits.device))
     if not 1 <= num_splits <= MAX_SPLITS or num_splits & (num_splits - 1):
         raise ValueError(f"gumbel_argmax: num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}")
     if rows * triton.cdiv(vocab, BLOCK_V) * BLOCK_V >= 2**31:
@@ -382,7 +386,7 @@ class MaskedGreedy:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
+        self.num_sms = sm_count(self.device)
         self._rows = 0
         self.part_val = self.part_idx = self.count = None
 
