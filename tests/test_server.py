@@ -565,13 +565,15 @@ def test_engine_failure_mid_stream_reaches_the_stream(qwen3_tiny):
 
 
 # ---- the command line --------------------------------------------------------------------------
-def test_serve_command_sigterm_is_graceful_and_exits_0(qwen3_tiny):
+def test_serve_command_sigterm_is_graceful_and_exits_0(checkpoint_factory):
     """SIGTERM: a short in-flight stream still finishes; a long one is aborted after
-    --shutdown-timeout and still ends cleanly; the process exits 0."""
+    --shutdown-timeout and still ends cleanly; the process exits 0. The long one asks for 30k
+    tokens so that no machine decodes it within the 1 s timeout."""
+    checkpoint = checkpoint_factory("qwen3", max_position_embeddings=32768)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nanovllm", "serve", str(qwen3_tiny), "--port", "0", "--device", "cpu",
-         "--max-model-len", "1024", "--served-model-name", MODEL, "--shutdown-timeout", "1"],
+        [sys.executable, "-m", "nanovllm", "serve", str(checkpoint), "--port", "0", "--device", "cpu",
+         "--max-model-len", "32768", "--served-model-name", MODEL, "--shutdown-timeout", "1"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
     )
     try:
@@ -591,7 +593,7 @@ def test_serve_command_sigterm_is_graceful_and_exits_0(qwen3_tiny):
                                                     stream=True, extra_body={"ignore_eos": True}))
             return [next(stream)], stream
 
-        short, long_ = start(8), start(1000)
+        short, long_ = start(8), start(30000)
         proc.send_signal(signal.SIGTERM)
         for chunks, stream in (short, long_):
             chunks.extend(stream)
