@@ -507,6 +507,27 @@ def test_async_engine_streams_aborts_and_idles(live):
     assert time.process_time() - cpu < 0.2  # an idle engine (and idle server) does not spin
 
 
+def test_core_stream_text_never_shrinks_when_a_sample_stops_first(live, offline):
+    """n=2 with a stop string that only sample 0 meets: it ends while sample 1 runs on. Each
+    output of the stream extends the one before (a finished sample's text is whole, not held
+    back for a stop string), and the last equals the offline engine's."""
+    params = dict(n=2, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    free = offline.generate([[40, 41, 42]], SamplingParams(**params), use_tqdm=False)[0].outputs
+    text = free[0].text
+    params["stop"] = [next(text[i : i + 3] for i in range(len(text) // 2, len(text) - 2)
+                           if text[i : i + 3] not in free[1].text)]
+    expected = offline.generate([[40, 41, 42]], SamplingParams(**params), use_tqdm=False)[0].outputs
+    assert [c.finish_reason for c in expected] == ["stop", "length"]
+
+    async def main():
+        return [o async for o in live.engine.generate("shrink", [40, 41, 42], SamplingParams(**params))]
+
+    outs = asyncio.run(main())
+    assert [c.text for c in outs[-1].outputs] == [c.text for c in expected]
+    for before, after in zip(outs, outs[1:]):
+        assert all(a.text.startswith(b.text) for a, b in zip(after.outputs, before.outputs))
+
+
 def test_engine_failure_fails_requests_and_health_is_503(qwen3_tiny):
     engine = AsyncEngine.from_kwargs(str(qwen3_tiny), **ENGINE_KW)
 

@@ -149,7 +149,8 @@ class CoreStream:
         if sample.detok is not None:
             text = sample.detok.text
             stops = self.params.stop_list
-            if not final and stops:  # hold back what may become a stop string
+            if not final and stops and sample.finish_reason is None:
+                # hold back what may become a stop string (a finished sample's text is whole)
                 text = text[: max(0, len(text) - (max(len(s) for s in stops) - 1))]
             return text
         if self.client.tokenizer is None or not final:

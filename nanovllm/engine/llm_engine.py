@@ -475,7 +475,8 @@ class LLMEngine:
         seq, detok = request.seqs[index], request.detokenizers[index]
         if detok is not None:
             text = detok.text
-            if not final and request.params.stop_list:  # hold back what may become a stop string
+            if not final and not seq.is_finished and request.params.stop_list:
+                # hold back what may become a stop string (a finished sample's text is whole)
                 hold = max(len(s) for s in request.params.stop_list) - 1
                 text = text[: max(0, len(text) - hold)]
             return text
