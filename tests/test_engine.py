@@ -230,6 +230,51 @@ def test_streaming_yields_growing_outputs(qwen3_tiny):
     assert chunks[-1].outputs[0].text == final.text
 
 
+def _stream_outputs(llm, prompt, params, delta):
+    eng = llm.engine
+    eng.add_request("r", prompt, params, stream=True, delta=delta)
+    outputs = []
+    while eng.has_unfinished_requests():
+        outputs += [o for o in eng.step() if o.request_id == "r"]
+    return outputs
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["logprobs-n2", "stop-string"])
+def test_delta_stream_adds_up_to_the_cumulative_one(qwen3_tiny, stop):
+    """A delta stream (each output only what a sample gained since the last) carries, output by
+    output, exactly the growth of the cumulative stream of the same request: token ids, text
+    (a stop string holds back and truncates it alike), logprobs, finish reasons."""
+    llm = engine(qwen3_tiny)
+    prompt = [40, 41, 42]
+    params = dict(n=2, temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    if stop:
+        text = _stream_outputs(llm, prompt, SamplingParams(**params), delta=False)[-1].outputs[0].text
+        params["stop"] = [text[len(text) // 2 : len(text) // 2 + 3]]
+    else:
+        params["logprobs"] = 2
+    cumulative = _stream_outputs(llm, prompt, SamplingParams(**params), delta=False)
+    deltas = _stream_outputs(llm, prompt, SamplingParams(**params), delta=True)
+    assert len(deltas) == len(cumulative) and deltas[-1].finished and cumulative[-1].finished
+    if stop:
+        assert cumulative[-1].outputs[0].finish_reason == "stop"
+    for before, after in zip(cumulative, cumulative[1:]):  # text never shrinks, a finished sample's neither
+        assert all(after.outputs[i].text.startswith(before.outputs[i].text) for i in range(2))
+    tokens, texts, logprobs = [[], []], ["", ""], [[], []]
+    for d, c in zip(deltas, cumulative):
+        for i in range(2):
+            tokens[i] += d.outputs[i].token_ids
+            texts[i] += d.outputs[i].text
+            assert tokens[i] == c.outputs[i].token_ids
+            assert texts[i] == c.outputs[i].text
+            assert d.outputs[i].finish_reason == c.outputs[i].finish_reason
+            if not stop:
+                logprobs[i] += d.outputs[i].logprobs
+                assert logprobs[i] == c.outputs[i].logprobs
+                assert d.outputs[i].cumulative_logprob == pytest.approx(c.outputs[i].cumulative_logprob)
+    assert all(len(c.token_ids) > 1 for c in cumulative[-1].outputs)
+    assert_free(llm)
+
+
 @pytest.mark.parametrize(
     "prompt, message",
     [([], "empty"), ("", "empty"), ([1, 2, 10**6], "outside the vocabulary"), ([-1], "outside the vocabulary"),

@@ -7,7 +7,8 @@ so the GIL of this one is spent on scheduling and the model. Three threads:
   send `Hello` every HEARTBEAT_S; one silent for FRONTEND_TIMEOUT_S (its process died) has its
   requests aborted by the loop, which frees their KV blocks.
 - loop (main thread): drains the queue (blocking only when idle), runs `LLMEngine.step()`, and
-  turns its outputs into per-front-end `CoreOutput`s carrying only the new token ids.
+  turns its outputs (the engine's delta outputs: only the new token ids) into per-front-end
+  `CoreOutput`s.
 - output: a second ROUTER socket; encodes and sends those, and every HEARTBEAT_S sends each
   front-end the current stats (its liveness signal and its metrics' engine gauges).
 
@@ -179,7 +180,6 @@ class EngineCore:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.owner: dict[str, bytes] = {}  # request id -> front-end identity
-        self.sent: dict[str, list[int]] = {}  # request id -> tokens already sent, per sample
         self.clients: dict[bytes, float] = {}  # front-end identity -> when last heard
         self._next_liveness_check = 0.0
         self.num_aborted = 0
@@ -292,7 +292,7 @@ class EngineCore:
             for rid in mine:
                 if self.engine.abort_request(rid) is not None:
                     self.num_aborted += 1
-                self._forget(rid)
+                self.owner.pop(rid, None)
 
     def _handle(self, ident: bytes, msg: Any, replies: dict[bytes, CoreOutput]) -> None:
         known = ident in self.clients
@@ -309,7 +309,7 @@ class EngineCore:
                 return
             try:
                 params = params_from_wire(msg.params)
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, stream=True)
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, stream=True, delta=True)
             except ValueError as exc:
                 out.rejected.append((msg.request_id, "invalid", str(exc)))
                 return
@@ -318,7 +318,6 @@ class EngineCore:
                 out.rejected.append((msg.request_id, "invalid", f"{type(exc).__name__}: {exc}"))
                 return
             self.owner[msg.request_id] = ident
-            self.sent[msg.request_id] = [0] * params.n
             out.accepted.append(msg.request_id)
             return
         if isinstance(msg, Abort):
@@ -331,29 +330,21 @@ class EngineCore:
                 self._collect([output], replies)
 
     def _collect(self, outputs: list, replies: dict[bytes, CoreOutput]) -> None:
-        """Turn the engine's (cumulative) outputs into deltas: the tokens each sample gained."""
+        """The engine's outputs (deltas: the engine was asked for them) into their front-ends' replies."""
         for output in outputs:
             rid = output.request_id
             ident = self.owner.get(rid)
-            sent = self.sent.get(rid)
-            if ident is None or sent is None:
+            if ident is None:
                 continue
-            new_ids, reasons, logprobs = [], [], []
-            for c in output.outputs:
-                start = sent[c.index]
-                new_ids.append(c.token_ids[start:])
-                reasons.append(c.finish_reason)
-                if c.logprobs is not None:
-                    logprobs.append([list(entry.items()) for entry in c.logprobs[start:]])
-                sent[c.index] = len(c.token_ids)
+            samples = output.outputs
+            logprobs = None
+            if samples[0].logprobs is not None:
+                logprobs = [[list(entry.items()) for entry in c.logprobs] for c in samples]
             self._reply(replies, ident).deltas.append(
-                Delta(rid, new_ids, reasons, output.finished, logprobs if logprobs else None, output.num_cached_tokens))
+                Delta(rid, [c.token_ids for c in samples], [c.finish_reason for c in samples], output.finished,
+                      logprobs, output.num_cached_tokens))
             if output.finished:
-                self._forget(rid)
-
-    def _forget(self, rid: str) -> None:
-        self.owner.pop(rid, None)
-        self.sent.pop(rid, None)
+                del self.owner[rid]
 
     def _abort_all(self) -> None:
         replies: dict[bytes, CoreOutput] = {}

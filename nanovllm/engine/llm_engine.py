@@ -60,6 +60,11 @@ class Request:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer | None]
     stream: bool
+    # Outputs carry only what each sample gained since the request's previous output
+    # (LLMEngine.add_request's delta); sent_tokens / sent_text: how much of each sample was output.
+    delta: bool = False
+    sent_tokens: list[int] = field(default_factory=list)
+    sent_text: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -164,8 +169,14 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, stream: bool = False
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, stream: bool = False,
+        delta: bool = False,
     ) -> None:
+        """Queue a request. stream: an output after every step that gave it tokens (else only
+        the final one). delta: each output carries only what every sample gained since the
+        request's previous output (its new token ids, their logprobs, the new text) instead of
+        all of it, so that a long stream costs the same per step at any length; the finish
+        reasons and the cumulative logprob are whole as always."""
         params = params if params is not None else SamplingParams(**self.generation_defaults)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -223,6 +234,9 @@ class LLMEngine:
                 for _ in seqs
             ],
             stream=stream,
+            delta=delta,
+            sent_tokens=[0] * len(seqs),
+            sent_text=[0] * len(seqs),
         )
         self.requests[request_id] = request
         for seq in seqs:
@@ -424,7 +438,7 @@ class LLMEngine:
             if sample_row is not None:
                 lp = result.logprobs[sample_row[seq.seq_id]]
                 if lp is not None:
-                    seq.logprobs.append(lp)
+                    seq.add_logprobs(lp)
             self._check_stop(request, seq, index)
         for seq_id in sched.finished_seq_ids:  # finished inside schedule() (pool too small)
             seq = self.seqs.get(seq_id)
@@ -487,19 +501,24 @@ class LLMEngine:
     def _make_output(self, request: Request, final: bool = False) -> RequestOutput:
         completions = []
         for i, seq in enumerate(request.seqs):
+            start = request.sent_tokens[i] if request.delta else 0
+            token_ids = seq.completion_token_ids_from(start)
+            text = self._text(request, i, final)
+            if request.delta:
+                request.sent_tokens[i] += len(token_ids)
+                text, request.sent_text[i] = text[request.sent_text[i]:], len(text)
             logprobs = cumulative = None
             if request.params.logprobs is not None:
-                logprobs, cumulative = [], 0.0
-                for token, (lp, top) in zip(seq.completion_token_ids, seq.logprobs):
+                logprobs, cumulative = [], seq.cumulative_logprob
+                for token, (lp, top) in zip(token_ids, seq.logprobs[start:]):
                     entry = dict(top)
                     entry[token] = lp
                     logprobs.append(entry)
-                    cumulative += lp
             completions.append(
                 CompletionOutput(
                     index=i,
-                    text=self._text(request, i, final),
-                    token_ids=seq.completion_token_ids,
+                    text=text,
+                    token_ids=token_ids,
                     finish_reason=seq.finish_reason,
                     logprobs=logprobs,
                     cumulative_logprob=cumulative,

@@ -43,6 +43,7 @@ class Sequence:
     num_preemptions: int = 0
     # Per generated token: (sampled logprob, {token_id: logprob} of the top k); only if asked.
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # the sum of the sampled logprobs above
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -58,11 +59,20 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        """Generated tokens known on the host (a trailing in-flight placeholder is left out)."""
+        """Generated tokens known on the host (trailing in-flight placeholders are left out)."""
+        return self.completion_token_ids_from(0)
+
+    def completion_token_ids_from(self, start: int) -> list[int]:
+        """Generated tokens known on the host from the start-th on (a stream's new ones)."""
         end = len(self.token_ids)
         while end > self.num_prompt_tokens and self.token_ids[end - 1] == PLACEHOLDER_TOKEN:
             end -= 1
-        return self.token_ids[self.num_prompt_tokens : end]
+        return self.token_ids[self.num_prompt_tokens + start : end]
+
+    def add_logprobs(self, entry: tuple[float, dict[int, float]]) -> None:
+        """Record a generated token's (sampled logprob, top-k logprobs)."""
+        self.logprobs.append(entry)
+        self.cumulative_logprob += entry[0]
 
     @property
     def last_token_id(self) -> int:
