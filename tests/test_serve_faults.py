@@ -212,6 +212,50 @@ def test_dead_frontend_requests_are_aborted_and_blocks_freed(checkpoint_factory)
         core.shutdown()
 
 
+def test_frontend_that_stops_reading_for_a_while_loses_no_output(checkpoint_factory):
+    """A live front-end (it keeps saying Hello) that reads nothing until its requests have
+    finished: their thousands of outputs wait for it, none dropped, and add up to every token."""
+    import msgspec
+    import zmq
+
+    from nanovllm.engine.messages import AddRequest, CoreOutput, Hello
+
+    long_context = checkpoint_factory("qwen3", max_position_embeddings=32768)
+    core = CoreProcess(str(long_context), dict(device="cpu", max_model_len=8192), max_pending=64)
+    observer = CoreClient(core.addresses, core.info, core_alive=core.is_alive)
+    ctx = zmq.Context()
+    try:
+        send, recv = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for sock, address in ((send, core.addresses.input), (recv, core.addresses.output)):
+            sock.setsockopt(zmq.IDENTITY, b"slow-frontend")
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(CoreOutput).decode
+        send.send(encode(Hello()))
+        assert recv.poll(10_000)  # the core knows us: its first answer
+        tokens = 4000  # two requests: a step each, far more steps than ZeroMQ's default queues hold
+        for i in range(2):
+            send.send(encode(AddRequest(f"slow-{i}", [5, 6, 7, 8 + i], {"max_tokens": tokens, "ignore_eos": True})))
+        assert wait_until(lambda: observer.stats.num_requests_running == 2, timeout=20)
+
+        def finished_while_we_say_hello():
+            send.send(encode(Hello()))
+            return observer.stats.num_requests_running == 0
+
+        assert wait_until(finished_while_we_say_hello, timeout=120)
+        got, finished = {"slow-0": 0, "slow-1": 0}, set()
+        while recv.poll(1000):
+            for delta in decode(recv.recv()).deltas:
+                got[delta.request_id] += len(delta.new_token_ids[0])
+                if delta.finished:
+                    finished.add(delta.request_id)
+        assert got == {"slow-0": tokens, "slow-1": tokens} and finished == {"slow-0", "slow-1"}
+    finally:
+        ctx.destroy(linger=0)
+        observer.shutdown()
+        core.shutdown()
+
+
 # ---- several front-ends, admission control, SIGTERM --------------------------------------------
 def test_two_frontends_share_the_port_metrics_admission_and_sigterm(qwen3_tiny):
     serve = Serve(qwen3_tiny, "--api-server-count", "2", "--max-pending-requests", "3", "--max-model-len", "1024",

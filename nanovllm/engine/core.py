@@ -189,6 +189,10 @@ class EngineCore:
         self._in.bind(addresses.input)
         self._out = self.ctx.socket(zmq.ROUTER)
         self._out.setsockopt(zmq.LINGER, 1000)
+        # No high-water mark: a ROUTER drops what it cannot queue, so a front-end that stalls
+        # for a while (CPU starved, paused) would lose tokens and hang its requests. What queues
+        # is at most its requests' outputs; one silent for FRONTEND_TIMEOUT_S has them aborted.
+        self._out.setsockopt(zmq.SNDHWM, 0)
         self._out.bind(addresses.output)
         threading.Thread(target=self._input_loop, name="nanovllm-core-in", daemon=True).start()
         self._output_thread = threading.Thread(target=self._output_loop, name="nanovllm-core-out", daemon=True)

@@ -218,6 +218,7 @@ class CoreClient:
         self._out = self._ctx.socket(zmq.DEALER)
         self._out.setsockopt(zmq.IDENTITY, identity)
         self._out.setsockopt(zmq.LINGER, 0)
+        self._out.setsockopt(zmq.RCVHWM, 0)  # outputs queue here rather than be dropped (core.py)
         self._out.connect(addresses.output)
         self._send_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
