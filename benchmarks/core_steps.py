@@ -6,6 +6,7 @@ same Python runs on a GPU host.
 
     python benchmarks/core_steps.py                     # a micro Qwen3 built in /tmp/nanovllm-micro
     python benchmarks/core_steps.py --lengths 256 2048 8192 --rows 64
+    python benchmarks/core_steps.py --stub-runner       # the engine's time alone, steadier
 
 Prints, per output length: microseconds a step in the engine outside the runner, in the runner,
 in the core's collect (outputs into messages) and publish (stats, hand-off to the output thread).
@@ -36,6 +37,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 2048, 8192],
                     help="output lengths at which the steps are timed")
     ap.add_argument("--steps", type=int, default=200, help="steps timed at each length")
+    ap.add_argument("--stub-runner", action="store_true",
+                    help="replace the model runner by a stub that samples token 5 at once: the engine's "
+                         "own time without the runner's effect on the CPU's caches")
     args = ap.parse_args()
 
     from common import make_random_checkpoint
@@ -53,8 +57,23 @@ def main() -> None:
     sockets = tempfile.mkdtemp(prefix="core-steps-")
     core = EngineCore(engine, CoreAddresses(f"ipc://{sockets}/in", f"ipc://{sockets}/out"), max_pending=10**6)
 
-    runner_seconds = [0.0]
     executor = engine.executor
+    if args.stub_runner:
+        from nanovllm.runner.model_runner import RunnerOutput
+
+        class Sampled:
+            def __init__(self, out: RunnerOutput) -> None:
+                self.out = out
+
+            def result(self) -> RunnerOutput:
+                return self.out
+
+        def execute_async(sched):
+            return Sampled(RunnerOutput([5] * sum(1 for s in sched.seqs if s.sample)))
+
+        executor.execute_async = execute_async
+        executor.execute = lambda sched: execute_async(sched).result()
+    runner_seconds = [0.0]
     for name in ("execute", "execute_async", "launch_forward"):
         inner = getattr(executor, name, None)
         if inner is None:

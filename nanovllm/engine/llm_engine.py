@@ -70,6 +70,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        if len(self.seqs) == 1:
+            return self.seqs[0].is_finished
         return all(s.is_finished for s in self.seqs)
 
 
@@ -486,7 +488,10 @@ class LLMEngine:
         return truncate_at_stop(detok, stops)
 
     def _text(self, request: Request, index: int, final: bool) -> str:
-        seq, detok = request.seqs[index], request.detokenizers[index]
+        detok = request.detokenizers[index]
+        if detok is None and not self.detokenize:  # the engine core's: token ids only
+            return ""
+        seq = request.seqs[index]
         if detok is not None:
             text = detok.text
             if not final and not seq.is_finished and request.params.stop_list:
@@ -500,15 +505,17 @@ class LLMEngine:
 
     def _make_output(self, request: Request, final: bool = False) -> RequestOutput:
         completions = []
+        delta, want_logprobs = request.delta, request.params.logprobs is not None
         for i, seq in enumerate(request.seqs):
-            start = request.sent_tokens[i] if request.delta else 0
+            start = request.sent_tokens[i] if delta else 0
             token_ids = seq.completion_token_ids_from(start)
             text = self._text(request, i, final)
-            if request.delta:
+            if delta:
                 request.sent_tokens[i] += len(token_ids)
-                text, request.sent_text[i] = text[request.sent_text[i]:], len(text)
+                if text:
+                    text, request.sent_text[i] = text[request.sent_text[i]:], len(text)
             logprobs = cumulative = None
-            if request.params.logprobs is not None:
+            if want_logprobs:
                 logprobs, cumulative = [], seq.cumulative_logprob
                 for token, (lp, top) in zip(token_ids, seq.logprobs[start:]):
                     entry = dict(top)
@@ -530,7 +537,7 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
             finished=final,
-            num_cached_tokens=max(s.num_cached_tokens for s in request.seqs),
+            num_cached_tokens=max([s.num_cached_tokens for s in request.seqs]),
             metrics={
                 "arrival_time": request.arrival_time,
                 "first_token_time": request.first_token_time,

@@ -225,15 +225,16 @@ class Scheduler:
         sequence, in order; sequences finished meanwhile, and the `void` ones (rolled back
         since the step was launched: roll_back), are skipped."""
         grew: list[tuple[Sequence, int]] = []
-        it = iter(sampled)
+        k = 0  # sampled[k] is the next row's first id
         for item in output.seqs:
+            num = item.num_steps if item.sample else 0
+            k += num
             seq = seqs.get(item.seq_id)
-            tokens = [next(it) for _ in range(item.num_steps)] if item.sample else []
             if seq is None or seq.is_finished or item.seq_id in void:
                 continue
             first = item.start_pos + len(item.token_ids)
-            for j, token in enumerate(tokens):
-                seq.token_ids[first + j] = token
+            for j in range(num):
+                seq.token_ids[first + j] = sampled[k - num + j]
                 grew.append((seq, first + j))
             self.block_manager.cache_full_blocks(seq)
         return grew
