@@ -34,3 +34,25 @@ def test_invalid_bytes_do_not_hold_back_text_forever(tokenizer_dir):
     streamed = "".join(detok.add(t) for t in ids) + detok.flush()
     assert streamed == tok.decode(ids)
     assert "fine words" in detok.text
+
+
+def test_ids_decoder_equals_the_tokenizers_decode(tokenizer_dir):
+    """The detokenizer's decode (a fast tokenizer's backend, called directly) gives exactly the
+    tokenizer's own decode, special tokens skipped or kept, on random ids and on real text."""
+    import random
+
+    from nanovllm.engine.detokenizer import ids_decoder
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    fast = ids_decoder(tok, True)
+    assert fast.func == tok.backend_tokenizer.decode  # this tokenizer takes the direct path
+    rng = random.Random(0)
+    specials = tok.all_special_ids
+    cases = [tok.encode("héllo 🙂 wörld, 日本語")] + [
+        [rng.choice(specials) if rng.random() < 0.2 else rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
+        for _ in range(200)
+    ]
+    for skip in (True, False):
+        decode = ids_decoder(tok, skip)
+        for ids in cases:
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=skip)
