@@ -307,6 +307,31 @@ def test_a_request_waits_for_its_grammar_while_others_run(llm, monkeypatch):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_a_failed_compile_ends_its_request_with_an_output_when_a_cached_one_is_added(llm, monkeypatch):
+    """A's grammar fails to compile while B, whose grammar is cached, is added: A still ends with
+    a final "abort" output from a step (none is lost), and B runs."""
+    from concurrent.futures import Future
+
+    engine = llm.engine
+    cached = StructuredOutputsParams(choice=["yes", "no"])
+    engine.add_request("warm", PROMPT, SamplingParams(max_tokens=4, structured_outputs=cached))
+    while engine.has_unfinished_requests():
+        engine.step()
+    compiler = engine.grammars._compiler
+    failing = Future()
+    submit = compiler.submit
+    monkeypatch.setattr(compiler, "submit", lambda spec: failing if spec.kind == "regex" else submit(spec))
+    engine.add_request("A", PROMPT, SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="x+")))
+    failing.set_exception(RuntimeError("compile failed"))
+    engine.add_request("B", PROMPT, SamplingParams(max_tokens=4, structured_outputs=cached))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert finished["A"].outputs[0].finish_reason == "abort"
+    assert finished["B"].outputs[0].text in ("yes", "no")
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_each_refusal_doubles_the_wide_masks_a_sequence_needs_before_it_samples_unmasked(tokenizer_dir):
     """Grammars' rationing of unmasked samples, which the engine's roll-backs make costly: a
     new sequence is masked until WIDE_MASKS_TO_UNMASK wide masks in a row; after its k-th

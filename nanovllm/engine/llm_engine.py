@@ -246,8 +246,11 @@ class LLMEngine:
         if grammar is None:
             for seq in seqs:
                 self.scheduler.add(seq)
-        elif grammar.done():  # a cached grammar: admitted at once
-            self._admit_compiled()
+        elif grammar.done():  # a cached grammar: admitted at once (other ready ones wait for step())
+            del self.grammars.waiting[request_id]
+            for seq in seqs:
+                self.grammars.start(seq.seq_id, grammar.result())
+                self.scheduler.add(seq)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar has compiled join the scheduler with one matcher per sample;
