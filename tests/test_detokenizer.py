@@ -56,3 +56,23 @@ def test_ids_decoder_equals_the_tokenizers_decode(tokenizer_dir):
         decode = ids_decoder(tok, skip)
         for ids in cases:
             assert decode(ids) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_stop_string_is_found_however_much_text_one_token_adds(tokenizer_dir):
+    """A token can add dozens of characters (an indented line's whitespace, a run of dashes):
+    a stop string anywhere in them, or spanning the old text and them, is found, the first."""
+    from nanovllm.engine.detokenizer import truncate_at_stop
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    detok = IncrementalDetokenizer(tok, [])
+    detok.text = "def f():"
+    assert not truncate_at_stop(detok, ["\n", "---"])
+    detok.text += " " * 40 + "pass" + "\n" + " " * 40  # one token's worth of new text
+    assert truncate_at_stop(detok, ["\n", "---"])
+    assert detok.text == "def f():" + " " * 40 + "pass"
+
+    detok = IncrementalDetokenizer(tok, [])
+    detok.text = "a -"
+    assert not truncate_at_stop(detok, ["---"])
+    detok.text += "-" * 32  # the stop string spans the old text and the new
+    assert truncate_at_stop(detok, ["---"]) and detok.text == "a "

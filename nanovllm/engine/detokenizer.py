@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         self.text = ""
+        self.stop_checked = 0  # text[:stop_checked] holds no stop string (truncate_at_stop)
 
     def add(self, token_id: int) -> str:
         """Append one generated token; return the newly completed text (maybe empty)."""
@@ -70,17 +71,20 @@ class IncrementalDetokenizer:
 
 
 def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str]) -> bool:
-    """Cut `detok.text` before the first stop string in its tail; True if one was found. Only
-    the tail can hold a new match (earlier text was checked when it arrived)."""
+    """Cut `detok.text` before the first stop string in the text not searched yet (and the
+    characters before it that a stop string could still span); True if one was found. The text
+    searched before had no stop string, so only a match reaching into the new text is new,
+    however much text the last token added."""
     text = detok.text
-    window = max(len(s) for s in stops) + 16
-    tail_start = max(0, len(text) - window)
+    start = max(0, detok.stop_checked - (max(len(s) for s in stops) - 1))
     best = -1
     for s in stops:
-        i = text.find(s, tail_start)
+        i = text.find(s, start)
         if i != -1 and (best == -1 or i < best):
             best = i
     if best == -1:
+        detok.stop_checked = len(text)
         return False
     detok.text = text[:best]
+    detok.stop_checked = best
     return True
