@@ -422,6 +422,27 @@ def test_metrics_parse_as_prometheus_text(live):
     assert 0.0 < step_seconds and 0.0 <= samples[("nanovllm_engine_device_wait_seconds_total", ())] <= step_seconds
 
 
+def test_a_client_gone_before_its_body_ended_counts_499_not_500(live):
+    """A client that sends headers and part of the body, then closes: nothing to answer, and the
+    metrics count it as the client's leaving (499), not as a server error (500)."""
+    def count(code: str) -> float:
+        for family in text_string_to_metric_families(httpx.get(live.url + "/metrics").text):
+            for sample in family.samples:
+                if sample.name == "nanovllm_http_requests_total" and sample.labels == {
+                        "code": code, "endpoint": "/v1/completions"}:
+                    return sample.value
+        return 0.0
+
+    before_499, before_500 = count("499"), count("500")
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 3}).encode()
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:-5])
+    assert wait_until(lambda: count("499") == before_499 + 1)
+    assert count("500") == before_500
+
+
 def test_serve_bench_against_live_server(live):
     cfg = ServeBenchConfig(url=live.url, num_clients=4, num_requests=8, input_len=8, output_len=6, api_key=KEY,
                            time_limit_s=60)

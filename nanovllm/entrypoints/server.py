@@ -204,7 +204,7 @@ class _HTTPMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status = None
 
         async def send_and_record(message: dict) -> None:
             nonlocal status
@@ -215,8 +215,14 @@ class _HTTPMetricsMiddleware:
         path = scope.get("path", "")
         try:
             await self.app(scope, receive, send_and_record)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            status = status or 500  # a bug (logged by the server)
+            raise
         finally:
-            self.counter.labels(path if path in ENDPOINTS else "other", str(status)).inc()
+            # Nothing answered and nothing failed: the client went away first (499, as nginx counts it).
+            self.counter.labels(path if path in ENDPOINTS else "other", str(status or 499)).inc()
 
 
 class _Tracker:
