@@ -76,3 +76,37 @@ def test_a_stop_string_is_found_however_much_text_one_token_adds(tokenizer_dir):
     assert not truncate_at_stop(detok, ["---"])
     detok.text += "-" * 32  # the stop string spans the old text and the new
     assert truncate_at_stop(detok, ["---"]) and detok.text == "a "
+
+
+def _byte_token_ids(tok, data: bytes) -> list[int]:
+    """One byte-level token per byte (GPT-2's byte-to-character alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [tok.convert_tokens_to_ids(chars[b]) for b in data]
+
+
+def test_streamed_text_equals_the_decode_when_invalid_bytes_precede_a_split_character(tokenizer_dir):
+    """Invalid bytes, then a character whose bytes arrive one token at a time: what is streamed
+    at every step is a start of the final decode (nothing emitted is ever contradicted), and it
+    adds up to it; also for random byte streams, as a random model writes them."""
+    import random
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rng = random.Random(0)
+    cases = [b"\xff\xde\xa9", b"\xff\xfe\xf0\x9f\x99\x82 ok", "a\xffb".encode("latin-1") + "🙂".encode()]
+    cases += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40))) for _ in range(300)]
+    for data in cases:
+        ids = _byte_token_ids(tok, data)
+        expected = tok.decode(ids)
+        detok = IncrementalDetokenizer(tok, tok.encode("hi"))
+        for t in ids:
+            detok.add(t)
+            assert expected.startswith(detok.text), (data, detok.text, expected)
+        detok.flush()
+        assert detok.text == expected, data

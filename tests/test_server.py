@@ -114,7 +114,7 @@ def greedy_offline(llm, prompt, n):
 
 def offline_streamed(llm, prompts, params) -> list[list[str]]:
     """Final texts (per prompt, per sample) of the offline engine run with stream=True, i.e. what
-    a streamed request must add up to. (It can differ from the unstreamed text: see the xfail.)"""
+    a streamed request must add up to."""
     engine = llm.engine
     ids = [f"offline-stream-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):

@@ -3,12 +3,13 @@
 Decoding token by token breaks multi-byte characters (one emoji can span several byte-level
 tokens) and loses the leading space that SentencePiece-style tokenizers attach to a word. So we
 decode a short window: the text of tokens [prefix_offset:] minus the text of
-[prefix_offset:read_offset]; when the new text ends in U+FFFD (an incomplete UTF-8 sequence) we
-wait for more tokens. An incomplete character at the end decodes to exactly one U+FFFD; two or
-more in a row are invalid bytes (e.g. from a random model) that no later token can mend, so they
-are emitted as they are rather than held back forever. When the
-request ends, `flush` emits whatever is still held, so streamed text always adds up to the whole.
-The window starts with a few prompt tokens for context.
+[prefix_offset:read_offset]. When that new text ends in U+FFFD, its last character may be an
+incomplete UTF-8 sequence that later tokens complete: what precedes it is emitted (invalid bytes
+before it, e.g. from a random model, are U+FFFD for good) and it is held, with the window, until
+the text ends in a complete character. A window held for MAX_HELD_TOKENS tokens (a run of
+invalid bytes) is emitted as it is, so that decoding stays short. When the request ends,
+`flush` emits whatever is still held, so streamed text adds up to the whole. The window starts
+with a few prompt tokens for context.
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import sys
 from collections.abc import Callable
 
 CONTEXT_TOKENS = 4
+# A character spans at most 4 byte tokens: a window still ending in U+FFFD after this many
+# tokens ends in invalid bytes, and is emitted as it is.
+MAX_HELD_TOKENS = 64
 
 
 def ids_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
@@ -44,28 +48,35 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         self.text = ""
         self.stop_checked = 0  # text[:stop_checked] holds no stop string (truncate_at_stop)
+        self._emitted = 0  # characters of the held window's new text already emitted
+
+    def _new_text(self) -> str:
+        """The window's text past its prefix (tokens [read_offset:] and what they change)."""
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.tokens[self.prefix_offset :])
+        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
 
     def add(self, token_id: int) -> str:
         """Append one generated token; return the newly completed text (maybe empty)."""
         self.tokens.append(token_id)
-        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.tokens[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text):
+        new = self._new_text()
+        if not new:
             return ""
-        if full_text.endswith("\ufffd") and not full_text.endswith("\ufffd\ufffd"):
-            return ""
-        delta = full_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.tokens)
+        if new.endswith("\ufffd") and len(self.tokens) - self.read_offset < MAX_HELD_TOKENS:
+            complete = len(new) - 1  # the last character may still change: hold it
+            delta = new[self._emitted : complete] if complete > self._emitted else ""
+            self._emitted = max(self._emitted, complete)
+        else:
+            delta = new[self._emitted :]
+            self.prefix_offset, self.read_offset, self._emitted = self.read_offset, len(self.tokens), 0
         self.text += delta
         return delta
 
     def flush(self) -> str:
         """Emit text still held back for an incomplete character (the request has ended)."""
-        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.tokens[self.prefix_offset :])
-        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        delta = self._new_text()[self._emitted :]
         self.prefix_offset = self.read_offset = len(self.tokens)
+        self._emitted = 0
         self.text += delta
         return delta
 
