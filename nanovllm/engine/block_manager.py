@@ -103,8 +103,7 @@ class BlockManager:
         """Make seq's block table cover its computed tokens (plus `cached_blocks`, a prefix hit
         for a sequence with no blocks yet) plus `num_new_tokens`. All or nothing."""
         if not cached_blocks:  # every running sequence, every step: mostly no new block
-            needed = (seq.num_computed_tokens + num_new_tokens + self.block_size - 1) // self.block_size
-            if needed <= len(seq.block_table):
+            if self.blocks_needed(seq.num_computed_tokens + num_new_tokens) <= len(seq.block_table):
                 return True
         cached_blocks = cached_blocks or []
         if cached_blocks and seq.block_table:

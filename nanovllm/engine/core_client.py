@@ -35,7 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from nanovllm.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStats
 from nanovllm.engine.core import CoreAddresses, CoreInfo
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, streamable_text, truncate_at_stop
 from nanovllm.engine.messages import Abort, AddRequest, CoreOutput, Delta, Hello, params_to_wire
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -147,12 +147,7 @@ class CoreStream:
     # ---- loop thread: the consumer ----
     def _text(self, sample: _Sample, final: bool) -> str:
         if sample.detok is not None:
-            text = sample.detok.text
-            stops = self.params.stop_list
-            if not final and stops and sample.finish_reason is None:
-                # hold back what may become a stop string (a finished sample's text is whole)
-                text = text[: max(0, len(text) - (max(len(s) for s in stops) - 1))]
-            return text
+            return streamable_text(sample.detok, self.params.stop_list, final or sample.finish_reason is not None)
         if self.client.tokenizer is None or not final:
             return ""
         return self.client.tokenizer.decode(sample.token_ids, skip_special_tokens=self.params.skip_special_tokens)

@@ -81,6 +81,15 @@ class IncrementalDetokenizer:
         return delta
 
 
+def streamable_text(detok: IncrementalDetokenizer, stops: list[str], whole: bool) -> str:
+    """detok's text as a stream may show it: unless `whole` (the sample has finished), less the
+    characters at its end that may still become the start of a stop string."""
+    text = detok.text
+    if whole or not stops:
+        return text
+    return text[: max(0, len(text) - (max(len(s) for s in stops) - 1))]
+
+
 def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str]) -> bool:
     """Cut `detok.text` before the first stop string in the text not searched yet (and the
     characters before it that a stop string could still span); True if one was found. The text

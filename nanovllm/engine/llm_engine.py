@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, truncate_at_stop
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, streamable_text, truncate_at_stop
 from nanovllm.engine.grammars import Grammars
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -491,18 +491,10 @@ class LLMEngine:
         return truncate_at_stop(detok, stops)
 
     def _text(self, request: Request, index: int, final: bool) -> str:
-        detok = request.detokenizers[index]
-        if detok is None and not self.detokenize:  # the engine core's: token ids only
-            return ""
-        seq = request.seqs[index]
+        seq, detok = request.seqs[index], request.detokenizers[index]
         if detok is not None:
-            text = detok.text
-            if not final and not seq.is_finished and request.params.stop_list:
-                # hold back what may become a stop string (a finished sample's text is whole)
-                hold = max(len(s) for s in request.params.stop_list) - 1
-                text = text[: max(0, len(text) - hold)]
-            return text
-        if self.tokenizer is None or not self.detokenize:
+            return streamable_text(detok, request.params.stop_list, final or seq.is_finished)
+        if self.tokenizer is None or not self.detokenize:  # the engine core's: token ids only
             return ""
         return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=request.params.skip_special_tokens)
 

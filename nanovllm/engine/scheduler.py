@@ -225,16 +225,16 @@ class Scheduler:
         sequence, in order; sequences finished meanwhile, and the `void` ones (rolled back
         since the step was launched: roll_back), are skipped."""
         grew: list[tuple[Sequence, int]] = []
-        k = 0  # sampled[k] is the next row's first id
+        next_id = 0  # sampled[next_id] is the next sampling row's first id
         for item in output.seqs:
             num = item.num_steps if item.sample else 0
-            k += num
+            first_id, next_id = next_id, next_id + num
             seq = seqs.get(item.seq_id)
             if seq is None or seq.is_finished or item.seq_id in void:
                 continue
             first = item.start_pos + len(item.token_ids)
             for j in range(num):
-                seq.token_ids[first + j] = sampled[k - num + j]
+                seq.token_ids[first + j] = sampled[first_id + j]
                 grew.append((seq, first + j))
             self.block_manager.cache_full_blocks(seq)
         return grew
