@@ -409,6 +409,7 @@ def test_metrics_parse_as_prometheus_text(live):
                  "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "nanovllm_prefix_cache_hit_rate", "vllm:num_preemptions_total", "nanovllm_engine_steps_total",
                  "nanovllm_engine_step_seconds_total", "nanovllm_engine_device_wait_seconds_total",
+                 "nanovllm_engine_prompt_steps_total", "nanovllm_engine_prompt_step_seconds_total",
                  "process_cpu_seconds_total"):
         assert name in names, name
     ok = samples[("nanovllm_http_requests_total", (("code", "200"), ("endpoint", "/v1/completions")))]
@@ -420,6 +421,24 @@ def test_metrics_parse_as_prometheus_text(live):
     assert samples[("nanovllm_engine_steps_total", ())] >= 3
     step_seconds = samples[("nanovllm_engine_step_seconds_total", ())]
     assert 0.0 < step_seconds and 0.0 <= samples[("nanovllm_engine_device_wait_seconds_total", ())] <= step_seconds
+    assert 0.0 < samples[("nanovllm_engine_prompt_step_seconds_total", ())] <= step_seconds
+
+
+def test_metrics_count_the_steps_that_compute_prompt_tokens(live):
+    def counters() -> dict[str, float]:
+        text = httpx.get(live.url + "/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("nanovllm_engine_")}
+
+    before = counters()
+    live.client.completions.create(model=MODEL, prompt="a prompt of its own, computed in one step", max_tokens=6,
+                                   extra_body={"min_tokens": 6}, stream=False)
+    after = counters()
+    delta = {k: after[k] - before[k] for k in after}
+    # Nothing else runs: one step computes the prompt (and samples the first token), five more decode.
+    assert delta["nanovllm_engine_prompt_steps_total"] == 1
+    assert delta["nanovllm_engine_steps_total"] >= 6
+    assert 0.0 < delta["nanovllm_engine_prompt_step_seconds_total"] < delta["nanovllm_engine_step_seconds_total"]
 
 
 def test_a_client_gone_before_its_body_ended_counts_499_not_500(live):
@@ -458,6 +477,8 @@ def test_serve_bench_against_live_server(live):
     assert result.engine_steps >= 12
     assert summary["tokens_per_engine_step"] > 0.0
     assert 0.0 < summary["engine_busy"] <= 1.1 and 0.0 <= summary["engine_device_wait"] <= summary["engine_busy"]
+    # Each of the 8 short prompts was computed in one step, some of them maybe in the same one.
+    assert 1 <= summary["engine_prompt_steps"] <= 8 and 0.0 < summary["engine_prompt_busy"] <= summary["engine_busy"]
     # The load generator and the front-end that streamed the tokens both used the CPU.
     assert summary["client_cpu"] > 0.0 and summary["frontend_cpu"] > 0.0
     with pytest.raises(ValueError, match="127.0.0.1"):

@@ -134,10 +134,14 @@ class LLMEngine:
         self.last_step = StepStats()
         # Since start: engine steps, the seconds spent inside them, and of those the seconds
         # spent waiting for a launched step's tokens (async scheduling). A loop that spends
-        # nearly all its time in steps and little of it waiting is bound by its host.
+        # nearly all its time in steps and little of it waiting is bound by its host. Of the
+        # steps, those that computed prompt tokens and their seconds: such a step runs the
+        # model outside the decode's CUDA graphs.
         self.num_steps = 0
         self.step_seconds = 0.0
         self.device_wait_seconds = 0.0
+        self.num_prompt_steps = 0
+        self.prompt_step_seconds = 0.0
         # Async scheduling: step N+1 is scheduled and launched before step N's sampled ids are
         # read back, so host work overlaps the device. Needs an executor that can launch
         # without waiting (the in-process one); the step in flight is kept here.
@@ -320,6 +324,8 @@ class LLMEngine:
             num_steps=self.num_steps,
             step_seconds=self.step_seconds,
             device_wait_seconds=self.device_wait_seconds,
+            num_prompt_steps=self.num_prompt_steps,
+            prompt_step_seconds=self.prompt_step_seconds,
         )
 
     # ---- the loop ------------------------------------------------------------------------
@@ -371,6 +377,9 @@ class LLMEngine:
         self.last_step.seconds = time.perf_counter() - t0
         self.num_steps += 1
         self.step_seconds += self.last_step.seconds
+        if self.last_step.num_prefill_tokens:
+            self.num_prompt_steps += 1
+            self.prompt_step_seconds += self.last_step.seconds
         return outputs
 
     def _take_in_flight(self) -> list[RequestOutput]:

@@ -57,6 +57,8 @@ class Stats(msgspec.Struct, array_like=True):
     num_steps: int = 0  # LLMEngine's step counters (since start)
     step_seconds: float = 0.0
     device_wait_seconds: float = 0.0
+    num_prompt_steps: int = 0
+    prompt_step_seconds: float = 0.0
 
 
 class CoreOutput(msgspec.Struct, array_like=True):

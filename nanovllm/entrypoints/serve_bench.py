@@ -113,6 +113,8 @@ class ServeBenchResult:
     engine_steps: int | None = None
     engine_step_seconds: float | None = None
     engine_device_wait_seconds: float | None = None
+    engine_prompt_steps: int | None = None  # of engine_steps, those that computed prompt tokens
+    engine_prompt_step_seconds: float | None = None
     # CPU seconds over the run: the busiest load-generator process's, and the server front-end's
     # (None where unknown).
     client_cpu_seconds: float | None = None
@@ -157,6 +159,10 @@ class ServeBenchResult:
             "tokens_per_engine_step": (round(self.output_tokens / self.engine_steps, 1)
                                        if self.engine_steps else None),
             "engine_busy": self._share_of_run(self.engine_step_seconds),
+            # Steps that computed prompt tokens (beside decodes or not), and the share of the run
+            # spent in them: such a step runs the model outside the decode's CUDA graphs.
+            "engine_prompt_steps": self.engine_prompt_steps,
+            "engine_prompt_busy": self._share_of_run(self.engine_prompt_step_seconds),
             "engine_device_wait": self._share_of_run(self.engine_device_wait_seconds),
             "client_cpu": self._share_of_run(self.client_cpu_seconds),
             "frontend_cpu": self._share_of_run(self.frontend_cpu_seconds),
@@ -271,7 +277,8 @@ async def _metric_values(client: httpx.AsyncClient) -> dict[str, float] | None:
 
 
 ENGINE_COUNTERS = ("nanovllm_engine_steps_total", "nanovllm_engine_step_seconds_total",
-                   "nanovllm_engine_device_wait_seconds_total")
+                   "nanovllm_engine_device_wait_seconds_total", "nanovllm_engine_prompt_steps_total",
+                   "nanovllm_engine_prompt_step_seconds_total")
 FRONTEND_CPU = "process_cpu_seconds_total"
 
 
@@ -405,7 +412,7 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
         after = await _server_counters(client)  # before _pool_free's scrapes, which are not the run's
         pool_free = await _pool_free(client)
     delta = {k: after[k] - before[k] for k in before.keys() & after.keys()}
-    steps, step_seconds, wait_seconds = (delta.get(k) for k in ENGINE_COUNTERS)
+    steps, step_seconds, wait_seconds, prompt_steps, prompt_seconds = (delta.get(k) for k in ENGINE_COUNTERS)
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     return ServeBenchResult(
@@ -423,6 +430,8 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
         engine_steps=None if steps is None else int(steps),
         engine_step_seconds=step_seconds,
         engine_device_wait_seconds=wait_seconds,
+        engine_prompt_steps=None if prompt_steps is None else int(prompt_steps),
+        engine_prompt_step_seconds=prompt_seconds,
         client_cpu_seconds=client_cpu,
         frontend_cpu_seconds=delta.get(FRONTEND_CPU),
     )

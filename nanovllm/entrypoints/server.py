@@ -148,6 +148,10 @@ class _EngineCollector:
              "busy fraction.", s.step_seconds),
             ("nanovllm_engine_device_wait_seconds", "Of nanovllm_engine_step_seconds, the seconds spent waiting "
              "for a launched step's tokens (async scheduling).", s.device_wait_seconds),
+            ("nanovllm_engine_prompt_steps", "Of nanovllm_engine_steps, the steps that computed prompt tokens "
+             "(a prompt, a chunk of one, or one beside decodes).", s.num_prompt_steps),
+            ("nanovllm_engine_prompt_step_seconds", "Of nanovllm_engine_step_seconds, the seconds spent inside "
+             "nanovllm_engine_prompt_steps.", s.prompt_step_seconds),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
