@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.executor.multinode import TorchrunEnv, torchrun_env
-from nanovllm.executor.multiproc import TensorParallelError
+from nanovllm.executor.multiproc import SILENCE_S, TensorParallelError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(arch="qwen3", num_heads=4, num_kv_heads=4, head_dim=16)  # 4 heads and KV heads: 1 per rank at TP=4
@@ -112,6 +112,37 @@ def test_a_node_that_dies_mid_run_fails_the_engine_fast(qwen3_tiny):
     finally:
         if node.poll() is None:
             os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+
+
+def test_a_node_that_goes_silent_mid_run_fails_the_engine_on_its_heartbeat(qwen3_tiny):
+    """A node that stops answering without closing its connections (here: stopped with SIGSTOP,
+    as a machine cut off from the network) is caught by its missing heartbeat, not by gloo."""
+    port = free_port()
+    node = start_node(port)
+    try:
+        llm = LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2, nnodes=2, master_port=port, join_timeout_s=60)
+        stopped_at: list[float] = []
+
+        def stop_when_decoding() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if any(s.num_completion_tokens >= 3 for s in list(llm.engine.scheduler.running)):
+                    stopped_at.append(time.monotonic())
+                    os.killpg(node.pid, signal.SIGSTOP)
+                    return
+                time.sleep(0.001)
+
+        stopper = threading.Thread(target=stop_when_decoding)
+        stopper.start()
+        with pytest.raises(TensorParallelError, match=r"(?s)failed during step .*rank 1 \(node 1\) sent no heartbeat"):
+            llm.generate([[5, 6, 7, 8]] * 4, greedy(400), use_tqdm=False)
+        raised_at = time.monotonic()
+        stopper.join()
+        assert stopped_at and raised_at - stopped_at[0] < SILENCE_S + FAILURE_BOUND_S
+        assert not dist.is_initialized()  # a new engine could start its group
+    finally:
+        os.killpg(node.pid, signal.SIGKILL)
         node.wait()
 
 

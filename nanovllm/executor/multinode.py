@@ -20,7 +20,9 @@ Failures. A node that cannot reach node 0 within join_timeout_s exits with an er
 waits as long for every rank and names the missing ones. A rank that raises writes its
 traceback to the store (node 0 reports it) and exits, which closes its connections and fails
 its peers' collectives; a node process that loses one rank terminates the others and exits 1.
-A dead node is seen by node 0 as a peer that closed its connection, at its next collective.
+A dead node is seen by node 0 as a peer that closed its connection, at its next collective;
+every rank here also sends node 0 a heartbeat through the store (multiproc.start_heartbeat), so
+a node that stops answering without closing anything fails the engine as well.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch.distributed as dist
 
 from nanovllm.executor.multiproc import (
     DEFAULT_TIMEOUT_S, SPEC_KEY, NodeSpec, _collective_device, _min_across_ranks, error_key, join_group, joined_key,
-    make_step_group, serve_broadcast,
+    make_step_group, serve_broadcast, start_heartbeat,
 )
 from nanovllm.runner.model_runner import ModelRunner
 
@@ -62,6 +64,7 @@ def _rank_main(rank: int, local_rank: int, addr: str, port: int, join_timeout_s:
         store.set(joined_key(rank), b"1")
         startup_s = max(spec.timeout_s, DEFAULT_TIMEOUT_S, join_timeout_s)
         join_group(spec.backend, addr, port, rank, spec.world, spec.timeout_s, startup_s)
+        start_heartbeat(addr, port, rank)
         group = make_step_group(spec.backend)
         device = _collective_device(spec.backend)
         runner = ModelRunner(spec.config, spec.source, rank=rank, agree_num_blocks=lambda n: _min_across_ranks(n, device))

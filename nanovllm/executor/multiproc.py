@@ -39,6 +39,8 @@ pipe to the driver: the rendezvous store binds `master_port` on `master_addr`, a
 local ones included, gets each step from rank 0 by `broadcast_object_list` on a gloo group
 instead. No ack is needed there: a broadcast is a collective, so step k+1's cannot start before
 every rank has left step k's collectives. Local ranks keep their pipe for start-up and errors.
+Ranks on other nodes send a heartbeat through the store; rank 0 marks the group failed when one
+stops (HEARTBEAT_S, SILENCE_S), and its gloo collectives then raise (distributed.finish).
 
 Failure handling. A worker that raises sends its traceback and exits; a worker that dies just
 exits. Either way its sockets close, so a gloo collective waiting on it on rank 0 fails at once
@@ -82,6 +84,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import EngineConfig
+from nanovllm.distributed import finish, mark_failed
 from nanovllm.loaders.source import ModelSource
 from nanovllm.runner.device import resolve_device
 from nanovllm.runner.model_runner import ModelRunner, RunnerOutput
@@ -125,6 +128,32 @@ def joined_key(rank: int) -> str:
 
 def error_key(rank: int) -> str:
     return f"nanovllm/error/{rank}"
+
+
+# A rank on another node bumps its heartbeat counter in the store every HEARTBEAT_S; node 0 takes
+# one whose counter stays put for SILENCE_S as gone and marks the group failed, so that its
+# collectives give up (distributed.finish) instead of waiting on gloo, which may not notice.
+HEARTBEAT_S = 1.0
+SILENCE_S = 10.0
+
+
+def beat_key(rank: int) -> str:
+    return f"nanovllm/beat/{rank}"
+
+
+def start_heartbeat(host: str, port: int, rank: int) -> None:
+    """Bump `rank`'s heartbeat counter every HEARTBEAT_S, from a daemon thread with a store
+    connection of its own, for as long as this process lives (or node 0 answers)."""
+    def beat() -> None:
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=SILENCE_S))
+            while True:
+                store.add(beat_key(rank), 1)
+                time.sleep(HEARTBEAT_S)
+        except Exception:  # noqa: BLE001 - node 0 is gone: its collectives fail ours
+            return
+
+    threading.Thread(target=beat, name="nanovllm-heartbeat", daemon=True).start()
 
 
 # ---- the step message ------------------------------------------------------------------------
@@ -177,10 +206,16 @@ def make_step_group(backend: str) -> Any:
 
 
 def broadcast_step(msg: Any, group: Any) -> Any:
-    """Rank 0 sends `msg` (a step payload, or None = stop); every other rank gets it back."""
-    box = [msg]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    """Rank 0 sends `msg` (a step payload, or None = stop); every other rank gets it back. Its
+    length, then its pickle, each a gloo broadcast that gives up once the group is marked
+    failed (distributed.finish)."""
+    sender = dist.get_rank() == 0
+    data = _dumps(msg) if sender else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    finish(dist.broadcast(size, src=0, group=group, async_op=True))
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if sender else torch.empty(int(size), dtype=torch.uint8)
+    finish(dist.broadcast(buf, src=0, group=group, async_op=True))
+    return msg if sender else pickle.loads(buf.numpy().tobytes())
 
 
 def serve_broadcast(runner: ModelRunner, group: Any) -> None:
@@ -246,6 +281,11 @@ def _worker_main(
     dist.destroy_process_group()
 
 
+def _keep(*objects: Any) -> None:
+    """Hold `objects` until the process ends (the target of a daemon thread)."""
+    threading.Event().wait()
+
+
 # ---- the driver's view of the workers --------------------------------------------------------
 class _Workers:
     """Processes, pipes and the process group of one executor; `close()` releases them all.
@@ -276,6 +316,7 @@ class _Workers:
         self.before_destroy: list[Callable[[], None]] = []
         self._watcher: threading.Thread | None = None
         self._wake: connection.Connection | None = None
+        self._stop_watching_remote = threading.Event()
 
     def rank_name(self, i: int) -> str:
         return f"tensor-parallel worker rank {i + 1} (pid {self.procs[i].pid})"
@@ -334,6 +375,7 @@ class _Workers:
         self.group = dist.group.WORLD
         if self.has_remote_ranks:
             self.step_group = make_step_group(self.backend)
+            self._watch_remote_ranks()
         if self.backend == "nccl" and self.procs:
             self._start_watcher()
 
@@ -468,12 +510,36 @@ class _Workers:
         self._watcher = threading.Thread(target=watch, name="nanovllm-tp-watch", daemon=True)
         self._watcher.start()
 
+    def _watch_remote_ranks(self) -> None:
+        """Mark the group failed (distributed.mark_failed) once a rank on another node sends no
+        heartbeat for SILENCE_S: rank 0's collectives then raise, and the step fails, naming it."""
+        host, port = self.store.host, self.store.port
+        remote = range(self.first_remote, self.world)
+
+        def watch() -> None:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=SILENCE_S))
+            last = {r: (-1, time.monotonic()) for r in remote}  # rank -> (count, when it last moved)
+            while not self._stop_watching_remote.wait(HEARTBEAT_S):
+                now = time.monotonic()
+                for r in remote:
+                    count = store.add(beat_key(r), 0)
+                    if count != last[r][0]:
+                        last[r] = (count, now)
+                    elif now - last[r][1] >= SILENCE_S:
+                        why = f"rank {r} (node {r // self.local_world}) sent no heartbeat for {SILENCE_S:g}s"
+                        logger.error("tensor parallel: %s; the process group is marked failed", why)
+                        mark_failed(why)
+                        return
+
+        threading.Thread(target=watch, name="nanovllm-tp-heartbeats", daemon=True).start()
+
     # -- shutdown --
     def close(self) -> None:
         """Stop (or, after a failure, terminate) every worker, reap it, and destroy the group."""
         if self.closed:
             return
         self.closed = True
+        self._stop_watching_remote.set()
         if self._wake is not None:
             self._wake.close()  # wakes the watcher, which sees `closed` and returns
             if self._watcher is not None:
@@ -511,7 +577,16 @@ class _Workers:
                     release()
                 except Exception:  # noqa: BLE001 - closing goes on; the group must still be destroyed
                     logger.exception("tensor parallel: releasing %s before destroying the group failed", release)
+            # After a failure a gloo collective can still wait on a peer that is gone, and
+            # whoever drops its group's last reference (a traceback's frame, too) joins gloo's
+            # threads, which then waits for that collective. So the group is unregistered (a
+            # new engine can start one) and a daemon thread keeps it for the rest of the process.
+            groups = (self.group, self.step_group)
+            self.group = self.step_group = None
+            if self.broken:
+                threading.Thread(target=_keep, args=groups, name="nanovllm-tp-failed-group", daemon=True).start()
             dist.destroy_process_group()
+            del groups
         self.group = None
         self.step_group = None
         self.store = None
