@@ -570,6 +570,26 @@ def test_core_stream_text_never_shrinks_when_a_sample_stops_first(live, offline)
         assert all(a.text.startswith(b.text) for a, b in zip(after.outputs, before.outputs))
 
 
+def test_core_stream_logprobs_match_the_offline_engine(live, offline):
+    """Through the engine core, each output's logprobs and their cumulative sum (kept as the
+    tokens arrive) are the offline engine's."""
+    params = SamplingParams(n=2, temperature=0.7, seed=11, max_tokens=20, logprobs=2, ignore_eos=True)
+    expected = offline.generate([[40, 41, 42]], params, use_tqdm=False)[0].outputs
+
+    async def main():
+        return [o async for o in live.engine.generate("logprobs", [40, 41, 42], params)]
+
+    outs = asyncio.run(main())
+    for got, want in zip(outs[-1].outputs, expected):
+        assert got.token_ids == want.token_ids
+        assert [e[t] for t, e in zip(got.token_ids, got.logprobs)] == pytest.approx(
+            [e[t] for t, e in zip(want.token_ids, want.logprobs)], abs=1e-5)
+        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-4)
+    for out in outs:  # every output of the stream: the sum of its own tokens' logprobs
+        for c in out.outputs:
+            assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)), abs=1e-4)
+
+
 def test_engine_failure_fails_requests_and_health_is_503(qwen3_tiny):
     engine = AsyncEngine.from_kwargs(str(qwen3_tiny), **ENGINE_KW)
 

@@ -48,11 +48,12 @@ HELLO_S = 0.5
 
 
 class _Sample:
-    __slots__ = ("token_ids", "logprobs", "detok", "finish_reason")
+    __slots__ = ("token_ids", "logprobs", "cumulative_logprob", "detok", "finish_reason")
 
     def __init__(self, detok: IncrementalDetokenizer | None, logprobs: bool) -> None:
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if logprobs else None  # of the sampled tokens
         self.detok = detok
         self.finish_reason: str | None = None
 
@@ -117,7 +118,9 @@ class CoreStream:
             for j, token in enumerate(new):
                 sample.token_ids.append(token)
                 if sample.logprobs is not None and lps is not None:
-                    sample.logprobs.append(dict(lps[j]))
+                    entry = dict(lps[j])
+                    sample.logprobs.append(entry)
+                    sample.cumulative_logprob += entry[token]
                 if sample.detok is not None:
                     sample.detok.add(token)
                     if stops and truncate_at_stop(sample.detok, stops):
@@ -156,11 +159,10 @@ class CoreStream:
         final = self.done
         outputs = []
         for i, s in enumerate(self.samples):
-            cumulative = sum(e[t] for t, e in zip(s.token_ids, s.logprobs)) if s.logprobs is not None else None
             outputs.append(CompletionOutput(index=i, text=self._text(s, final), token_ids=list(s.token_ids),
                                             finish_reason=s.finish_reason if final else None,
                                             logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                                            cumulative_logprob=cumulative))
+                                            cumulative_logprob=s.cumulative_logprob))
         return RequestOutput(
             request_id=self.request_id, prompt=None, prompt_token_ids=self.prompt_token_ids, outputs=outputs,
             finished=final, num_cached_tokens=self.num_cached_tokens,
