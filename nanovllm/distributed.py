@@ -54,8 +54,9 @@ def finish(work) -> None:
             work.wait(step)
             return
         except RuntimeError:
-            if work.is_completed():
-                raise  # the collective's own error
+            if work.is_completed():  # its own error, or it completed as the slice ran out
+                work.wait()
+                return
         why = group_failure()
         if why is not None:
             raise GroupFailedError(why)

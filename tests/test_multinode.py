@@ -75,6 +75,29 @@ def test_tp4_as_two_nodes_of_two_ranks_matches_tp1(checkpoint_factory):
     assert not dist.is_initialized()
 
 
+def test_an_idle_engine_outlives_the_step_timeout(qwen3_tiny, monkeypatch):
+    """The other node's ranks wait for the next step for as long as the engine is idle, not
+    only NANOVLLM_TP_TIMEOUT_S (the step timeout, here 5 s, which gloo used to apply to them)."""
+    monkeypatch.setenv("NANOVLLM_TP_TIMEOUT_S", "5")
+    port = free_port()
+    node = start_node(port)
+    try:
+        llm = LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2, nnodes=2, master_port=port, join_timeout_s=60)
+        try:
+            first = llm.generate([[5, 6, 7, 8]], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+            time.sleep(8)
+            again = llm.generate([[5, 6, 7, 8]], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+        finally:
+            llm.shutdown()
+        assert again == first and len(first) == 4
+        _, err = node.communicate(timeout=30)
+        assert node.returncode == 0, err
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+
+
 def test_a_node_that_never_joins_is_named_within_the_join_timeout(qwen3_tiny):
     t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match=r"rank\(s\) \[1\] of node\(s\) \[1\] did not join within 1s"):

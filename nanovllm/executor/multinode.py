@@ -65,7 +65,7 @@ def _rank_main(rank: int, local_rank: int, addr: str, port: int, join_timeout_s:
         startup_s = max(spec.timeout_s, DEFAULT_TIMEOUT_S, join_timeout_s)
         join_group(spec.backend, addr, port, rank, spec.world, spec.timeout_s, startup_s)
         start_heartbeat(addr, port, rank)
-        group = make_step_group(spec.backend)
+        group = make_step_group()
         device = _collective_device(spec.backend)
         runner = ModelRunner(spec.config, spec.source, rank=rank, agree_num_blocks=lambda n: _min_across_ranks(n, device))
         serve_broadcast(runner, group)

@@ -40,7 +40,8 @@ local ones included, gets each step from rank 0 by `broadcast_object_list` on a 
 instead. No ack is needed there: a broadcast is a collective, so step k+1's cannot start before
 every rank has left step k's collectives. Local ranks keep their pipe for start-up and errors.
 Ranks on other nodes send a heartbeat through the store; rank 0 marks the group failed when one
-stops (HEARTBEAT_S, SILENCE_S), and its gloo collectives then raise (distributed.finish).
+stops (HEARTBEAT_S, SILENCE_S), and its gloo collectives then raise (distributed.finish). The
+step broadcast waits without a practical limit (STEP_WAIT), so an idle engine stays up.
 
 Failure handling. A worker that raises sends its traceback and exits; a worker that dies just
 exits. Either way its sockets close, so a gloo collective waiting on it on rank 0 fails at once
@@ -52,8 +53,9 @@ NANOVLLM_TP_TIMEOUT_S, default 300 s; it must also cover the skew of model loadi
 and the waits of start-up itself are never shorter than the default). On CUDA a dead peer can
 leave NCCL kernels spinning; a watcher thread aborts the NCCL group when a worker process dies,
 so the driver's pending sync returns and the error is raised (that path needs several GPUs and
-is not exercised in CPU CI). After any failure the executor shuts
-everything down and refuses further steps; a new engine can be created in the same process.
+is not exercised in CPU CI); on the CPU the same watcher marks the group failed, for the case
+where gloo misses the closed connection. After any failure the executor shuts everything down
+and refuses further steps; a new engine can be created in the same process.
 
 Cleanup. `shutdown()` (also run by weakref.finalize when the executor is collected or the
 interpreter exits) sends stop, joins the workers (terminate, then kill, after a grace period),
@@ -84,7 +86,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import EngineConfig
-from nanovllm.distributed import finish, mark_failed
+from nanovllm.distributed import GroupFailedError, finish, mark_failed
 from nanovllm.loaders.source import ModelSource
 from nanovllm.runner.device import resolve_device
 from nanovllm.runner.model_runner import ModelRunner, RunnerOutput
@@ -199,10 +201,16 @@ def join_group(backend: str, host: str, port: int, rank: int, world: int, timeou
     return store
 
 
-def make_step_group(backend: str) -> Any:
+# How long a rank waits in the step broadcast: an idle engine sends no step for as long as it
+# likes, and a peer that is gone is caught by its closed connection or its heartbeat instead.
+STEP_WAIT = timedelta(days=365)
+
+
+def make_step_group() -> Any:
     """The group that carries step messages when they go by broadcast: gloo, since a step is a
-    pickled host object (on NCCL this is a collective that every rank must call, in order)."""
-    return dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+    pickled host object, with a timeout of STEP_WAIT (a collective that every rank must call,
+    in order)."""
+    return dist.new_group(backend="gloo", timeout=STEP_WAIT)
 
 
 def broadcast_step(msg: Any, group: Any) -> Any:
@@ -253,7 +261,7 @@ def _worker_main(
             torch.set_num_threads(num_threads)
         conn.send_bytes(_dumps(("hello",)))  # imports done: the driver may now join the group
         join_group(backend, host, port, rank, world, timeout_s, startup_s)
-        group = make_step_group(backend) if by_broadcast else None
+        group = make_step_group() if by_broadcast else None
         device = _collective_device(backend)
         runner = runner_cls(config, source, rank=rank, agree_num_blocks=lambda n: _min_across_ranks(n, device))
         conn.send_bytes(_dumps(("ready", runner.num_kvcache_blocks)))
@@ -317,6 +325,10 @@ class _Workers:
         self._watcher: threading.Thread | None = None
         self._wake: connection.Connection | None = None
         self._stop_watching_remote = threading.Event()
+        self._remote_watcher: threading.Thread | None = None
+        # Set after a failure in which a collective may still wait on a lost peer (distributed.
+        # GroupFailedError): close() then keeps the group instead of destroying it.
+        self.collective_stuck = False
 
     def rank_name(self, i: int) -> str:
         return f"tensor-parallel worker rank {i + 1} (pid {self.procs[i].pid})"
@@ -374,9 +386,9 @@ class _Workers:
         )
         self.group = dist.group.WORLD
         if self.has_remote_ranks:
-            self.step_group = make_step_group(self.backend)
+            self.step_group = make_step_group()
             self._watch_remote_ranks()
-        if self.backend == "nccl" and self.procs:
+        if self.procs:
             self._start_watcher()
 
     def _await_other_nodes(self) -> None:
@@ -486,10 +498,11 @@ class _Workers:
             connection.wait(self.conns + [p.sentinel for p in self.procs], remaining)
         return None
 
-    # -- NCCL watcher --
+    # -- watchers --
     def _start_watcher(self) -> None:
-        """On CUDA, abort the NCCL group as soon as a worker process dies, so rank 0 is not left
-        spinning in a collective with a dead peer until the timeout."""
+        """As soon as a worker process dies, fail the group, so rank 0 is not left waiting in a
+        collective with a dead peer until the timeout: on CUDA abort the NCCL group, on the CPU
+        mark the group failed (distributed.finish)."""
         wake_r, self._wake = get_context("spawn").Pipe(duplex=False)
 
         def watch() -> None:
@@ -499,13 +512,17 @@ class _Workers:
                 wake_r.close()
             if wake_r in ready or self.closed:
                 return
-            logger.error("a tensor-parallel worker died; aborting the NCCL process group")
+            dead = next(i for i, p in enumerate(self.procs) if p.sentinel in ready)
             try:
+                if self.backend != "nccl":
+                    mark_failed(f"{self.rank_name(dead)} died")
+                    return
+                logger.error("a tensor-parallel worker died; aborting the NCCL process group")
                 from torch.distributed.distributed_c10d import _abort_process_group
 
                 _abort_process_group()
             except Exception:  # best effort: the step will still raise from the sentinel
-                logger.exception("aborting the NCCL process group failed")
+                logger.exception("failing the process group after a worker died failed")
 
         self._watcher = threading.Thread(target=watch, name="nanovllm-tp-watch", daemon=True)
         self._watcher.start()
@@ -517,21 +534,26 @@ class _Workers:
         remote = range(self.first_remote, self.world)
 
         def watch() -> None:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=SILENCE_S))
-            last = {r: (-1, time.monotonic()) for r in remote}  # rank -> (count, when it last moved)
-            while not self._stop_watching_remote.wait(HEARTBEAT_S):
-                now = time.monotonic()
-                for r in remote:
-                    count = store.add(beat_key(r), 0)
-                    if count != last[r][0]:
-                        last[r] = (count, now)
-                    elif now - last[r][1] >= SILENCE_S:
-                        why = f"rank {r} (node {r // self.local_world}) sent no heartbeat for {SILENCE_S:g}s"
-                        logger.error("tensor parallel: %s; the process group is marked failed", why)
-                        mark_failed(why)
-                        return
+            try:
+                store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=SILENCE_S))
+                last = {r: (-1, time.monotonic()) for r in remote}  # rank -> (count, when it last moved)
+                while not self._stop_watching_remote.wait(HEARTBEAT_S):
+                    now = time.monotonic()
+                    for r in remote:
+                        count = store.add(beat_key(r), 0)
+                        if count != last[r][0]:
+                            last[r] = (count, now)
+                        elif now - last[r][1] >= SILENCE_S:
+                            why = f"rank {r} (node {r // self.local_world}) sent no heartbeat for {SILENCE_S:g}s"
+                            logger.error("tensor parallel: %s; the process group is marked failed", why)
+                            mark_failed(why)
+                            return
+            except Exception:  # noqa: BLE001 - the store is gone: the engine is closing or failed already
+                if not self._stop_watching_remote.is_set():
+                    logger.exception("tensor parallel: watching the other nodes' heartbeats failed")
 
-        threading.Thread(target=watch, name="nanovllm-tp-heartbeats", daemon=True).start()
+        self._remote_watcher = threading.Thread(target=watch, name="nanovllm-tp-heartbeats", daemon=True)
+        self._remote_watcher.start()
 
     # -- shutdown --
     def close(self) -> None:
@@ -540,6 +562,8 @@ class _Workers:
             return
         self.closed = True
         self._stop_watching_remote.set()
+        if self._remote_watcher is not None:
+            self._remote_watcher.join(2 * HEARTBEAT_S)
         if self._wake is not None:
             self._wake.close()  # wakes the watcher, which sees `closed` and returns
             if self._watcher is not None:
@@ -577,13 +601,14 @@ class _Workers:
                     release()
                 except Exception:  # noqa: BLE001 - closing goes on; the group must still be destroyed
                     logger.exception("tensor parallel: releasing %s before destroying the group failed", release)
-            # After a failure a gloo collective can still wait on a peer that is gone, and
-            # whoever drops its group's last reference (a traceback's frame, too) joins gloo's
-            # threads, which then waits for that collective. So the group is unregistered (a
-            # new engine can start one) and a daemon thread keeps it for the rest of the process.
+            # A collective that gave up on a lost peer (collective_stuck) may still wait in
+            # gloo, and whoever drops its group's last reference (a traceback's frame, too) joins
+            # gloo's threads, which then wait for it. So that group is unregistered (a new engine
+            # can start one, on another master port: this one stays bound) and a daemon thread
+            # keeps it for the rest of the process.
             groups = (self.group, self.step_group)
             self.group = self.step_group = None
-            if self.broken:
+            if self.collective_stuck:
                 threading.Thread(target=_keep, args=groups, name="nanovllm-tp-failed-group", daemon=True).start()
             dist.destroy_process_group()
             del groups
@@ -724,12 +749,24 @@ class MultiprocExecutor:
             why = f"interrupted ({type(exc).__name__})"
         self._failure = why
         self._workers.broken = True
+        self._workers.collective_stuck = _caused_by(exc, GroupFailedError)
         self._finalizer()
         if wrap:
             raise TensorParallelError(f"tensor parallelism failed during {when}: {why}") from exc
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether exc, or an exception it was raised from or during, is a `kind`."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _env_number(name: str, kind: type, default: float) -> Any:
