@@ -9,6 +9,7 @@ a client that never reads, and 256 concurrent streams with random disconnects.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import re
@@ -329,30 +330,41 @@ def test_prompt_longer_than_the_character_limit_is_refused_before_tokenizing(liv
 
 def test_client_that_never_reads_is_dropped_after_the_write_timeout(live):
     """A stream whose client reads nothing: send() blocks (flow control); after the write
-    timeout the connection is cut (no [DONE]; the request, if still running, is aborted)."""
+    timeout the connection is cut (no [DONE]; the request, if still running, is aborted), and
+    the request is counted in the metrics at once."""
     app = create_app(live.engine, MODEL, api_key=KEY, stream_write_timeout=1.0)
     with serve_in_thread(app, sndbuf=4096) as url:  # small kernel buffers: the stream must block
-        port = int(url.rsplit(":", 1)[1])
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
-        sock.connect(("127.0.0.1", port))
-        body = ('{"prompt": "never read", "max_tokens": 360, "ignore_eos": true, "stream": true, "logprobs": 20}')
-        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
-        s = lambda: live.engine.stats  # noqa: E731
-        assert wait_until(lambda: s().num_requests_running == 1, timeout=30)
-        assert wait_until(lambda: s().num_free_blocks == s().num_blocks and s().num_requests_running == 0, timeout=30)
-        time.sleep(2.0)  # longer than the write timeout
-        sock.settimeout(10)
-        data = b""
-        while True:
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                break
-            data += chunk
-        sock.close()
-        assert data.startswith(b"HTTP/1.1 200") and b"data: {" in data
-        assert b"[DONE]" not in data  # cut off, not finished
+        def counted() -> float:
+            values = metric_values(url)
+            return sum(v for (name, _), v in values.items() if name == "vllm:request_success_total")
+
+        before = counted()
+        gc.disable()  # counted when the stream is cut, not whenever the collector frees its body
+        try:
+            port = int(url.rsplit(":", 1)[1])
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+            sock.connect(("127.0.0.1", port))
+            body = ('{"prompt": "never read", "max_tokens": 360, "ignore_eos": true, "stream": true, "logprobs": 20}')
+            sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+            s = lambda: live.engine.stats  # noqa: E731
+            assert wait_until(lambda: s().num_requests_running == 1, timeout=30)
+            assert wait_until(lambda: s().num_free_blocks == s().num_blocks and s().num_requests_running == 0, timeout=30)
+            time.sleep(2.0)  # longer than the write timeout
+            sock.settimeout(10)
+            data = b""
+            while True:
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+            sock.close()
+            assert data.startswith(b"HTTP/1.1 200") and b"data: {" in data
+            assert b"[DONE]" not in data  # cut off, not finished
+            assert wait_until(lambda: counted() == before + 1, timeout=5)
+        finally:
+            gc.enable()
 
 
 def test_256_streams_with_random_disconnects(live, offline):

@@ -201,6 +201,27 @@ def test_required_schema_accepts_calls_and_refuses_others():
     assert required_schema([TIME], parallel=False)["maxItems"] == 1
 
 
+def test_required_schema_keeps_each_tools_definitions_reachable():
+    """pydantic writes nested models as "$defs" referenced by "#/$defs/Name": in the array of
+    calls they move to the root, where those references point."""
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    ship = {"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"],
+        "$defs": {"Address": address}}}}
+    schema = required_schema([ship, TIME])
+    assert schema["$defs"] == {"Address": address}
+    validator = Draft202012Validator(schema)
+    assert validator.is_valid([{"name": "ship", "parameters": {"to": {"city": "Oslo"}}}])
+    assert not validator.is_valid([{"name": "ship", "parameters": {"to": {"street": "x"}}}])  # city is required
+    plan = plan_tools(request(tools=[ship], tool_choice="required"), ParserConfig())
+    assert plan.structured_outputs.json == required_schema([ship])
+    other = {"type": "function", "function": {"name": "bill", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "$defs": {"Address": {"type": "string"}}}}}
+    with pytest.raises(OpenAIError) as info:
+        plan_tools(request(tools=[ship, other], tool_choice="required"), ParserConfig())
+    assert info.value.status == 400 and info.value.param == "tools" and "'Address' differently" in info.value.message
+
+
 def test_plans():
     plan = plan_tools(request(tools=[WEATHER, TIME], tool_choice="required"), ParserConfig())
     assert plan.mode == "required" and plan.structured_outputs.json == required_schema([WEATHER, TIME])

@@ -60,7 +60,7 @@ class EngineStats:
     num_steps: int = 0  # engine steps since start
     step_seconds: float = 0.0  # seconds spent inside them
     device_wait_seconds: float = 0.0  # of which waiting for a launched step's tokens
-    num_prompt_steps: int = 0  # steps that computed prompt tokens (outside the decode's CUDA graphs)
+    num_prompt_steps: int = 0  # steps with a prompt chunk of 2+ tokens (outside the decode's CUDA graphs)
     prompt_step_seconds: float = 0.0  # seconds spent inside them
     time: float = 0.0  # time.monotonic() of the snapshot
 

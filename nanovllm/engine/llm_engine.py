@@ -135,8 +135,9 @@ class LLMEngine:
         # Since start: engine steps, the seconds spent inside them, and of those the seconds
         # spent waiting for a launched step's tokens (async scheduling). A loop that spends
         # nearly all its time in steps and little of it waiting is bound by its host. Of the
-        # steps, those that computed prompt tokens and their seconds: such a step runs the
-        # model outside the decode's CUDA graphs.
+        # steps, those that computed a prompt chunk of more than one token, and their seconds:
+        # such a step runs the model outside the decode's CUDA graphs (a prompt's single last
+        # token is computed as a decode).
         self.num_steps = 0
         self.step_seconds = 0.0
         self.device_wait_seconds = 0.0

@@ -159,7 +159,7 @@ class ServeBenchResult:
             "tokens_per_engine_step": (round(self.output_tokens / self.engine_steps, 1)
                                        if self.engine_steps else None),
             "engine_busy": self._share_of_run(self.engine_step_seconds),
-            # Steps that computed prompt tokens (beside decodes or not), and the share of the run
+            # Steps with a prompt chunk of 2+ tokens (beside decodes or not), and the share of the run
             # spent in them: such a step runs the model outside the decode's CUDA graphs.
             "engine_prompt_steps": self.engine_prompt_steps,
             "engine_prompt_busy": self._share_of_run(self.engine_prompt_step_seconds),

@@ -148,8 +148,8 @@ class _EngineCollector:
              "busy fraction.", s.step_seconds),
             ("nanovllm_engine_device_wait_seconds", "Of nanovllm_engine_step_seconds, the seconds spent waiting "
              "for a launched step's tokens (async scheduling).", s.device_wait_seconds),
-            ("nanovllm_engine_prompt_steps", "Of nanovllm_engine_steps, the steps that computed prompt tokens "
-             "(a prompt, a chunk of one, or one beside decodes).", s.num_prompt_steps),
+            ("nanovllm_engine_prompt_steps", "Of nanovllm_engine_steps, the steps that computed a prompt chunk "
+             "of more than one token (beside decodes or not).", s.num_prompt_steps),
             ("nanovllm_engine_prompt_step_seconds", "Of nanovllm_engine_step_seconds, the seconds spent inside "
              "nanovllm_engine_prompt_steps.", s.prompt_step_seconds),
         ]
@@ -325,6 +325,9 @@ class _EventStream(StreamingResponse):
             pass  # uvicorn closes a connection whose response did not complete
         finally:
             self._on_close()
+            # A body left mid-stream (a dropped client) is closed here, so that its own clean-up
+            # (the request's metrics) runs now rather than whenever it is collected.
+            await self.body_iterator.aclose()
 
 
 class _ClientStalled(Exception):

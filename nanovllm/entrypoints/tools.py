@@ -76,15 +76,32 @@ class ToolPlan:
     structured_outputs: StructuredOutputsParams | None = None
 
 
+# Where a parameters schema keeps the definitions its "$ref"s point at ("#/$defs/Name").
+DEFINITION_KEYS = ("$defs", "definitions")
+
+
 def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
     """tool_choice "required": a JSON array of one or more calls, each {"name", "parameters"}
-    matching one tool (vLLM's schema); with parallel_tool_calls false, exactly one."""
+    matching one tool (vLLM's schema); with parallel_tool_calls false, exactly one. Each tool's
+    definitions ("$defs", "definitions", as pydantic writes them) move to the root of the
+    array's schema, where its "#/$defs/..." references then point; ValueError where two tools
+    define one name differently."""
+    definitions: dict[str, dict[str, Any]] = {}
+
     def one(tool: dict[str, Any]) -> dict[str, Any]:
         function = tool["function"]
+        parameters = dict(function.get("parameters") or EMPTY_PARAMETERS)
+        for key in DEFINITION_KEYS:
+            for name, definition in (parameters.pop(key, None) or {}).items():
+                known = definitions.setdefault(key, {})
+                if known.get(name, definition) != definition:
+                    raise ValueError(f"tools: two functions define {key} {name!r} differently; tool_choice "
+                                     f'"required" needs one definition per name')
+                known[name] = definition
         return {
             "properties": {
                 "name": {"type": "string", "enum": [function["name"]]},
-                "parameters": function.get("parameters") or EMPTY_PARAMETERS,
+                "parameters": parameters,
             },
             "required": ["name", "parameters"],
         }
@@ -93,6 +110,7 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[
                               "items": {"type": "object", "anyOf": [one(t) for t in tools]}}
     if not parallel:
         schema["maxItems"] = 1
+    schema.update(definitions)
     return schema
 
 
@@ -124,7 +142,10 @@ def plan_tools(body: ChatCompletionRequest, config: ParserConfig) -> ToolPlan:
                               param="tool_choice")
         return ToolPlan("auto", tools)
     if choice == "required":
-        schema = required_schema(tools, body.parallel_tool_calls)
+        try:
+            schema = required_schema(tools, body.parallel_tool_calls)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="tools") from None
         return ToolPlan("required", tools, structured_outputs=_structured(schema))
     name = choice.function.name
     tool = next((t for t in tools if t["function"]["name"] == name), None)
