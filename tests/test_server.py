@@ -80,9 +80,10 @@ def pool_is_free(engine: AsyncEngine) -> bool:
 
 
 class Live:
-    def __init__(self, url: str, engine: AsyncEngine) -> None:
+    def __init__(self, url: str, engine: AsyncEngine, core: CoreProcess | None = None) -> None:
         self.url = url
         self.engine = engine
+        self.core = core
         self.client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         self.http = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
 
@@ -96,7 +97,7 @@ def live(qwen3_tiny):
         engine = CoreClient(core.addresses, core.info, core_alive=core.is_alive)
         try:
             with serve_in_thread(create_app(engine, MODEL, api_key=KEY)) as url:
-                yield Live(url, engine)
+                yield Live(url, engine, core)
         finally:
             engine.shutdown()
     finally:
@@ -588,6 +589,20 @@ def test_core_stream_logprobs_match_the_offline_engine(live, offline):
     for out in outs:  # every output of the stream: the sum of its own tokens' logprobs
         for c in out.outputs:
             assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)), abs=1e-4)
+
+
+def test_an_idle_front_end_reads_the_cores_stats_as_of_now(live):
+    """With several front-ends (--api-server-count), each keeps the stats that reached it, and
+    an idle one gets them only with the core's heartbeat; asked for at scrape time they are
+    current, so counters read through different front-ends never go backwards."""
+    idle = CoreClient(live.core.addresses, live.core.info, core_alive=live.core.is_alive)
+    try:
+        live.client.completions.create(model=MODEL, prompt="count my steps", max_tokens=4, stream=False)
+        busy = live.engine.stats.num_steps  # came with the request's last output
+        stats = asyncio.run(idle.fresh_stats())
+        assert stats.num_steps >= busy and idle.stats.num_steps >= busy
+    finally:
+        idle.shutdown()
 
 
 def test_engine_failure_fails_requests_and_health_is_503(qwen3_tiny):

@@ -174,6 +174,9 @@ class ScriptedEngine:
     def abort_stream(self, stream) -> None:
         pass
 
+    async def fresh_stats(self):
+        return self.stats
+
 
 @contextlib.contextmanager
 def live_app(tokenizer, parsers):

@@ -218,6 +218,10 @@ class AsyncEngine:
             if not out.finished:
                 self.abort_stream(out)
 
+    async def fresh_stats(self) -> EngineStats:
+        """The engine's stats, published after each of its iterations (as CoreClient.fresh_stats)."""
+        return self.stats
+
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, returns at once). Its blocks are freed before the
         engine's next step; its stream ends with a final output whose finish_reason is "abort"."""

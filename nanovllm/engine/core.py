@@ -302,8 +302,9 @@ class EngineCore:
         known = ident in self.clients
         self.clients[ident] = time.monotonic()
         if isinstance(msg, Hello):
-            if not known:
-                self._reply(replies, ident)  # answered with the stats: the front-end knows it is heard
+            if not known or msg.stats_request:  # answered with the stats: the front-end knows it is heard
+                out = self._reply(replies, ident)
+                out.stats_answer = max(out.stats_answer, msg.stats_request)
             return
         if isinstance(msg, AddRequest):
             out = self._reply(replies, ident)

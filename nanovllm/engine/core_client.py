@@ -22,6 +22,7 @@ one), its socket disconnects (a ZeroMQ monitor event), or it is silent for HEART
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import threading
@@ -200,6 +201,8 @@ class CoreClient:
         self.model_path = info.model_path
         self.error: BaseException | None = None
         self.stats = EngineStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
+        self._stats_requests = itertools.count(1)  # fresh_stats' Hello.stats_request numbers
+        self._stats_answered = 0  # the largest of them answered (I/O thread)
         self._core_alive = core_alive
         self._on_dead = on_dead
         self._streams: dict[str, CoreStream] = {}
@@ -247,6 +250,18 @@ class CoreClient:
             raise EngineDeadError(str(self.error))
         if self._closed:
             raise EngineDeadError("the engine is shutting down")
+
+    async def fresh_stats(self, timeout: float = 1.0) -> EngineStats:
+        """The core's stats as of now: asked for and answered (within timeout, else the latest
+        ones). Several front-ends each keep the stats that reached them, the core sends them
+        with each front-end's outputs only, so a scrape of an idle one would read older counters
+        than the last scrape of a busy one; asked for, they never go backwards."""
+        asked = next(self._stats_requests)
+        self._send(Hello(stats_request=asked))
+        deadline = time.monotonic() + timeout
+        while self._stats_answered < asked and self.error is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        return self.stats
 
     def _send(self, msg: Any) -> None:
         data = self._encoder.encode(msg)
@@ -373,6 +388,7 @@ class CoreClient:
     def _dispatch(self, out: CoreOutput) -> None:
         if out.stats is not None:  # the core's Stats carry EngineStats' fields but its time
             self.stats = EngineStats(**msgspec.structs.asdict(out.stats), time=time.monotonic())
+            self._stats_answered = max(self._stats_answered, out.stats_answer)
         if out.error is not None:
             self._die(out.error)
             return

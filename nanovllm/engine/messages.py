@@ -32,7 +32,7 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):
-    pass
+    stats_request: int = 0  # > 0: answer now with the stats, echoing this number (CoreOutput.stats_answer)
 
 
 class Delta(msgspec.Struct, array_like=True):
@@ -67,6 +67,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
     rejected: list[tuple[str, str, str]] = []  # (request id, kind: "invalid" | "overloaded" | "dead", message)
     stats: Stats | None = None
     error: str | None = None  # the core failed: every request of this front-end is lost
+    stats_answer: int = 0  # the largest Hello.stats_request this output's stats answer
 
 
 FrontendMessage = AddRequest | Abort | Hello

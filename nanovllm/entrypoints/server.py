@@ -160,7 +160,8 @@ class _EngineCollector:
 class ServerMetrics:
     """With PROMETHEUS_MULTIPROC_DIR set (`--api-server-count` > 1), counters and histograms
     live in that directory's files and a scrape of any front-end sums every front-end's; the
-    engine gauges come from the core's stats, the same in each."""
+    engine's gauges and counters come from the core's stats, asked for at scrape time
+    (`engine.fresh_stats`)."""
 
     def __init__(self, engine: Any, model_name: str) -> None:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -751,6 +752,7 @@ class OpenAIServer:
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self) -> Response:
+        await self.engine.fresh_stats()  # read by the engine collector
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def close(self) -> None:
