@@ -201,25 +201,36 @@ def test_required_schema_accepts_calls_and_refuses_others():
     assert required_schema([TIME], parallel=False)["maxItems"] == 1
 
 
-def test_required_schema_keeps_each_tools_definitions_reachable():
-    """pydantic writes nested models as "$defs" referenced by "#/$defs/Name": in the array of
-    calls they move to the root, where those references point."""
-    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+def test_required_schema_keeps_each_tools_references_resolvable():
+    """A tool's parameters sit inside the array of calls, so its local references are rebased:
+    pydantic's "#/$defs/Name" (two tools may each define their own Address), a recursive "#",
+    and zod's "#/properties/..."."""
+    def address(kind: str) -> dict:
+        return {"type": "object", "properties": {"city": {"type": kind}}, "required": ["city"]}
+
     ship = {"type": "function", "function": {"name": "ship", "parameters": {
         "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"],
-        "$defs": {"Address": address}}}}
-    schema = required_schema([ship, TIME])
-    assert schema["$defs"] == {"Address": address}
+        "$defs": {"Address": address("string")}}}}
+    bill = {"type": "function", "function": {"name": "bill", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"],
+        "$defs": {"Address": address("integer")}}}}
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}}}
+    same = {"type": "function", "function": {"name": "same", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}, "b": {"$ref": "#/properties/a"}}}}}
+    schema = required_schema([ship, bill, tree, same])
     validator = Draft202012Validator(schema)
-    assert validator.is_valid([{"name": "ship", "parameters": {"to": {"city": "Oslo"}}}])
-    assert not validator.is_valid([{"name": "ship", "parameters": {"to": {"street": "x"}}}])  # city is required
-    plan = plan_tools(request(tools=[ship], tool_choice="required"), ParserConfig())
-    assert plan.structured_outputs.json == required_schema([ship])
-    other = {"type": "function", "function": {"name": "bill", "parameters": {
-        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "$defs": {"Address": {"type": "string"}}}}}
-    with pytest.raises(OpenAIError) as info:
-        plan_tools(request(tools=[ship, other], tool_choice="required"), ParserConfig())
-    assert info.value.status == 400 and info.value.param == "tools" and "'Address' differently" in info.value.message
+    assert validator.is_valid([{"name": "ship", "parameters": {"to": {"city": "Oslo"}}},
+                               {"name": "bill", "parameters": {"to": {"city": 7}}},
+                               {"name": "tree", "parameters": {"kids": [{"kids": []}]}},
+                               {"name": "same", "parameters": {"a": "x", "b": "y"}}])
+    assert not validator.is_valid([{"name": "ship", "parameters": {"to": {"city": 7}}}])
+    assert not validator.is_valid([{"name": "bill", "parameters": {"to": {"city": "Oslo"}}}])
+    assert not validator.is_valid([{"name": "tree", "parameters": {"kids": [{"kids": [5]}]}}])
+    assert not validator.is_valid([{"name": "same", "parameters": {"a": "x", "b": 3}}])
+    assert ship["function"]["parameters"]["properties"]["to"] == {"$ref": "#/$defs/Address"}  # the request's own is kept
+    plan = plan_tools(request(tools=[ship, bill], tool_choice="required"), ParserConfig())
+    assert plan.structured_outputs.json == required_schema([ship, bill])
 
 
 def test_plans():

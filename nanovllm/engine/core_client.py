@@ -256,6 +256,8 @@ class CoreClient:
         ones). Several front-ends each keep the stats that reached them, the core sends them
         with each front-end's outputs only, so a scrape of an idle one would read older counters
         than the last scrape of a busy one; asked for, they never go backwards."""
+        if self._closed or self.error is not None:
+            return self.stats
         asked = next(self._stats_requests)
         self._send(Hello(stats_request=asked))
         deadline = time.monotonic() + timeout

@@ -241,6 +241,7 @@ class _Tracker:
         self.last_time = [self.start] * num_streams
         self.num_tokens = [0] * num_streams
         self.outputs: list[RequestOutput | None] = [None] * num_streams
+        self.finished = False
 
     def update(self, i: int, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -259,6 +260,11 @@ class _Tracker:
         self.outputs[i] = out
 
     def finish(self, error: bool = False) -> None:
+        """Record the request's outcome (once: a streamed one may end in its body or, cut off
+        before its body ran, in its response's close)."""
+        if self.finished:
+            return
+        self.finished = True
         m = self.metrics
         for out in self.outputs:
             if out is None:
@@ -492,6 +498,12 @@ class OpenAIServer:
         for stream in streams:
             self.engine.abort_stream(stream)
 
+    def _close_stream(self, streams: list[RequestStream], tracker: _Tracker) -> None:
+        """A streamed response's end, however it came: its requests are aborted (if still
+        running) and its metrics recorded (if its body did not, cut off before it ran)."""
+        self.abort(streams)
+        tracker.finish()
+
     async def collect_finals(self, streams, request, tracker):
         """Final outputs of a non-streamed request (None if the client went away), with metrics."""
         try:
@@ -541,7 +553,7 @@ class OpenAIServer:
         streams = await self.submit(request_id, prompts, params, body.stream, "prompt", body.structured_param)
         if body.stream:
             return _EventStream(_sse_body(self._completion_events(request_id, body, params, streams, tracker), tracker),
-                                lambda: self.abort(streams), self.stream_write_timeout)
+                                lambda: self._close_stream(streams, tracker), self.stream_write_timeout)
         finals = await self.collect_finals(streams, request, tracker)
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
@@ -615,7 +627,8 @@ class OpenAIServer:
         streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages", grammar_param)
         if body.stream:
             events = self._chat_events(request_id, body, params, parsers, streams[0], tracker)
-            return _EventStream(_sse_body(events, tracker), lambda: self.abort(streams), self.stream_write_timeout)
+            return _EventStream(_sse_body(events, tracker), lambda: self._close_stream(streams, tracker),
+                                self.stream_write_timeout)
         finals = await self.collect_finals(streams, request, tracker)
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this

@@ -76,28 +76,16 @@ class ToolPlan:
     structured_outputs: StructuredOutputsParams | None = None
 
 
-# Where a parameters schema keeps the definitions its "$ref"s point at ("#/$defs/Name").
-DEFINITION_KEYS = ("$defs", "definitions")
-
-
 def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
     """tool_choice "required": a JSON array of one or more calls, each {"name", "parameters"}
-    matching one tool (vLLM's schema); with parallel_tool_calls false, exactly one. Each tool's
-    definitions ("$defs", "definitions", as pydantic writes them) move to the root of the
-    array's schema, where its "#/$defs/..." references then point; ValueError where two tools
-    define one name differently."""
-    definitions: dict[str, dict[str, Any]] = {}
-
-    def one(tool: dict[str, Any]) -> dict[str, Any]:
+    matching one tool (vLLM's schema); with parallel_tool_calls false, exactly one. A tool's
+    parameters sit inside that array's schema, so their local references ("#", "#/$defs/Name",
+    "#/properties/...", as pydantic and zod write them) are rewritten to point where they now
+    are."""
+    def one(i: int, tool: dict[str, Any]) -> dict[str, Any]:
         function = tool["function"]
-        parameters = dict(function.get("parameters") or EMPTY_PARAMETERS)
-        for key in DEFINITION_KEYS:
-            for name, definition in (parameters.pop(key, None) or {}).items():
-                known = definitions.setdefault(key, {})
-                if known.get(name, definition) != definition:
-                    raise ValueError(f"tools: two functions define {key} {name!r} differently; tool_choice "
-                                     f'"required" needs one definition per name')
-                known[name] = definition
+        parameters = _rebase_refs(function.get("parameters") or EMPTY_PARAMETERS,
+                                  f"#/items/anyOf/{i}/properties/parameters")
         return {
             "properties": {
                 "name": {"type": "string", "enum": [function["name"]]},
@@ -107,11 +95,25 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[
         }
 
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": {"type": "object", "anyOf": [one(t) for t in tools]}}
+                              "items": {"type": "object", "anyOf": [one(i, t) for i, t in enumerate(tools)]}}
     if not parallel:
         schema["maxItems"] = 1
-    schema.update(definitions)
     return schema
+
+
+def _rebase_refs(schema: Any, root: str) -> Any:
+    """A copy of schema whose local "$ref"s ("#" and "#/...") point below `root` instead."""
+    if isinstance(schema, list):
+        return [_rebase_refs(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = root + value[1:]
+        else:
+            out[key] = _rebase_refs(value, root)
+    return out
 
 
 def named_schema(tool: dict[str, Any]) -> dict[str, Any]:
@@ -142,11 +144,7 @@ def plan_tools(body: ChatCompletionRequest, config: ParserConfig) -> ToolPlan:
                               param="tool_choice")
         return ToolPlan("auto", tools)
     if choice == "required":
-        try:
-            schema = required_schema(tools, body.parallel_tool_calls)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="tools") from None
-        return ToolPlan("required", tools, structured_outputs=_structured(schema))
+        return ToolPlan("required", tools, structured_outputs=_structured(required_schema(tools, body.parallel_tool_calls)))
     name = choice.function.name
     tool = next((t for t in tools if t["function"]["name"] == name), None)
     if tool is None:
