@@ -38,11 +38,17 @@ def tp_size() -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` across ranks in place (no-op on one rank)."""
     if tp_size() > 1:
-        if x.is_cuda or torch.compiler.is_compiling():
-            dist.all_reduce(x)
-        else:
-            finish(dist.all_reduce(x, async_op=True))
+        _collective(x, dist.all_reduce, x)
     return x
+
+
+def _collective(x: torch.Tensor, op, *args) -> None:
+    """Run op(*args) on x's ranks: as is on CUDA and while compiling; over gloo, launched and
+    waited for in slices (`finish`)."""
+    if x.is_cuda or torch.compiler.is_compiling():
+        op(*args)
+    else:
+        finish(op(*args, async_op=True))
 
 
 def finish(work) -> None:
@@ -80,10 +86,7 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if world == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world)]
-    if x.is_cuda or torch.compiler.is_compiling():
-        dist.all_gather(parts, x.contiguous())
-    else:
-        finish(dist.all_gather(parts, x.contiguous(), async_op=True))
+    _collective(x, dist.all_gather, parts, x.contiguous())
     return torch.cat(parts, dim=-1)
 
 

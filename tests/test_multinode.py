@@ -44,6 +44,25 @@ def start_node(port: int, join_timeout_s: float = 60.0, node_rank: int = 1) -> s
     )
 
 
+def signal_node_when_decoding(llm: LLM, node: subprocess.Popen, sig: int) -> tuple[threading.Thread, list[float]]:
+    """A started thread that sends `sig` to the node's whole process group once a running
+    sequence has 3 tokens, and the list it appends that moment to."""
+    sent_at: list[float] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(s.num_completion_tokens >= 3 for s in list(llm.engine.scheduler.running)):
+                sent_at.append(time.monotonic())
+                os.killpg(node.pid, sig)
+                return
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    return thread, sent_at
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
 
@@ -111,19 +130,8 @@ def test_a_node_that_dies_mid_run_fails_the_engine_fast(qwen3_tiny):
     node = start_node(port)
     try:
         llm = LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2, nnodes=2, master_port=port, join_timeout_s=60)
-        killed_at: list[float] = []
-
-        def kill_when_decoding() -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if any(s.num_completion_tokens >= 3 for s in list(llm.engine.scheduler.running)):
-                    killed_at.append(time.monotonic())
-                    os.killpg(node.pid, signal.SIGKILL)  # the whole "machine": node process and ranks
-                    return
-                time.sleep(0.001)
-
-        killer = threading.Thread(target=kill_when_decoding)
-        killer.start()
+        # the whole "machine": node process and ranks
+        killer, killed_at = signal_node_when_decoding(llm, node, signal.SIGKILL)
         with pytest.raises(TensorParallelError, match=r"(?s)failed during step .*rank 1 runs on another node"):
             llm.generate([[5, 6, 7, 8]] * 4, greedy(400), use_tqdm=False)
         raised_at = time.monotonic()
@@ -145,19 +153,7 @@ def test_a_node_that_goes_silent_mid_run_fails_the_engine_on_its_heartbeat(qwen3
     node = start_node(port)
     try:
         llm = LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2, nnodes=2, master_port=port, join_timeout_s=60)
-        stopped_at: list[float] = []
-
-        def stop_when_decoding() -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if any(s.num_completion_tokens >= 3 for s in list(llm.engine.scheduler.running)):
-                    stopped_at.append(time.monotonic())
-                    os.killpg(node.pid, signal.SIGSTOP)
-                    return
-                time.sleep(0.001)
-
-        stopper = threading.Thread(target=stop_when_decoding)
-        stopper.start()
+        stopper, stopped_at = signal_node_when_decoding(llm, node, signal.SIGSTOP)
         with pytest.raises(TensorParallelError, match=r"(?s)failed during step .*rank 1 \(node 1\) sent no heartbeat"):
             llm.generate([[5, 6, 7, 8]] * 4, greedy(400), use_tqdm=False)
         raised_at = time.monotonic()

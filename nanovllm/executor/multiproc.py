@@ -38,7 +38,8 @@ Across machines (executor/multinode.py, config `nnodes` > 1) the ranks of other 
 pipe to the driver: the rendezvous store binds `master_port` on `master_addr`, and every rank,
 local ones included, gets each step from rank 0 by a broadcast (`broadcast_step`) on a gloo
 group of its own instead. No ack is needed there: a broadcast is a collective, so step k+1's
-cannot start before every rank has left step k's collectives. Local ranks keep their pipe for start-up and errors.
+cannot start before every rank has left step k's collectives. Local ranks keep their pipe for
+start-up and errors.
 Ranks on other nodes send a heartbeat through the store; rank 0 marks the group failed when one
 stops (HEARTBEAT_S, SILENCE_S), and its gloo collectives then raise (distributed.finish). The
 step broadcast waits without a practical limit (STEP_WAIT), so an idle engine stays up.
