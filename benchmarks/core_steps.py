@@ -9,7 +9,7 @@ same Python runs on a GPU host.
     python benchmarks/core_steps.py --stub-runner       # the engine's time alone, steadier
 
 Prints, per output length: microseconds a step in the engine outside the runner, in the runner,
-in the core's collect (outputs into messages) and publish (stats, hand-off to the output thread).
+in the core's collect (outputs into messages) and publish (stats, encoding and sending the messages).
 """
 from __future__ import annotations
 

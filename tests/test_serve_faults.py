@@ -407,3 +407,66 @@ def test_256_streams_with_random_disconnects(live, offline):
     s = lambda: live.engine.stats  # noqa: E731
     assert wait_until(lambda: s().num_free_blocks == s().num_blocks and s().num_requests_running == 0
                       and s().num_requests_waiting == 0, timeout=20)
+
+
+class _SlowEngine:
+    """The engine-core's view of an engine, with one request whose every step takes `step_s`."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.steps = step_s, 0
+
+    def has_unfinished_requests(self) -> bool:
+        return self.steps < 2
+
+    num_unfinished_requests = 1
+
+    def step(self) -> list:
+        time.sleep(self.step_s)
+        self.steps += 1
+        return []
+
+    def load_snapshot(self) -> dict:
+        return {"num_steps": self.steps}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_core_sends_heartbeats_during_a_step_longer_than_the_heartbeat(tmp_path):
+    """A front-end hears from the core every HEARTBEAT_S even while one step runs for longer (it
+    takes a core silent for HEARTBEAT_TIMEOUT_S for dead), and the loop's own outputs arrive."""
+    import msgspec
+    import zmq
+
+    from nanovllm.engine.core import HEARTBEAT_S, CoreAddresses, EngineCore
+    from nanovllm.engine.messages import CoreOutput, Hello
+
+    step_s = 4 * HEARTBEAT_S
+    core = EngineCore(_SlowEngine(step_s), CoreAddresses(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"), max_pending=8)
+    ctx = zmq.Context()
+    to_core, from_core = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock in (to_core, from_core):
+        sock.setsockopt(zmq.IDENTITY, b"frontend-1")
+        sock.setsockopt(zmq.LINGER, 0)
+    to_core.connect(f"ipc://{tmp_path}/in")
+    from_core.connect(f"ipc://{tmp_path}/out")
+    loop = threading.Thread(target=core.run, daemon=True)
+    to_core.send(msgspec.msgpack.encode(Hello()))
+    time.sleep(0.2)
+    loop.start()
+    decoder = msgspec.msgpack.Decoder(CoreOutput)
+    arrivals = []
+    deadline = time.monotonic() + 2 * step_s + 2
+    while time.monotonic() < deadline and len(arrivals) < 12:
+        if from_core.poll(100):
+            arrivals.append((time.monotonic(), decoder.decode(from_core.recv())))
+    try:
+        times = [t for t, _ in arrivals]
+        assert len(times) >= 4, f"{len(times)} messages in {2 * step_s + 2:.1f} s"
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert max(gaps) < 3 * HEARTBEAT_S, gaps  # steps take 4 x HEARTBEAT_S
+        assert any(out.stats is not None and out.stats.num_steps >= 1 for _, out in arrivals)
+    finally:
+        to_core.close()
+        from_core.close()
+        ctx.term()

@@ -1,16 +1,18 @@
 """The engine core process: `LLMEngine` in a busy loop of its own, front-ends over ZeroMQ.
 
 The HTTP front-ends (tokenization, detokenization, stop strings, SSE) live in other processes,
-so the GIL of this one is spent on scheduling and the model. Three threads:
+so the GIL of this one is spent on scheduling and the model. Two threads:
 
-- input: a ROUTER socket; decodes front-end messages (`messages.py`) into a queue. Front-ends
-  send `Hello` every HEARTBEAT_S; one silent for FRONTEND_TIMEOUT_S (its process died) has its
+- loop (main thread): reads and decodes the front-ends' messages (`messages.py`) from a ROUTER
+  socket (blocking only when idle), runs `LLMEngine.step()`, turns its outputs (the engine's
+  delta outputs: only the new token ids) into one `CoreOutput` per front-end, and encodes and
+  sends them on a second ROUTER socket. Doing its I/O itself, rather than through threads of
+  its own, spares the loop the GIL hand-overs it would wait for every step. Front-ends send
+  `Hello` every HEARTBEAT_S; one silent for FRONTEND_TIMEOUT_S (its process died) has its
   requests aborted by the loop, which frees their KV blocks.
-- loop (main thread): drains the queue (blocking only when idle), runs `LLMEngine.step()`, and
-  turns its outputs (the engine's delta outputs: only the new token ids) into per-front-end
-  `CoreOutput`s.
-- output: a second ROUTER socket; encodes and sends those, and every HEARTBEAT_S sends each
-  front-end the current stats (its liveness signal and its metrics' engine gauges).
+- heartbeat: every HEARTBEAT_S sends the current stats (its liveness signal and its metrics'
+  engine gauges) to each front-end the loop has not written to lately, on the output socket
+  (under a lock), so that front-ends hear from the core during a long step too.
 
 Admission control: with `max_pending` requests queued or running, new ones are rejected as
 "overloaded" (the front-end answers 503 with Retry-After). If a step raises, every front-end
@@ -22,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import queue
 import shutil
 import signal
 import sys
@@ -177,8 +178,6 @@ class EngineCore:
         self.max_pending = max_pending
         self.frontend_timeout = frontend_timeout
         self.ctx = zmq.Context()
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.owner: dict[str, bytes] = {}  # request id -> front-end identity
         self.clients: dict[bytes, float] = {}  # front-end identity -> when last heard
         self._next_liveness_check = 0.0
@@ -194,60 +193,58 @@ class EngineCore:
         # is at most its requests' outputs; one silent for FRONTEND_TIMEOUT_S has them aborted.
         self._out.setsockopt(zmq.SNDHWM, 0)
         self._out.bind(addresses.output)
-        threading.Thread(target=self._input_loop, name="nanovllm-core-in", daemon=True).start()
-        self._output_thread = threading.Thread(target=self._output_loop, name="nanovllm-core-out", daemon=True)
-        self._output_thread.start()
+        self._decoder = msgspec.msgpack.Decoder(FrontendMessage)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._send_lock = threading.Lock()  # the output socket is the loop's and the heartbeat's
+        self._last_sent: dict[bytes, float] = {}  # front-end identity -> when last written to (under the lock)
+        self._stopped = threading.Event()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="nanovllm-core-beat", daemon=True)
+        self._heartbeat_thread.start()
 
-    # ---- I/O threads ----
-    def _input_loop(self) -> None:
-        decoder = msgspec.msgpack.Decoder(FrontendMessage)
+    # ---- I/O ----
+    def _receive(self, timeout_s: float) -> list[tuple[bytes, Any]]:
+        """The front-ends' messages waiting now, decoded (after up to timeout_s for the first)."""
+        commands = []
+        if timeout_s > 0 and not self._in.poll(int(timeout_s * 1000)):
+            return commands
         while True:
-            ident, payload = self._in.recv_multipart()
             try:
-                self.inbox.put((ident, decoder.decode(payload)))
+                ident, payload = self._in.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return commands
+            try:
+                commands.append((ident, self._decoder.decode(payload)))
             except msgspec.DecodeError:
                 logger.error("dropped an undecodable message from a front-end")
 
-    def _output_loop(self) -> None:
+    def _send(self, ident: bytes, out: CoreOutput) -> None:
+        payload = self._encoder.encode(out)
+        with self._send_lock:
+            self._out.send_multipart([ident, payload])
+            self._last_sent[ident] = time.monotonic()
+
+    def _heartbeat_loop(self) -> None:
         encoder = msgspec.msgpack.Encoder()
-        last_sent: dict[bytes, float] = {}
-        next_beat = time.monotonic() + HEARTBEAT_S
-        while True:
-            try:
-                item = self.outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
-            except queue.Empty:
-                item = ()
-            if item is None:
-                return
-            now = time.monotonic()
-            if item:
-                ident, out = item
-                self._out.send_multipart([ident, encoder.encode(out)])
-                last_sent[ident] = now
-            if now >= next_beat:  # stats to every front-end not written to lately: liveness + gauges
-                beat = encoder.encode(CoreOutput(stats=self.stats))
+        while not self._stopped.wait(HEARTBEAT_S / 2):
+            beat = None
+            with self._send_lock:
+                now = time.monotonic()
                 for ident in list(self.clients):
-                    if now - last_sent.get(ident, 0.0) >= HEARTBEAT_S:
+                    if now - self._last_sent.get(ident, 0.0) >= HEARTBEAT_S:
+                        if beat is None:
+                            beat = encoder.encode(CoreOutput(stats=self.stats))
                         self._out.send_multipart([ident, beat])
-                        last_sent[ident] = now
-                next_beat = now + HEARTBEAT_S
+                        self._last_sent[ident] = now
 
     # ---- the loop ----
     def run(self) -> int:
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
-                commands = []
-                if not busy:  # idle: wait for work without spinning
-                    try:
-                        commands.append(self.inbox.get(timeout=1.0))
-                    except queue.Empty:
-                        continue
-                while True:
-                    try:
-                        commands.append(self.inbox.get_nowait())
-                    except queue.Empty:
-                        break
+                commands = self._receive(0.0 if busy else 1.0)  # idle: wait for work without spinning
+                if not busy and not commands:
+                    self._drop_silent_frontends()
+                    continue
                 replies: dict[bytes, CoreOutput] = {}
                 for ident, msg in commands:
                     self._handle(ident, msg, replies)
@@ -264,12 +261,12 @@ class EngineCore:
         except Exception as exc:  # the engine's state is unknown: tell every front-end, then exit
             logger.exception("the engine failed; the core exits")
             error = f"the engine failed: {exc!r}"
-            for ident in self.clients:
-                self.outbox.put((ident, CoreOutput(error=error)))
+            for ident in list(self.clients):
+                self._send(ident, CoreOutput(error=error))
             return 1
         finally:
-            self.outbox.put(None)
-            self._output_thread.join(5)
+            self._stopped.set()
+            self._heartbeat_thread.join(5)
             try:
                 self.engine.shutdown()
             except Exception:
@@ -364,4 +361,4 @@ class EngineCore:
         self.stats = stats = Stats(**self.engine.load_snapshot(), num_aborted=self.num_aborted)
         for ident, out in replies.items():
             out.stats = stats
-            self.outbox.put((ident, out))
+            self._send(ident, out)
