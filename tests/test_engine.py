@@ -390,12 +390,15 @@ def test_packed_step_arrays_start_on_16_byte_boundaries(qwen3_tiny):
     runner = LLM(str(qwen3_tiny), device="cpu").engine.executor.runner
     for sizes in [(3, 3, 3, 0, 0), (5, 1, 7, 2, 2), (1, 1, 1, 1, 1)]:
         arrays = [np.arange(n, dtype=np.int64) * (i + 1) for i, n in enumerate(sizes)]
-        views = runner._to_device_packed(arrays, np.int64)
+        views = runner._to_device_packed(arrays)
         for a, v in zip(arrays, views):
-            assert v.data_ptr() % 16 == 0 and v.tolist() == a.tolist()
-    int32 = [np.arange(n, dtype=np.int32).reshape(shape) for n, shape in [(3, (3,)), (2, (2,)), (6, (2, 3))]]
-    for a, v in zip(int32, runner._to_device_packed(int32, np.int32)):
-        assert v.data_ptr() % 16 == 0 and v.dtype == torch.int32 and v.tolist() == a.tolist()
+            assert v.data_ptr() % 16 == 0 and v.dtype == torch.int64 and v.tolist() == a.tolist()
+    # int64 and int32 arrays in one copy, as a step sends them
+    mixed = [np.arange(3, dtype=np.int64), np.arange(1, dtype=np.int32) + 7, np.arange(5, dtype=np.int64) - 9,
+             np.arange(6, dtype=np.int32).reshape(2, 3), np.zeros(0, dtype=np.int64), np.arange(3, dtype=np.int32)]
+    for a, v in zip(mixed, runner._to_device_packed(mixed)):
+        assert v.data_ptr() % 16 == 0 and v.dtype == {np.int64: torch.int64, np.int32: torch.int32}[a.dtype.type]
+        assert v.shape == a.shape and v.tolist() == a.tolist()
 
 
 def test_engine_freezes_startup_objects_out_of_gc(qwen3_tiny):

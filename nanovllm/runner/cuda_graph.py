@@ -155,9 +155,10 @@ class CudaGraphRunner:
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         self.slot_mapping[:n] = meta.slot_mapping
-        self.slot_mapping[n:bs] = -1
         self.seq_lens[:n] = meta.seq_lens
-        self.seq_lens[n:bs] = 0
+        if n < bs:  # padded rows
+            self.slot_mapping[n:bs] = -1
+            self.seq_lens[n:bs] = 0
         self.block_tables[:n, :width] = meta.block_tables
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

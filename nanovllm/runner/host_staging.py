@@ -44,7 +44,10 @@ class HostStaging:
         src = self._buffers[self._current][start:end]
         if out is None:
             out = torch.empty(end - start, dtype=torch.uint8, device=self.device)
-        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        if stream is None:  # the copy runs on the device's current stream as it is
+            out.copy_(src, non_blocking=True)
+            self._events[self._current].record(torch.cuda.current_stream(self.device))
+            return out
         with torch.cuda.stream(stream):
             out.copy_(src, non_blocking=True)
             self._events[self._current].record(stream)

@@ -41,6 +41,8 @@ logger = logging.getLogger("nanovllm")
 # milliseconds there, and the engine's scheduling and bookkeeping around each step, paid once
 # per burst instead, are a few percent of it.
 CPU_DECODE_BURST = 8
+# The host arrays a step copies to the device, by dtype (ModelRunner._to_device_packed).
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 class ModelRunner:
@@ -354,33 +356,27 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
     def _to_device(self, a: np.ndarray) -> torch.Tensor:  # see _to_device_packed
-        return self._to_device_packed([a], a.dtype)[0]
+        return self._to_device_packed([a])[0]
 
-    def _to_device_packed(self, arrays: list[np.ndarray], dtype: type) -> list[torch.Tensor]:
-        """Several host arrays of one dtype -> device views of one buffer, in one copy (each copy
-        is a launch the GPU waits on between steps, so a step's arrays travel together). On CUDA
+    def _to_device_packed(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Host arrays (of any dtypes) -> device views of one buffer, in one copy (each copy is
+        a launch the GPU waits on between steps, so a step's arrays travel together). On CUDA
         the buffer is a pinned staging slot and the copy does not block the host
         (runner/host_staging.py); on the CPU the views are of host memory.
 
         Every view starts on a 16-byte boundary: Triton compiles a kernel variant per pointer
         alignment, so a view whose alignment followed the step's token count would compile a
         new variant in the middle of a run."""
-        item = np.dtype(dtype).itemsize
-        align = 16 // item
         offsets, end = [], 0
         for a in arrays:
             offsets.append(end)
-            end += -(-a.size // align) * align
-        if self.staging is None:
-            flat = np.empty(end, dtype=dtype)
-        else:
-            flat = self.staging.take(end * item).view(dtype)
+            end += -(-a.nbytes // 16) * 16
+        flat = np.empty(end, dtype=np.uint8) if self.staging is None else self.staging.take(end)
         for a, offset in zip(arrays, offsets):
-            flat[offset : offset + a.size] = a.reshape(-1)
-        dev = torch.from_numpy(flat)
-        if self.staging is not None:
-            dev = self.staging.upload(0, flat.nbytes).view(dev.dtype)
-        return [dev[offset : offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
+            flat[offset : offset + a.nbytes].view(a.dtype)[:] = a.reshape(-1)
+        dev = torch.from_numpy(flat) if self.staging is None else self.staging.upload(0, end)
+        return [dev[offset : offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+                for a, offset in zip(arrays, offsets)]
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
         """The step's inputs on the device: (input ids, positions, attention metadata, host
@@ -391,7 +387,12 @@ class ModelRunner:
         """`_prepare`'s inputs with the tokens sampled by the previous step (async scheduling:
         PLACEHOLDER_TOKEN on the host) gathered into the input ids on the device."""
         input_ids_dev, positions_dev, meta, logits_indices, pending_dev, src_dev = prepared
-        if pending_dev is not None:
+        if pending_dev is None:
+            pass
+        elif len(pending_dev) == len(input_ids_dev) and self.prev_tokens.dtype == input_ids_dev.dtype:
+            # Every row is pending (decodes), so row i is pending row i: one gather, no scatter.
+            torch.index_select(self.prev_tokens, 0, src_dev, out=input_ids_dev)
+        else:
             input_ids_dev[pending_dev] = self.prev_tokens[src_dev]
         return input_ids_dev, positions_dev, meta, logits_indices
 
@@ -453,9 +454,10 @@ class ModelRunner:
                 seq_lens_cpu: list[int], logits_indices: np.ndarray) -> tuple:
         """`_prepare`'s result from the step's host arrays: int64s (input ids, positions, slot
         mapping, pending rows, their source rows) and int32s (query start offsets, sequence
-        lengths, block tables), each group in one copy to the device."""
-        input_ids_dev, positions_dev, slot_mapping_dev, pending_dev, src_dev = self._to_device_packed(int64s, np.int64)
-        qsl_dev, seq_lens_dev, block_tables_dev = self._to_device_packed(int32s, np.int32)
+        lengths, block tables), all in one copy to the device."""
+        (input_ids_dev, positions_dev, slot_mapping_dev, pending_dev, src_dev,
+         qsl_dev, seq_lens_dev, block_tables_dev) = self._to_device_packed(
+            [a.astype(np.int64, copy=False) for a in int64s] + [a.astype(np.int32, copy=False) for a in int32s])
         meta = AttentionMetadata(
             slot_mapping=slot_mapping_dev,
             query_start_loc=qsl_dev,
