@@ -410,19 +410,25 @@ def test_256_streams_with_random_disconnects(live, offline):
 
 
 class _SlowEngine:
-    """The engine-core's view of an engine, with one request whose every step takes `step_s`."""
+    """The engine-core's view of an engine with one request, whose steps take `step_s`; its
+    third step fails (the core then tells its front-ends and its loop returns)."""
 
     def __init__(self, step_s: float) -> None:
         self.step_s, self.steps = step_s, 0
 
     def has_unfinished_requests(self) -> bool:
-        return self.steps < 2
+        return True
 
     num_unfinished_requests = 1
 
+    step_ended = None
+
     def step(self) -> list:
-        time.sleep(self.step_s)
         self.steps += 1
+        if self.steps == 3:
+            raise RuntimeError("stub engine stops")
+        time.sleep(self.step_s)
+        self.step_ended = time.monotonic()
         return []
 
     def load_snapshot(self) -> dict:
@@ -434,7 +440,8 @@ class _SlowEngine:
 
 def test_core_sends_heartbeats_during_a_step_longer_than_the_heartbeat(tmp_path):
     """A front-end hears from the core every HEARTBEAT_S even while one step runs for longer (it
-    takes a core silent for HEARTBEAT_TIMEOUT_S for dead), and the loop's own outputs arrive."""
+    takes a core silent for HEARTBEAT_TIMEOUT_S for dead), and gets the loop's own replies: the
+    answer to its stats request and, when a step fails, the error."""
     import msgspec
     import zmq
 
@@ -450,23 +457,63 @@ def test_core_sends_heartbeats_during_a_step_longer_than_the_heartbeat(tmp_path)
         sock.setsockopt(zmq.LINGER, 0)
     to_core.connect(f"ipc://{tmp_path}/in")
     from_core.connect(f"ipc://{tmp_path}/out")
-    loop = threading.Thread(target=core.run, daemon=True)
-    to_core.send(msgspec.msgpack.encode(Hello()))
+    status = []
+    loop = threading.Thread(target=lambda: status.append(core.run()), daemon=True)
+    to_core.send(msgspec.msgpack.encode(Hello(stats_request=7)))
     time.sleep(0.2)
     loop.start()
     decoder = msgspec.msgpack.Decoder(CoreOutput)
     arrivals = []
-    deadline = time.monotonic() + 2 * step_s + 2
-    while time.monotonic() < deadline and len(arrivals) < 12:
+    deadline = time.monotonic() + 2 * step_s + 3
+    next_hello = 0.0
+    while time.monotonic() < deadline and not any(out.error for _, out in arrivals):
+        if time.monotonic() >= next_hello:  # as a front-end does: the core drops a silent one
+            to_core.send(msgspec.msgpack.encode(Hello()))
+            next_hello = time.monotonic() + HEARTBEAT_S
         if from_core.poll(100):
             arrivals.append((time.monotonic(), decoder.decode(from_core.recv())))
+    loop.join(10)
+    to_core.close()
+    from_core.close()
+    ctx.term()
+    assert status == [1] and not loop.is_alive()
+    outs = [out for _, out in arrivals]
+    assert any(out.stats_answer == 7 for out in outs)  # the loop's reply
+    assert any(out.error is not None and "stub engine stops" in out.error for out in outs)
+    times = [t for t, out in arrivals if out.error is None]
+    assert len(times) >= 4, f"{len(times)} messages in two steps of {step_s:.1f} s"
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) < 3 * HEARTBEAT_S, gaps  # steps take 4 x HEARTBEAT_S
+
+
+def test_frontend_sends_do_not_block_while_the_core_runs_a_long_step(tmp_path):
+    """The core reads front-end messages only between steps: while one step runs, a front-end's
+    sends (here 5,000 aborts) queue instead of blocking it, and the core handles them after."""
+    from nanovllm.engine.core import CoreAddresses, CoreInfo, EngineCore
+
+    class Engine(_SlowEngine):
+        busy = False
+
+        def has_unfinished_requests(self) -> bool:
+            return self.busy and self.steps < 1
+
+        def abort_request(self, request_id, index=None):
+            raise AssertionError("an abort of a request the front-end does not own reaches the engine")
+
+    engine = Engine(3.0)
+    addresses = CoreAddresses(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    core = EngineCore(engine, addresses, max_pending=8)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    client = CoreClient(addresses, CoreInfo(str(tmp_path), 64, 100, None, 10))
     try:
-        times = [t for t, _ in arrivals]
-        assert len(times) >= 4, f"{len(times)} messages in {2 * step_s + 2:.1f} s"
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        assert max(gaps) < 3 * HEARTBEAT_S, gaps  # steps take 4 x HEARTBEAT_S
-        assert any(out.stats is not None and out.stats.num_steps >= 1 for _, out in arrivals)
+        engine.busy = True
+        assert wait_until(lambda: engine.steps == 1, timeout=5)  # the core is inside its step
+        for i in range(5000):
+            client.abort(f"not-mine-{i}")
+        sent = time.monotonic()
+        assert wait_until(lambda: engine.step_ended is not None, timeout=10)
+        assert sent < engine.step_ended  # every send returned while the step still ran
+        assert client.error is None
     finally:
-        to_core.close()
-        from_core.close()
-        ctx.term()
+        client.close()

@@ -164,9 +164,9 @@ def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, m
     conn.send(CoreInfo(engine.source.path, engine.max_model_len, engine.vocab_size, engine.tokenizer,
                        engine.block_manager.num_blocks, engine.generation_defaults))
     conn.close()
+    signal.signal(signal.SIGTERM, core.on_sigterm)
     status = core.run()
-    # os._exit: the input thread still blocks in recv, and a ZeroMQ context with a socket in use
-    # would hang the interpreter's exit.
+    # os._exit: a ZeroMQ context with sockets open would hang the interpreter's exit.
     logging.shutdown()
     os._exit(status)
 
@@ -185,6 +185,9 @@ class EngineCore:
         self.stats = Stats()
         # Bind here, before the parent is told we are ready, so front-ends can connect at once.
         self._in = self.ctx.socket(zmq.ROUTER)
+        # No high-water mark: between two reads a step runs, and a front-end sending into a full
+        # pipe would block (its event loop with it) until the step ends.
+        self._in.setsockopt(zmq.RCVHWM, 0)
         self._in.bind(addresses.input)
         self._out = self.ctx.socket(zmq.ROUTER)
         self._out.setsockopt(zmq.LINGER, 1000)
@@ -198,6 +201,10 @@ class EngineCore:
         self._send_lock = threading.Lock()  # the output socket is the loop's and the heartbeat's
         self._last_sent: dict[bytes, float] = {}  # front-end identity -> when last written to (under the lock)
         self._stopped = threading.Event()
+        # SIGTERM (on_sigterm) waits for a send of the loop's in progress, which must not be
+        # cut between its frames.
+        self._sending = False
+        self._exit_after_send = False
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="nanovllm-core-beat", daemon=True)
         self._heartbeat_thread.start()
 
@@ -217,11 +224,26 @@ class EngineCore:
             except msgspec.DecodeError:
                 logger.error("dropped an undecodable message from a front-end")
 
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM ends the loop through SystemExit (run's clean-up aborts the requests and
+        stops the executor), once a send of the loop's in progress has finished."""
+        if self._sending:
+            self._exit_after_send = True
+            return
+        raise SystemExit(0)
+
     def _send(self, ident: bytes, out: CoreOutput) -> None:
         payload = self._encoder.encode(out)
         with self._send_lock:
-            self._out.send_multipart([ident, payload])
+            self._sending = True
+            try:
+                self._out.send_multipart([ident, payload])
+            finally:
+                self._sending = False
             self._last_sent[ident] = time.monotonic()
+        if self._exit_after_send:
+            self._exit_after_send = False
+            raise SystemExit(0)
 
     def _heartbeat_loop(self) -> None:
         encoder = msgspec.msgpack.Encoder()

@@ -213,6 +213,7 @@ class CoreClient:
         self._in = self._ctx.socket(zmq.DEALER)
         self._in.setsockopt(zmq.IDENTITY, identity)
         self._in.setsockopt(zmq.LINGER, 1000)
+        self._in.setsockopt(zmq.SNDHWM, 0)  # requests queue while the core runs a step (core.py)
         self._monitor = self._in.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._in.connect(addresses.input)
         self._out = self._ctx.socket(zmq.DEALER)
