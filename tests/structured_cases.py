@@ -55,6 +55,8 @@ SCHEMAS: list[dict] = [
     {"$defs": {"point": obj({"x": I, "y": I})}, **obj({"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}})},
     {"$defs": {"leaf": {"enum": [0, 1]}}, "type": "array", "items": {"$ref": "#/$defs/leaf"}, "maxItems": 3},
     {"definitions": {"name": S}, **obj({"first": {"$ref": "#/definitions/name"}})},
+    # an allOf of one schema (older pydantic writes a described $ref so)
+    {"$defs": {"point": obj({"x": I, "y": I})}, **obj({"p": {"allOf": [{"$ref": "#/$defs/point"}], "description": "a point"}})},
     {"$defs": {"item": obj({"id": I})}, **obj({"items": {"type": "array", "items": {"$ref": "#/$defs/item"}, "maxItems": 2}})},
     obj({"status": {"enum": ["ok", "error"]}, "code": {"type": "integer", "minimum": 100, "maximum": 599}}),
     obj({"when": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}}),

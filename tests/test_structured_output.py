@@ -254,6 +254,17 @@ def test_greedy_matches_transformers_under_the_same_grammar(llm, qwen3_tiny):
      "structured_outputs.json"),
     (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}), "structured_outputs.json"),
     (StructuredOutputsParams(json={"type": "object", "patternProperties": {"^a": {}}}), "structured_outputs.json"),
+    # allOf of two schemas (xgrammar would allow any JSON value), or beside other keywords (it
+    # would keep only the allOf's schema)
+    (StructuredOutputsParams(json={"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                                             {"type": "object", "properties": {"b": {"type": "string"}}}]}),
+     "structured_outputs.json"),
+    (StructuredOutputsParams(json={"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"],
+                                   "allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}]}),
+     "structured_outputs.json"),
+    (StructuredOutputsParams(json={"type": "object", "properties": {"x": {"allOf": [{"type": "integer"},
+                                                                                    {"minimum": 3}]}}}),
+     "structured_outputs.json"),
 ])
 def test_bad_grammar_is_a_value_error_naming_the_field_and_harms_nothing(llm, spec, field):
     with pytest.raises(ValueError, match=re.escape(field)):

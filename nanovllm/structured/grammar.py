@@ -19,6 +19,9 @@ UNSUPPORTED_KEYWORDS = frozenset({
     "dependentRequired", "dependencies", "unevaluatedProperties", "unevaluatedItems", "uniqueItems",
     "contains", "minContains", "maxContains", "multipleOf", "minProperties", "maxProperties",
 })
+# Keywords that only annotate a schema (they constrain nothing).
+_ANNOTATIONS = frozenset({"title", "description", "$comment", "default", "examples", "$schema", "$id", "deprecated",
+                          "readOnly", "writeOnly"})
 # Where a schema holds subschemas: keyword -> how (one schema, a list of them, a dict of them).
 _ONE, _LIST, _DICT = "one", "list", "dict"
 _SUBSCHEMAS = {
@@ -42,6 +45,12 @@ def _unsupported_keyword(schema: object, path: str) -> str | None:
     for key in schema:
         if key in UNSUPPORTED_KEYWORDS:
             return f"{path}/{key}"
+    # xgrammar enforces an allOf of one schema standing alone; with more, it allows any JSON
+    # value, and beside other keywords it keeps the allOf's schema and drops the rest.
+    if "allOf" in schema:
+        parts, others = schema["allOf"], set(schema) - {"allOf", "$defs", "definitions"} - _ANNOTATIONS
+        if not isinstance(parts, list) or len(parts) != 1 or others:
+            return f"{path}/allOf"
     for key, how in _SUBSCHEMAS.items():
         sub = schema.get(key)
         if how == _ONE:
