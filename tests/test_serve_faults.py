@@ -517,3 +517,54 @@ def test_frontend_sends_do_not_block_while_the_core_runs_a_long_step(tmp_path):
         assert client.error is None
     finally:
         client.close()
+
+
+def test_frontend_taken_for_dead_that_speaks_again_gets_its_streams_ended(tmp_path, qwen3_tiny):
+    """A front-end silent past the timeout (stalled, not dead) has its requests aborted; when it
+    speaks again it is told so (each request ends with "abort"), so its streams do not hang."""
+    import msgspec
+    import zmq
+
+    from nanovllm.config import EngineConfig
+    from nanovllm.engine.core import CoreAddresses, EngineCore
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.engine.messages import AddRequest, CoreOutput, Hello, params_to_wire
+
+    engine = LLMEngine(EngineConfig.from_kwargs(str(qwen3_tiny), device="cpu", max_model_len=8192), detokenize=False)
+    addresses = CoreAddresses(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    core = EngineCore(engine, addresses, max_pending=8, frontend_timeout=1.0)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    ctx = zmq.Context()
+    to_core, from_core = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock in (to_core, from_core):
+        sock.setsockopt(zmq.IDENTITY, b"stalled-frontend")
+        sock.setsockopt(zmq.LINGER, 0)
+    to_core.connect(addresses.input)
+    from_core.connect(addresses.output)
+    decoder = msgspec.msgpack.Decoder(CoreOutput)
+    try:
+        params = params_to_wire(SamplingParams(max_tokens=8000, ignore_eos=True))
+        for rid in ("a", "b"):
+            to_core.send(msgspec.msgpack.encode(AddRequest(rid, [5, 6, 7, 8], params)))
+        assert wait_until(lambda: core.num_aborted == 2, timeout=20)  # silent for over a second: taken for dead
+        to_core.send(msgspec.msgpack.encode(Hello()))
+        ended = {}
+        deadline = time.monotonic() + 10
+        while len(ended) < 2 and time.monotonic() < deadline:
+            if from_core.poll(100):
+                for delta in decoder.decode(from_core.recv()).deltas:
+                    if delta.finished:
+                        ended[delta.request_id] = delta.finish_reasons
+        assert ended == {"a": ["abort"], "b": ["abort"]}
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        to_core.close()
+        from_core.close()
+        ctx.term()
+
+        def stop() -> bool:
+            raise RuntimeError("the test is over")
+
+        engine.has_unfinished_requests = stop  # the core's loop ends on an engine error
+        loop.join(10)

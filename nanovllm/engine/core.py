@@ -51,6 +51,9 @@ logger = logging.getLogger("nanovllm.core")
 
 HEARTBEAT_S = 0.5
 FRONTEND_TIMEOUT_S = 3.0  # a front-end silent this long is dead: its requests are aborted
+# A front-end taken for dead that speaks again within this long (it was stalled, not dead) gets
+# the endings ("abort") of the requests aborted for it, so that its streams end.
+DROPPED_ENDINGS_KEPT_S = 60.0
 
 
 @dataclass
@@ -180,6 +183,8 @@ class EngineCore:
         self.ctx = zmq.Context()
         self.owner: dict[str, bytes] = {}  # request id -> front-end identity
         self.clients: dict[bytes, float] = {}  # front-end identity -> when last heard
+        # front-end taken for dead -> (when, the deltas that end its aborted requests)
+        self._dropped_endings: dict[bytes, tuple[float, list[Delta]]] = {}
         self._next_liveness_check = 0.0
         self.num_aborted = 0
         self.stats = Stats()
@@ -312,14 +317,24 @@ class EngineCore:
             mine = [rid for rid, owner in self.owner.items() if owner == ident]
             if mine:
                 logger.warning("a front-end went silent: aborting its %d requests", len(mine))
+            endings: dict[bytes, CoreOutput] = {}
             for rid in mine:
-                if self.engine.abort_request(rid) is not None:
+                output = self.engine.abort_request(rid)
+                if output is not None:
                     self.num_aborted += 1
+                    self._collect([output], endings)
                 self.owner.pop(rid, None)
+            if ident in endings:
+                self._dropped_endings[ident] = (now, endings[ident].deltas)
+        for ident, (when, _) in list(self._dropped_endings.items()):
+            if now - when > DROPPED_ENDINGS_KEPT_S:
+                del self._dropped_endings[ident]
 
     def _handle(self, ident: bytes, msg: Any, replies: dict[bytes, CoreOutput]) -> None:
         known = ident in self.clients
         self.clients[ident] = time.monotonic()
+        if not known and ident in self._dropped_endings:  # it was stalled, not dead: end its streams
+            self._reply(replies, ident).deltas.extend(self._dropped_endings.pop(ident)[1])
         if isinstance(msg, Hello):
             if not known or msg.stats_request:  # answered with the stats: the front-end knows it is heard
                 out = self._reply(replies, ident)

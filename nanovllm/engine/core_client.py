@@ -287,8 +287,8 @@ class CoreClient:
             for rid in list(self._streams):
                 self.abort(rid)
         if wait:
-            deadline = time.monotonic() + (timeout if timeout is not None else 5.0)
-            while self._streams and self.error is None and time.monotonic() < min(deadline, time.monotonic() + 2):
+            deadline = time.monotonic() + min(timeout if timeout is not None else 5.0, 2.0)
+            while self._streams and self.error is None and time.monotonic() < deadline:
                 time.sleep(0.01)
             self.close()
 
