@@ -59,12 +59,12 @@ def gone(pids: set[int]) -> bool:
 class Serve:
     """`nanovllm serve` as a process; reads its log for the URL, the core's pid and socket dir."""
 
-    def __init__(self, checkpoint, *args: str, frontends: int = 1) -> None:
+    def __init__(self, checkpoint, *args: str, frontends: int = 1, new_session: bool = False) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nanovllm", "serve", str(checkpoint), "--port", "0", "--device", "cpu",
              "--served-model-name", MODEL, *args],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, start_new_session=new_session)
         self.log: list[str] = []
         self.pids: set[int] = set()
         ports = set()
@@ -119,6 +119,8 @@ def stream_request(url: str, body: dict, first_chunk: threading.Event, result: d
                     first_chunk.set()
                     if '"error"' in line:
                         result["error_event"] = True
+                    if '"finish_reason":"abort"' in line.replace(" ", ""):
+                        result["aborted"] = True
                     if line == "data: [DONE]":
                         result["done"] = True
     except httpx.HTTPError as exc:
@@ -568,3 +570,24 @@ def test_frontend_taken_for_dead_that_speaks_again_gets_its_streams_ended(tmp_pa
 
         engine.has_unfinished_requests = stop  # the core's loop ends on an engine error
         loop.join(10)
+
+
+@pytest.mark.parametrize("frontends", [1, 2])
+def test_sigterm_to_the_servers_process_group_drains_like_sigterm_to_the_server(qwen3_tiny, frontends):
+    """A shell or a service manager stops a server by signalling its whole process group: the
+    engine core must not stop with it before the server has drained, so in-flight streams run to
+    their end within --shutdown-timeout and the server exits 0."""
+    serve = Serve(qwen3_tiny, "--shutdown-timeout", "30", "--api-server-count", str(frontends), frontends=frontends,
+                  new_session=True)
+    try:
+        body = {"model": MODEL, "prompt": "load", "max_tokens": 300, "ignore_eos": True}
+        streams = start_streams(serve.url, body, 4)
+        os.killpg(serve.proc.pid, signal.SIGTERM)
+        for thread, _, result in streams:
+            thread.join(60)
+            assert result.get("status") == 200 and result.get("done"), result
+            assert not result.get("aborted") and not result.get("error_event"), result
+        assert serve.proc.wait(timeout=30) == 0
+        assert wait_until(lambda: gone(serve.pids), timeout=5), "orphan processes"
+    finally:
+        serve.close()

@@ -149,11 +149,14 @@ def die_with_parent(parent_pid: int) -> None:
 def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, max_pending: int, conn,
              parent_pid: int, frontend_timeout: float = FRONTEND_TIMEOUT_S) -> None:
     """The core process's entry point."""
+    # A session of its own: a SIGTERM to the server's process group (a shell's or a service
+    # manager's stop) reaches the parent, which drains its requests and then stops the core.
+    os.setsid()
     die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     # SIGTERM ends the loop through SystemExit, so the executor's workers are stopped too.
     signal.signal(signal.SIGTERM, lambda s, f: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     try:
         from nanovllm.config import EngineConfig
         from nanovllm.engine.llm_engine import LLMEngine
