@@ -14,19 +14,18 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 from nanovllm.executor.multinode import TorchrunEnv, torchrun_env
 from nanovllm.executor.multiproc import SILENCE_S, TensorParallelError
+from test_tensor_parallel import FAILURE_BOUND_S, greedy, when_decoding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(arch="qwen3", num_heads=4, num_kv_heads=4, head_dim=16)  # 4 heads and KV heads: 1 per rank at TP=4
-FAILURE_BOUND_S = 20.0
 
 
 def free_port() -> int:
@@ -42,29 +41,6 @@ def start_node(port: int, join_timeout_s: float = 60.0, node_rank: int = 1) -> s
          "--master-addr", "127.0.0.1", "--master-port", str(port), "--join-timeout", str(join_timeout_s)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )
-
-
-def signal_node_when_decoding(llm: LLM, node: subprocess.Popen, sig: int) -> tuple[threading.Thread, list[float]]:
-    """A started thread that sends `sig` to the node's whole process group once a running
-    sequence has 3 tokens, and the list it appends that moment to."""
-    sent_at: list[float] = []
-
-    def watch() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if any(s.num_completion_tokens >= 3 for s in list(llm.engine.scheduler.running)):
-                sent_at.append(time.monotonic())
-                os.killpg(node.pid, sig)
-                return
-            time.sleep(0.001)
-
-    thread = threading.Thread(target=watch)
-    thread.start()
-    return thread, sent_at
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
 
 
 def test_tp4_as_two_nodes_of_two_ranks_matches_tp1(checkpoint_factory):
@@ -131,7 +107,7 @@ def test_a_node_that_dies_mid_run_fails_the_engine_fast(qwen3_tiny):
     try:
         llm = LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2, nnodes=2, master_port=port, join_timeout_s=60)
         # the whole "machine": node process and ranks
-        killer, killed_at = signal_node_when_decoding(llm, node, signal.SIGKILL)
+        killer, killed_at = when_decoding(llm, lambda: os.killpg(node.pid, signal.SIGKILL))
         with pytest.raises(TensorParallelError, match=r"(?s)failed during step .*rank 1 runs on another node"):
             llm.generate([[5, 6, 7, 8]] * 4, greedy(400), use_tqdm=False)
         raised_at = time.monotonic()
@@ -153,7 +129,7 @@ def test_a_node_that_goes_silent_mid_run_fails_the_engine_on_its_heartbeat(qwen3
     node = start_node(port)
     try:
         llm = LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2, nnodes=2, master_port=port, join_timeout_s=60)
-        stopper, stopped_at = signal_node_when_decoding(llm, node, signal.SIGSTOP)
+        stopper, stopped_at = when_decoding(llm, lambda: os.killpg(node.pid, signal.SIGSTOP))
         with pytest.raises(TensorParallelError, match=r"(?s)failed during step .*rank 1 \(node 1\) sent no heartbeat"):
             llm.generate([[5, 6, 7, 8]] * 4, greedy(400), use_tqdm=False)
         raised_at = time.monotonic()

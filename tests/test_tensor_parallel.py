@@ -49,6 +49,26 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
 
 
+def when_decoding(llm: LLM, act) -> tuple[threading.Thread, list[float]]:
+    """A started thread that calls act() once a running sequence of llm has 3 tokens (so the
+    act lands wherever the driver happens to be: in a collective, sending, waiting for acks),
+    and the list it appends that moment to."""
+    acted_at: list[float] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(s.num_completion_tokens >= 3 for s in list(llm.engine.scheduler.running)):
+                acted_at.append(time.monotonic())
+                act()
+                return
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    return thread, acted_at
+
+
 def tokens(llm: LLM, prompts, n: int = 20) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(n), use_tqdm=False)]
 
@@ -115,21 +135,8 @@ def test_killed_worker_raises_fast_and_a_new_engine_starts(qwen3_tiny, qwen3_ref
     with pytest.raises(RuntimeError, match="shut it down"):
         LLM(str(qwen3_tiny), device="cpu")
 
-    # Kill the worker from another thread once decoding is under way: the kill lands
-    # wherever the driver happens to be (in a collective, sending, waiting for acks).
-    killed_at: list[float] = []
-
-    def kill_when_decoding() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if any(s.num_completion_tokens >= 3 for s in list(llm.engine.scheduler.running)):
-                killed_at.append(time.monotonic())
-                os.kill(pids[0], signal.SIGKILL)
-                return
-            time.sleep(0.001)
-
-    killer = threading.Thread(target=kill_when_decoding)
-    killer.start()
+    # Kill the worker from another thread once decoding is under way.
+    killer, killed_at = when_decoding(llm, lambda: os.kill(pids[0], signal.SIGKILL))
     with pytest.raises(TensorParallelError, match=r"rank 1 .* killed by SIGKILL"):
         llm.generate(prompts * 4, greedy(400), use_tqdm=False)
     raised_at = time.monotonic()

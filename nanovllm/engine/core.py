@@ -6,10 +6,9 @@ so the GIL of this one is spent on scheduling and the model. Two threads:
 - loop (main thread): reads and decodes the front-ends' messages (`messages.py`) from a ROUTER
   socket (blocking only when idle), runs `LLMEngine.step()`, turns its outputs (the engine's
   delta outputs: only the new token ids) into one `CoreOutput` per front-end, and encodes and
-  sends them on a second ROUTER socket. Doing its I/O itself, rather than through threads of
-  its own, spares the loop the GIL hand-overs it would wait for every step. Front-ends send
-  `Hello` every HEARTBEAT_S; one silent for FRONTEND_TIMEOUT_S (its process died) has its
-  requests aborted by the loop, which frees their KV blocks.
+  sends them on a second ROUTER socket, so a step's outputs leave without a hand-over to
+  another thread. Front-ends send `Hello` every HEARTBEAT_S; one silent for FRONTEND_TIMEOUT_S
+  (its process died) has its requests aborted by the loop, which frees their KV blocks.
 - heartbeat: every HEARTBEAT_S sends the current stats (its liveness signal and its metrics'
   engine gauges) to each front-end the loop has not written to lately, on the output socket
   (under a lock), so that front-ends hear from the core during a long step too.
@@ -149,7 +148,7 @@ def die_with_parent(parent_pid: int) -> None:
 def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, max_pending: int, conn,
              parent_pid: int, frontend_timeout: float = FRONTEND_TIMEOUT_S) -> None:
     """The core process's entry point."""
-    # A session of its own: a SIGTERM to the server's process group (a shell's or a service
+    # Out of the server's process group (setsid): a SIGTERM to that group (a shell's or a service
     # manager's stop) reaches the parent, which drains its requests and then stops the core.
     os.setsid()
     die_with_parent(parent_pid)
