@@ -572,6 +572,69 @@ def test_frontend_taken_for_dead_that_speaks_again_gets_its_streams_ended(tmp_pa
         loop.join(10)
 
 
+def test_a_slow_request_to_handle_does_not_make_its_frontend_silent(tmp_path, qwen3_tiny):
+    """While the core's loop handles one slow request (here an add that takes 2.5 s, as a grammar
+    of a costly schema can), the front-ends' heartbeats wait unread: that is no silence, and
+    no request is aborted (the timeout here is 1 s)."""
+    import msgspec
+    import zmq
+
+    from nanovllm.config import EngineConfig
+    from nanovllm.engine.core import CoreAddresses, EngineCore
+    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.engine.messages import AddRequest, CoreOutput, Hello, params_to_wire
+
+    engine = LLMEngine(EngineConfig.from_kwargs(str(qwen3_tiny), device="cpu", max_model_len=8192), detokenize=False)
+    add = engine.add_request
+
+    def slow_add(request_id, *args, **kwargs):
+        if request_id == "slow":
+            time.sleep(2.5)
+        return add(request_id, *args, **kwargs)
+
+    engine.add_request = slow_add
+    addresses = CoreAddresses(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    core = EngineCore(engine, addresses, max_pending=8, frontend_timeout=1.0)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    ctx = zmq.Context()
+    to_core, from_core = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock in (to_core, from_core):
+        sock.setsockopt(zmq.IDENTITY, b"frontend-1")
+        sock.setsockopt(zmq.LINGER, 0)
+    to_core.connect(addresses.input)
+    from_core.connect(addresses.output)
+    decoder = msgspec.msgpack.Decoder(CoreOutput)
+    try:
+        params = params_to_wire(SamplingParams(max_tokens=40, ignore_eos=True))
+        to_core.send(msgspec.msgpack.encode(AddRequest("running", [5, 6, 7, 8], params)))
+        time.sleep(0.3)
+        to_core.send(msgspec.msgpack.encode(AddRequest("slow", [5, 6, 7, 8], params)))
+        ended = {}
+        deadline = time.monotonic() + 20
+        next_hello = time.monotonic() + 0.3  # the core reads the slow add alone, then the heartbeats wait
+        while len(ended) < 2 and time.monotonic() < deadline:
+            if time.monotonic() >= next_hello:  # a front-end's heartbeat
+                to_core.send(msgspec.msgpack.encode(Hello()))
+                next_hello = time.monotonic() + 0.25
+            if from_core.poll(50):
+                for delta in decoder.decode(from_core.recv()).deltas:
+                    if delta.finished:
+                        ended[delta.request_id] = delta.finish_reasons
+        assert ended == {"running": ["length"], "slow": ["length"]}
+        assert core.num_aborted == 0
+    finally:
+        to_core.close()
+        from_core.close()
+        ctx.term()
+
+        def stop() -> bool:
+            raise RuntimeError("the test is over")
+
+        engine.has_unfinished_requests = stop  # the core's loop ends on an engine error
+        loop.join(10)
+
+
 @pytest.mark.parametrize("frontends", [1, 2])
 def test_sigterm_to_the_servers_process_group_drains_like_sigterm_to_the_server(qwen3_tiny, frontends):
     """A shell or a service manager stops a server by signalling its whole process group: the

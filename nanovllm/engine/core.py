@@ -161,6 +161,9 @@ def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, m
         from nanovllm.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_kwargs), detokenize=False)
+        # The front-ends check each request's grammar before they send it (OpenAIServer.submit);
+        # here a grammar that takes seconds to build must not hold up the loop.
+        engine.grammars.check_in_pool = True
     except BaseException as exc:  # the parent re-raises it
         conn.send(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
         conn.close()
@@ -188,6 +191,7 @@ class EngineCore:
         # front-end taken for dead -> (when, the deltas that end its aborted requests)
         self._dropped_endings: dict[bytes, tuple[float, list[Delta]]] = {}
         self._next_liveness_check = 0.0
+        self._drained_at = time.monotonic()  # when _receive last read every message waiting
         self.num_aborted = 0
         self.stats = Stats()
         # Bind here, before the parent is told we are ready, so front-ends can connect at once.
@@ -220,11 +224,13 @@ class EngineCore:
         """The front-ends' messages waiting now, decoded (after up to timeout_s for the first)."""
         commands = []
         if timeout_s > 0 and not self._in.poll(int(timeout_s * 1000)):
+            self._drained_at = time.monotonic()
             return commands
         while True:
             try:
                 ident, payload = self._in.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                self._drained_at = time.monotonic()
                 return commands
             try:
                 commands.append((ident, self._decoder.decode(payload)))
@@ -313,7 +319,9 @@ class EngineCore:
             return
         self._next_liveness_check = now + HEARTBEAT_S
         for ident, seen in list(self.clients.items()):
-            if now - seen < self.frontend_timeout:
+            # Silent up to the loop's last read of the socket: messages sent while the loop was
+            # busy (a long step, a slow request) wait unread and do not make their sender silent.
+            if self._drained_at - seen < self.frontend_timeout:
                 continue
             del self.clients[ident]
             mine = [rid for rid, owner in self.owner.items() if owner == ident]
