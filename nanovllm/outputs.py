@@ -11,7 +11,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | None while running; "error" where the request's grammar
+    # (structured_outputs) allows no token at all after these tokens: it matches no complete output.
+    finish_reason: str | None
     # Per generated token (when SamplingParams.logprobs is set): {token_id: logprob}, holding
     # the sampled token and the top-k alternatives.
     logprobs: list[dict[int, float]] | None = None

@@ -59,7 +59,10 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"StructuredOutputsParams.{name}: {why} (got {getattr(self, name)!r})")
+            got = repr(getattr(self, name))
+            if len(got) > 200:  # a schema can be megabytes long
+                got = got[:200] + "..."
+            return ValueError(f"StructuredOutputsParams.{name}: {why} (got {got})")
 
         set_fields = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
         if len(set_fields) != 1:
@@ -71,6 +74,8 @@ class StructuredOutputsParams:
                     schema = _json.loads(self.json)
                 except ValueError as e:
                     raise bad("json", f"is not valid JSON text ({e})") from None
+                except RecursionError:
+                    raise bad("json", "is nested too deeply") from None
             else:
                 schema = self.json
             if not isinstance(schema, dict):

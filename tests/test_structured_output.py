@@ -276,6 +276,26 @@ def test_bad_grammar_is_a_value_error_naming_the_field_and_harms_nothing(llm, sp
     assert llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_that_allows_no_token_ends_its_sample_with_error_and_harms_nothing(llm, temperature):
+    """xgrammar compiles grammars that match nothing; where such a grammar allows no token at
+    all, its sample ends with finish reason "error" and without the token sampled under the
+    empty mask (nor that token's logprobs); the batch's other requests run on unharmed."""
+    dead = [StructuredOutputsParams(grammar="root ::= root"),
+            StructuredOutputsParams(json={"type": "string", "pattern": "[^\\s\\S]"})]
+    params = [SamplingParams(temperature=temperature, seed=1, max_tokens=8, logprobs=2, structured_outputs=s)
+              for s in dead]
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([PROMPT, PROMPT, "hello"], params + [plain], use_tqdm=False)
+    first, second, other = (o.outputs[0] for o in outs)
+    assert (first.finish_reason, first.token_ids, first.logprobs) == ("error", [], [])
+    assert (second.finish_reason, second.text, len(second.logprobs)) == ("error", '"', 1)
+    assert other.finish_reason == "length" and len(other.token_ids) == 6
+    engine = llm.engine
+    assert not engine.has_unfinished_requests() and not engine.grammars.matchers
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_a_request_waits_for_its_grammar_while_others_run(llm, monkeypatch):
     from nanovllm.structured.compiler import GrammarCompiler
 
@@ -318,6 +338,42 @@ def test_a_request_waits_for_its_grammar_while_others_run(llm, monkeypatch):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_grammars_checked_in_the_pool_add_at_once_and_end_a_bad_spec_later(llm, monkeypatch):
+    """With check_in_pool (the engine core's setting), adding a request whose grammar is slow to
+    build returns at once and other requests run meanwhile; a spec whose build fails ends its
+    request ("abort") instead of raising, and that failure is cached: the same spec again is
+    a ValueError at once."""
+    import nanovllm.structured.compiler as compiler
+
+    build = compiler.build_grammar
+
+    def slow_build(spec):
+        time.sleep(1.5)
+        return build(spec)
+
+    monkeypatch.setattr(compiler, "build_grammar", slow_build)
+    engine = llm.engine
+    monkeypatch.setattr(engine.grammars, "check_in_pool", True)
+    start = time.perf_counter()
+    engine.add_request("slow", PROMPT, SamplingParams(temperature=0, max_tokens=8, structured_outputs=(
+        StructuredOutputsParams(regex=r"pool[0-9]{2}"))))
+    bad = StructuredOutputsParams(grammar="root ::= missing")
+    engine.add_request("bad", PROMPT, SamplingParams(max_tokens=8, structured_outputs=bad))
+    assert time.perf_counter() - start < 1.0
+    engine.add_request("plain", "hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    finished = {}
+    while "plain" not in finished:
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert time.perf_counter() - start < 1.5 and "slow" in engine.grammars.waiting
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert re.fullmatch(r"pool[0-9]{2}", finished["slow"].outputs[0].text)
+    assert finished["bad"].outputs[0].finish_reason == "abort"
+    with pytest.raises(ValueError, match="structured_outputs.grammar"):
+        engine.add_request("bad again", PROMPT, SamplingParams(max_tokens=8, structured_outputs=bad))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_a_failed_compile_ends_its_request_with_an_output_when_a_cached_one_is_added(llm, monkeypatch):
     """A's grammar fails to compile while B, whose grammar is cached, is added: A still ends with
     a final "abort" output from a step (none is lost), and B runs."""
@@ -331,7 +387,7 @@ def test_a_failed_compile_ends_its_request_with_an_output_when_a_cached_one_is_a
     compiler = engine.grammars._compiler
     failing = Future()
     submit = compiler.submit
-    monkeypatch.setattr(compiler, "submit", lambda spec: failing if spec.kind == "regex" else submit(spec))
+    monkeypatch.setattr(compiler, "submit", lambda spec, **kw: failing if spec.kind == "regex" else submit(spec, **kw))
     engine.add_request("A", PROMPT, SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="x+")))
     failing.set_exception(RuntimeError("compile failed"))
     engine.add_request("B", PROMPT, SamplingParams(max_tokens=4, structured_outputs=cached))

@@ -23,6 +23,13 @@ def test_bad_structured_outputs_name_the_field(kwargs, field):
         StructuredOutputsParams(**kwargs)
 
 
+def test_a_schema_text_nested_too_deeply_is_a_short_value_error():
+    deep = '{"items": ' * 100_000 + "{}" + "}" * 100_000
+    with pytest.raises(ValueError, match="StructuredOutputsParams.json: is nested too deeply") as info:
+        StructuredOutputsParams(json=deep)
+    assert len(str(info.value)) < 400  # not the whole text back
+
+
 def test_structured_outputs_is_frozen_and_keyed_by_canonical_text():
     a = StructuredOutputsParams(json='{"b": 1,  "a": {"type": "string"}}')
     b = StructuredOutputsParams(json={"b": 1, "a": {"type": "string"}})

@@ -122,3 +122,28 @@ def test_openai_client_raises_bad_request_for_a_bad_schema(live):
         live.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=4, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}})
     assert info.value.body["param"] == "response_format" and "uniqueItems" in info.value.body["message"]
+
+
+DEAD_ENDS = [({"grammar": "root ::= root"}, 0),  # matches nothing: no first token
+             ({"json": {"type": "string", "pattern": "[^\\s\\S]"}}, 1)]  # its opening quote, then nothing
+
+
+@pytest.mark.parametrize("so, tokens", DEAD_ENDS, ids=["no-first-token", "after-one-token"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_grammar_that_matches_no_output_is_a_400_streamed_or_not(live, so, tokens, route):
+    """xgrammar compiles these, but they allow no token at some point: the request ends with a
+    400 naming the field (an error event in a stream), not a "shutting down" 503 that clients
+    retry; the server keeps serving."""
+    body = ({"prompt": "x"} if route == "/v1/completions" else {"messages": MESSAGES}) | {
+        "max_tokens": 8, "temperature": 0, "structured_outputs": so}
+    err = assert_error_body(live.http.post(route, json=body), 400)
+    assert err["param"] == "structured_outputs" and f"after {tokens} tokens" in err["message"]
+    with live.http.stream("POST", route, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["param"] == "structured_outputs" and "matches no complete output" in err["message"]
+    assert wait_until(lambda: pool_is_free(live.engine))
+    r = live.client.completions.create(model=MODEL, prompt="fine", max_tokens=2, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2

@@ -70,6 +70,9 @@ class Grammars:
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._stop_token_set = frozenset(stop_token_ids)
+        # Build each spec's grammar in the compile pool rather than in `submit` (the engine
+        # core: its front-ends check specs first, and a slow build must not hold its loop).
+        self.check_in_pool = False
         self._compiler: GrammarCompiler | None = None  # built on the first constrained request
         self._batch = None  # xgrammar's BatchGrammarMatcher, with the first matcher
         self.waiting: dict[str, Future] = {}  # request id -> its grammar's compile
@@ -89,12 +92,14 @@ class Grammars:
         self._wide_to_unmask: dict[int, int] = {}
 
     def submit(self, request_id: str, spec: StructuredOutputsParams) -> Future:
-        """Check spec and start compiling it (ValueError naming the field; nothing is kept then)."""
+        """Check spec and start compiling it (ValueError naming the field; nothing is kept
+        then); with check_in_pool, the check is the compile's (a failed compile ends the
+        request: `compiled`)."""
         if self._compiler is None:  # xgrammar is imported only once a request has a grammar
             from nanovllm.structured.compiler import GrammarCompiler
 
             self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._stop_token_ids)
-        future = self._compiler.submit(spec)
+        future = self._compiler.submit(spec, check_in_pool=self.check_in_pool)
         self.waiting[request_id] = future
         return future
 
@@ -248,8 +253,11 @@ class Grammars:
 
     def accept(self, seq_id: int, token: int) -> str | None:
         """Advance seq_id's matcher by token (unless `check` did already): "stop" when it was a
-        stop token the grammar accepts, "abort" if the grammar refuses the token (never
-        expected: the mask allowed it, or the check did), None otherwise."""
+        stop token the grammar accepts; "error" if the grammar refuses the token because it
+        allows no token at all here (a grammar that matches no complete output: the mask the
+        token was sampled under was empty); "abort" if it refuses it otherwise (never expected:
+        the mask allowed it, or the check did); None otherwise. The caller drops a refused
+        token."""
         matcher = self.matchers.get(seq_id)
         if matcher is None:
             return None
@@ -258,6 +266,8 @@ class Grammars:
             logger.error("sequence %d: token %d appended where its grammar took %d; it is aborted", seq_id, token, ahead)
             return "abort"
         if ahead is None and not matcher.accept(token):
+            if matcher.allows_nothing():
+                return "error"
             logger.error("sequence %d sampled token %d that its grammar does not allow; it is aborted", seq_id, token)
             return "abort"
         # A matcher terminates only by taking a stop token.

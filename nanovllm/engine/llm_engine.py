@@ -478,6 +478,13 @@ class LLMEngine:
             reason = "stop"
         elif token in params.stop_token_ids:
             reason = "stop"
+        if reason is None and self.grammars.matchers:
+            reason = self.grammars.accept(seq.seq_id, token)
+            if reason in ("error", "abort"):  # the grammar refused the token: it is dropped
+                self.scheduler.finish(seq, reason, num_tokens=index)
+                if request.detokenizers[0] is not None:
+                    request.detokenizers[request.seqs.index(seq)].flush()
+                return
         detok = request.detokenizers[request.seqs.index(seq)] if request.detokenizers[0] is not None else None
         if detok is not None:
             detok.add(token)
@@ -485,8 +492,6 @@ class LLMEngine:
                 if self._truncate_at_stop(detok, params.stop_list):
                     reason = "stop"
                     stopped_by_string = True
-        if reason is None and self.grammars.matchers:
-            reason = self.grammars.accept(seq.seq_id, token)
         if reason is None and n >= seq.max_tokens:
             reason = "length"
         if detok is not None and reason is not None and not stopped_by_string:

@@ -86,5 +86,8 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def truncate(self, num_tokens: int) -> None:
-        """Drop tokens past `num_tokens` (a placeholder of a step that ran after the end)."""
+        """Drop tokens past `num_tokens` (a placeholder of a step that ran after the end, a
+        token its grammar refused), with their logprobs."""
         del self.token_ids[num_tokens:]
+        while len(self.logprobs) > max(0, num_tokens - self.num_prompt_tokens):
+            self.cumulative_logprob -= self.logprobs.pop()[0]

@@ -89,7 +89,7 @@ from nanovllm.entrypoints.tokenization import (
 from nanovllm.entrypoints.tool_parsers import ParsedDelta, merge_deltas
 from nanovllm.entrypoints.tools import ChoiceParser, ParserConfig, plan_tools
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("nanovllm.server")
 
@@ -342,8 +342,9 @@ class _ClientStalled(Exception):
 
 
 async def _sse_body(events: AsyncIterator[str], tracker: "_Tracker") -> AsyncIterator[str]:
-    """A stream's events, then `[DONE]`; an engine failure becomes an error event (then `[DONE]`);
-    the request's metrics are recorded however the stream ends."""
+    """A stream's events, then `[DONE]`; an engine failure, or an output constraint that
+    allows no output (_check_constraint), becomes an error event (then `[DONE]`); the request's
+    metrics are recorded however the stream ends."""
     error = False
     try:
         async for event in events:
@@ -352,6 +353,10 @@ async def _sse_body(events: AsyncIterator[str], tracker: "_Tracker") -> AsyncIte
     except EngineDeadError as exc:
         error = True
         yield _sse(error_body(str(exc), "service_unavailable", None, "engine_unavailable"))
+        yield "data: [DONE]\n\n"
+    except OpenAIError as exc:  # the request's own fault, found once it ran (_check_constraint)
+        error = True
+        yield _sse(exc.body())
         yield "data: [DONE]\n\n"
     finally:
         await events.aclose()  # also when the client went away mid-stream
@@ -410,9 +415,29 @@ def _delta_message(parsed: ParsedDelta) -> DeltaMessage:
                         tool_calls=list(calls.values()) or None)
 
 
-def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-    # An entry holds the top-k alternatives plus the sampled token (which may rank below them).
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+def _build_grammar(spec: StructuredOutputsParams) -> None:
+    from nanovllm.structured.grammar import build_grammar  # imports xgrammar: only once a request needs it
+
+    build_grammar(spec)
+
+
+def _check_constraint(out: RequestOutput, param: str) -> None:
+    """A 400 naming `param` (the request field of its grammar) where a sample ended because its
+    grammar allows no token at all (finish reason "error": it matches no complete output)."""
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            raise bad_request(f"the output constraint allows no token after {len(c.token_ids)} tokens of output: "
+                              "it matches no complete output", param=param)
+
+
+def _top(entry: dict[int, float], k: int, sampled: int | None = None) -> list[tuple[int, float]]:
+    """The k most likely tokens of an entry (which holds the top-k alternatives plus the
+    sampled token, which may rank below them); with `sampled`, that token too where it is not
+    among them (a completion's top_logprobs: up to k + 1 entries, as OpenAI and vLLM give)."""
+    top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+    if sampled is not None and sampled in entry and all(t != sampled for t, _ in top):
+        top.append((sampled, entry[sampled]))
+    return top
 
 
 # ---- the server ------------------------------------------------------------------------------
@@ -435,6 +460,8 @@ class OpenAIServer:
         # the event loop nor the engine.
         self._tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenize")
+        # Grammar checks (_check_grammar) apart: one that takes seconds holds up no tokenizing.
+        self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="nanovllm-grammar-check")
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Before tokenizing: a prompt far longer than any context is refused unread."""
@@ -477,6 +504,8 @@ class OpenAIServer:
         """Add one engine request per prompt, all at once; all or nothing. ValueError -> 400
         naming `param` (`grammar_param` for the engine's grammar check: structured_outputs.*)."""
         prompts = await self.tokenize(prompts, param)
+        if params.structured_outputs is not None:
+            await self._check_grammar(params.structured_outputs, grammar_param)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
             *(self.engine.add_request(rid, prompt, params, stream=stream) for rid, prompt in zip(ids, prompts)),
@@ -494,6 +523,15 @@ class OpenAIServer:
             raise exc
         return streams
 
+    async def _check_grammar(self, spec: StructuredOutputsParams, param: str | None) -> None:
+        """Build the request's grammar on a thread of the front-end's, for its errors (a 400
+        naming `param`): a schema can take seconds to build, so the engine core builds it off
+        its loop, where an error could no longer refuse the request."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, _build_grammar, spec)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param) from None
+
     def abort(self, streams: list[RequestStream]) -> None:
         for stream in streams:
             self.engine.abort_stream(stream)
@@ -504,11 +542,15 @@ class OpenAIServer:
         self.abort(streams)
         tracker.finish()
 
-    async def collect_finals(self, streams, request, tracker):
-        """Final outputs of a non-streamed request (None if the client went away), with metrics."""
+    async def collect_finals(self, streams, request, tracker, grammar_param: str):
+        """Final outputs of a non-streamed request (None if the client went away), with metrics;
+        grammar_param: the request field its output constraint came from, for a 400 when that
+        constraint allows no output."""
         try:
             finals = await self.wait_final(streams, request, tracker)
-        except EngineDeadError:
+            for out in finals or ():
+                _check_constraint(out, grammar_param)
+        except (EngineDeadError, OpenAIError):
             tracker.finish(error=True)
             raise
         tracker.finish()
@@ -554,7 +596,7 @@ class OpenAIServer:
         if body.stream:
             return _EventStream(_sse_body(self._completion_events(request_id, body, params, streams, tracker), tracker),
                                 lambda: self._close_stream(streams, tracker), self.stream_write_timeout)
-        finals = await self.collect_finals(streams, request, tracker)
+        finals = await self.collect_finals(streams, request, tracker, body.structured_param)
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
         choices = []
@@ -576,6 +618,7 @@ class OpenAIServer:
         offsets: dict[int, int] = {}
         async for i, out in _merge(streams):
             tracker.update(i, out)
+            _check_constraint(out, body.structured_param)
             for c in out.outputs:
                 index = i * params.n + c.index
                 start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
@@ -626,10 +669,10 @@ class OpenAIServer:
         grammar_param = "tools" if plan.structured_outputs is not None else body.structured_param
         streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages", grammar_param)
         if body.stream:
-            events = self._chat_events(request_id, body, params, parsers, streams[0], tracker)
+            events = self._chat_events(request_id, body, params, parsers, streams[0], tracker, grammar_param)
             return _EventStream(_sse_body(events, tracker), lambda: self._close_stream(streams, tracker),
                                 self.stream_write_timeout)
-        finals = await self.collect_finals(streams, request, tracker)
+        finals = await self.collect_finals(streams, request, tracker, grammar_param)
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
         out = finals[0]
@@ -667,7 +710,7 @@ class OpenAIServer:
 
     async def _chat_events(self, request_id: str, body: ChatCompletionRequest, params: SamplingParams,
                            parsers: list[ChoiceParser], stream: RequestStream,
-                           tracker: _Tracker) -> AsyncIterator[str]:
+                           tracker: _Tracker, grammar_param: str) -> AsyncIterator[str]:
         created = int(time.time())
         top = (body.top_logprobs or 0) if body.logprobs else None
 
@@ -681,6 +724,7 @@ class OpenAIServer:
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         async for _, out in _merge([stream]):
             tracker.update(0, out)
+            _check_constraint(out, grammar_param)
             for c in out.outputs:
                 i = c.index
                 text = c.text[sent_text[i]:]
@@ -716,7 +760,7 @@ class OpenAIServer:
             text = self.token_text(token)
             result.tokens.append(text)
             result.token_logprobs.append(entry.get(token, float("-inf")))
-            result.top_logprobs.append({self.token_text(t): lp for t, lp in _top(entry, k)})
+            result.top_logprobs.append({self.token_text(t): lp for t, lp in _top(entry, k, token)})
             result.text_offset.append(offset)
             offset += len(text)
         return result
@@ -770,6 +814,7 @@ class OpenAIServer:
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False)
+        self._grammar_pool.shutdown(wait=False)
 
 
 class GracefulServer(uvicorn.Server):

@@ -48,18 +48,26 @@ class GrammarCompiler:
         """Block until the tokenizer's tables are built (the first compile waits for them anyway)."""
         self._compiler.result()
 
-    def submit(self, spec: StructuredOutputsParams) -> Future:
+    def submit(self, spec: StructuredOutputsParams, check_in_pool: bool = False) -> Future:
+        """check_in_pool: the spec's grammar is built in the pool too (it can take seconds for
+        some schemas, e.g. long repeats in a pattern): a bad spec's ValueError then comes from
+        the future, and is cached with it. Else it is built here, and a ValueError raised here
+        leaves nothing cached."""
         key = (spec.kind, spec.spec)
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-        grammar = build_grammar(spec)  # ValueError here: nothing is cached for a bad spec
+        grammar = None if check_in_pool else build_grammar(spec)
         with self._lock:
             future = self._cache.get(key)
             if future is None:
-                future = self._cache[key] = self._pool.submit(self._compile, grammar)
+                if grammar is None:
+                    future = self._pool.submit(lambda: self._compile(build_grammar(spec)))
+                else:
+                    future = self._pool.submit(self._compile, grammar)
+                self._cache[key] = future
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
             return future

@@ -31,6 +31,15 @@ class SequenceMatcher:
         if not self.xgr_matcher.is_terminated():
             self.xgr_matcher.fill_next_token_bitmask(mask)
 
+    def allows_nothing(self) -> bool:
+        """No token may come next, not even a stop token: the grammar matches no complete
+        output from here (e.g. `root ::= root`, or a pattern no string matches)."""
+        if self.xgr_matcher.is_terminated():
+            return False
+        mask = self.new_mask()
+        self.xgr_matcher.fill_next_token_bitmask(mask)
+        return not bool(mask.any())
+
     @property
     def terminated(self) -> bool:
         """A stop token was accepted: nothing may follow."""
