@@ -32,7 +32,9 @@ from typing import Any
 
 from nanovllm.text import check_text
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's newer name for the system role; chat templates know only "system".
+TEMPLATE_ROLE = {"developer": "system"}
 # vLLM's rule for function names (and OpenAI's).
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # apply_chat_template's own arguments: a request's chat_template_kwargs cannot set them.
@@ -78,9 +80,9 @@ def _check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
     """Messages as [{"role", "content", ...}] with string contents (None -> ""), checked: a list
-    of dicts, each with a role in ROLES and a str content; an assistant message may carry
-    `tool_calls`, a tool message carries `tool_call_id`. TypeError for a wrong type, ValueError
-    for a wrong value, naming the message."""
+    of dicts, each with a role in ROLES (developer becomes system) and a str content; an
+    assistant message may carry `tool_calls`, a tool message carries `tool_call_id`. TypeError
+    for a wrong type, ValueError for a wrong value, naming the message."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
     if not messages:
@@ -99,7 +101,8 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise TypeError(f"messages[{i}].content must be a string, got {type(content).__name__}")
-        entry: dict[str, Any] = {"role": role, "content": check_text(content, f"messages[{i}].content")}
+        entry: dict[str, Any] = {"role": TEMPLATE_ROLE.get(role, role),
+                                 "content": check_text(content, f"messages[{i}].content")}
         if message.get("tool_calls") is not None:
             if role != "assistant":
                 raise ValueError(f"messages[{i}].tool_calls: only assistant messages carry tool calls")

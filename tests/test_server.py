@@ -258,8 +258,16 @@ def test_logprobs(live, offline):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
     for token, value, entry in zip(llm_out.token_ids, lp.token_logprobs, llm_out.logprobs):
         assert value == pytest.approx(entry[token], abs=1e-4)
-    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)  # greedy: the sampled token is the top one
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # As OpenAI's: a completion's top_logprobs hold the sampled token too (up to logprobs + 1 entries).
+    for k in (0, 1):
+        r = live.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.5, seed=5,
+                                           logprobs=k, extra_body={"ignore_eos": True})
+        lp = r.choices[0].logprobs
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[token] == pytest.approx(value) and len(top) <= k + 1
+        assert k == 0 or any(len(top) == 2 for top in lp.top_logprobs)  # some token sampled below the top one
 
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0,
               logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
@@ -356,6 +364,15 @@ BAD_COMPLETIONS = [
     pytest.param(json.dumps({"prompt": [1, 2, 100000]}), "prompt", id="token-outside-vocab"),
     pytest.param(json.dumps({"prompt": [5] * 600}), "prompt", id="prompt-too-long"),
     pytest.param(json.dumps({"prompt": ["ok", [5] * 600], "stream": True}), "prompt", id="batch-one-too-long-stream"),
+    # vLLM's fields that this server does not honour are refused, not ignored.
+    pytest.param(json.dumps({"prompt": "x", "allowed_token_ids": [5]}), "allowed_token_ids", id="allowed-token-ids"),
+    pytest.param(json.dumps({"prompt": "x", "bad_words": ["a"]}), "bad_words", id="bad-words"),
+    pytest.param(json.dumps({"prompt": "x", "include_stop_str_in_output": True}), "include_stop_str_in_output",
+                 id="include-stop-str"),
+    pytest.param(json.dumps({"prompt": "x", "truncate_prompt_tokens": 2}), "truncate_prompt_tokens", id="truncate"),
+    pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": 1}), "prompt_logprobs", id="prompt-logprobs"),
+    pytest.param(json.dumps({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}),
+                 "stream_options", id="continuous-usage-stats"),
 ]
 
 
@@ -375,13 +392,34 @@ def test_bad_completion_requests_are_400(live, body, param):
      ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}, "max_completion_tokens"),
      ({"messages": [{"role": "user", "content": "x " * 600}]}, "messages"),
      ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools")],
+     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+     ({"messages": [{"role": "assistant", "content": "The answer is"}], "continue_final_message": True},
+      "continue_final_message"),
+     ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+     ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, "chat_template")],
     ids=["no-messages", "no-role", "top-logprobs-without-logprobs", "top-logprobs-too-many", "negative-max-tokens",
-         "too-long", "image-part", "tools"],
+         "too-long", "image-part", "tools", "continue-final-message", "echo", "chat-template"],
 )
 def test_bad_chat_requests_are_400(live, body, param):
     err = assert_error_body(live.http.post("/v1/chat/completions", json=body), 400)
     assert err["param"] == param
+
+
+def test_null_fields_take_their_defaults_and_developer_is_a_system_message(live):
+    """The openai client sends a field left as None as null (OpenAI marks them nullable)."""
+    r = live.client.completions.create(model=MODEL, prompt="x", max_tokens=3, n=None, stream=None, echo=None,
+                                       logprobs=None, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 1 and r.usage.completion_tokens == 3
+    kw = dict(model=MODEL, max_completion_tokens=3, n=None, stream=None, logprobs=None, temperature=0,
+              extra_body={"ignore_eos": True, "top_k": None})
+    r = live.client.chat.completions.create(messages=[{"role": "user", "content": "x"}], **kw)
+    assert len(r.choices) == 1 and r.choices[0].logprobs is None and r.usage.completion_tokens == 3
+    as_system = live.client.chat.completions.create(
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"}], **kw)
+    as_developer = live.client.chat.completions.create(
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "x"}], **kw)
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
 
 
 def test_server_keeps_serving_after_bad_requests(live):

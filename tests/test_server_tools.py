@@ -240,6 +240,19 @@ def test_auto_tool_calls_whole_and_streamed(hermes, tools_tokenizer):
                                                             for c in message.tool_calls]
 
 
+def test_auto_with_parallel_tool_calls_false_keeps_the_first_call(hermes):
+    engine, client, _ = hermes
+    engine.reply = [REPLY]
+    kw = dict(model="tiny", messages=CONVERSATION[:2], tools=[WEATHER, TIME], parallel_tool_calls=False)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    content, _, calls, finish = reassemble(client.chat.completions.create(stream=True, **kw))
+    assert (content, finish) == ("Checking.", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
 def test_plain_replies_and_thinking_off(hermes, tools_tokenizer):
     engine, client, _ = hermes
     engine.reply = ["Paris is sunny."]

@@ -1,9 +1,11 @@
 """The OpenAI wire format: request and response models, and OpenAI-shaped errors.
 
 Requests are parsed by pydantic; anything it rejects becomes a 400 with OpenAI's error body
-(the server overrides FastAPI's 422). Unknown request fields are ignored, as OpenAI clients send
+(the server overrides FastAPI's 422). A field sent as null takes its default, as OpenAI marks
+its optional fields nullable. Unknown request fields are ignored, as OpenAI clients send
 fields this engine has no use for (`user`, `metadata`, ...); fields we know but cannot honour
-(echo, suffix, ...) are rejected with a 400 naming them rather than silently ignored. Sampling
+(echo, suffix, vLLM's allowed_token_ids, bad_words, continue_final_message, ...) are rejected
+with a 400 naming them rather than silently ignored. Sampling
 values are checked once, by `SamplingParams`, whose ValueError names the field;
 `sampling_params()` turns that into an `OpenAIError` with `param` set.
 
@@ -19,8 +21,8 @@ The grammar itself is checked by the engine when the request is added (a 400 nam
 
 Numbers and flags are strict: `true` is not the integer 1 and `1` is not a bool (SamplingParams
 refuses bools as numbers too). Strings with lone surrogates (JSON's "\ud800") are refused here,
-naming the field, as tokenizers cannot encode them. Chat roles are system, user, assistant and
-tool; `tools` and `tool_choice` are OpenAI's (entrypoints/tools.py turns them into a plan),
+naming the field, as tokenizers cannot encode them. Chat roles are system, developer (OpenAI's
+newer name for system, given to the template as system), user, assistant and tool; `tools` and `tool_choice` are OpenAI's (entrypoints/tools.py turns them into a plan),
 the deprecated `functions` / `function_call` are refused. Per-request caps that depend on the
 server's configuration (n, prompts per request) are checked by `check_limits`.
 """
@@ -39,6 +41,7 @@ from pydantic import (
     StrictInt,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from nanovllm.chat import ROLES
@@ -94,6 +97,15 @@ def _check_strings(value: Any, where: str) -> None:
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        # OpenAI's API marks its optional fields nullable, and clients send null for a field
+        # they leave unset (the openai client sends n=None as null): it takes the default.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
     @field_validator("*", mode="after")
     @classmethod
     def _valid_unicode(cls, value: Any, info: Any) -> Any:
@@ -103,6 +115,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: StrictBool = False
+    continuous_usage_stats: Any = None  # vLLM's; refused (check_unsupported)
 
 
 class JsonSchemaFormat(_Request):
@@ -154,10 +167,23 @@ class _SamplingRequest(_Request):
     skip_special_tokens: StrictBool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM request fields this server does not honour: a 400 naming them where set (to anything
+    # but their default), rather than ignored.
+    include_stop_str_in_output: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    return_tokens_as_token_ids: Any = None
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats not in (None, False):
+            raise bad_request("stream_options.continuous_usage_stats is not supported by this server (usage comes "
+                              "with the last chunk: include_usage)", param="stream_options")
+        _refuse_set(self, ("include_stop_str_in_output", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                           "prompt_logprobs", "return_tokens_as_token_ids"))
 
     @property
     def structured_param(self) -> str:
@@ -299,6 +325,13 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
 
+def _refuse_set(request: _Request, names: tuple[str, ...]) -> None:
+    """A 400 naming the first of these fields the request sets to anything but null or false."""
+    for name in names:
+        if getattr(request, name) not in (None, False):
+            raise bad_request(f"{name} is not supported by this server", param=name)
+
+
 class ContentPart(_Request):
     type: str
     text: str | None = None
@@ -383,6 +416,10 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: StrictBool = True
     # vLLM's field: extra variables for the chat template, e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's, refused where set (check_unsupported).
+    continue_final_message: Any = None
+    chat_template: Any = None
+    echo: Any = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -392,6 +429,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("function_call is deprecated and not supported; use tool_choice", param="function_call")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        _refuse_set(self, ("continue_final_message", "chat_template", "echo"))
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]

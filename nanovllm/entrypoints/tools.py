@@ -14,7 +14,8 @@ and `--reasoning-parser`. `plan_tools` turns a request's `tools` and `tool_choic
   the call's arguments.
 
 `ChoiceParser` runs one choice's text through the reasoning parser (when the server has one
-and the output is not constrained), then the tool parser; `finish_reason` says "tool_calls"
+and the output is not constrained), then the tool parser (keeping the first call only with
+`parallel_tool_calls: false`); `finish_reason` says "tool_calls"
 when an `auto` or `required` output that stopped on its own made calls (a named call keeps
 "stop", as with OpenAI and vLLM).
 """
@@ -74,6 +75,7 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None  # for the chat template
     function: str | None = None  # the named function
     structured_outputs: StructuredOutputsParams | None = None
+    parallel: bool = True  # parallel_tool_calls: false keeps an "auto" output's first call only
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
@@ -142,7 +144,7 @@ def plan_tools(body: ChatCompletionRequest, config: ParserConfig) -> ToolPlan:
             raise bad_request('"auto" tool choice needs the server started with --enable-auto-tool-choice '
                               '(and --tool-call-parser); send tool_choice "required", "none" or a named function',
                               param="tool_choice")
-        return ToolPlan("auto", tools)
+        return ToolPlan("auto", tools, parallel=body.parallel_tool_calls)
     if choice == "required":
         return ToolPlan("required", tools, structured_outputs=_structured(required_schema(tools, body.parallel_tool_calls)))
     name = choice.function.name
@@ -189,13 +191,20 @@ class ChoiceParser:
             out.reasoning = step.reasoning
             out.extend(self._content(step.content))
         if self.tools is not None:
-            out.extend(self.tools.finish())
+            out.extend(self._first_call_only(self.tools.finish()))
         return out
 
     def _content(self, text: str) -> ParsedDelta:
         if self.tools is None:
             return ParsedDelta(content=text)
-        return self.tools.feed(text) if text else ParsedDelta()
+        return self._first_call_only(self.tools.feed(text)) if text else ParsedDelta()
+
+    def _first_call_only(self, delta: ParsedDelta) -> ParsedDelta:
+        """With parallel_tool_calls false, the steps of calls after the first are dropped
+        (vLLM's rule for "auto"; "required" is constrained to one call)."""
+        if not self.plan.parallel:
+            delta.tool_calls = [step for step in delta.tool_calls if step.index == 0]
+        return delta
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         called = self.tools is not None and self.tools.called
