@@ -9,6 +9,7 @@ a client that never reads, and 256 concurrent streams with random disconnects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import random
@@ -521,31 +522,56 @@ def test_frontend_sends_do_not_block_while_the_core_runs_a_long_step(tmp_path):
         client.close()
 
 
-def test_frontend_taken_for_dead_that_speaks_again_gets_its_streams_ended(tmp_path, qwen3_tiny):
-    """A front-end silent past the timeout (stalled, not dead) has its requests aborted; when it
-    speaks again it is told so (each request ends with "abort"), so its streams do not hang."""
-    import msgspec
+@contextlib.contextmanager
+def core_on_a_thread(tmp_path, engine, identity: bytes, frontend_timeout: float):
+    """An EngineCore over `engine` with its loop on a thread, and one front-end's raw sockets
+    (to the core, from the core) under `identity`; the loop ends with the block."""
     import zmq
 
-    from nanovllm.config import EngineConfig
     from nanovllm.engine.core import CoreAddresses, EngineCore
-    from nanovllm.engine.llm_engine import LLMEngine
-    from nanovllm.engine.messages import AddRequest, CoreOutput, Hello, params_to_wire
 
-    engine = LLMEngine(EngineConfig.from_kwargs(str(qwen3_tiny), device="cpu", max_model_len=8192), detokenize=False)
     addresses = CoreAddresses(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
-    core = EngineCore(engine, addresses, max_pending=8, frontend_timeout=1.0)
+    core = EngineCore(engine, addresses, max_pending=8, frontend_timeout=frontend_timeout)
     loop = threading.Thread(target=core.run, daemon=True)
     loop.start()
     ctx = zmq.Context()
     to_core, from_core = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
     for sock in (to_core, from_core):
-        sock.setsockopt(zmq.IDENTITY, b"stalled-frontend")
+        sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.LINGER, 0)
     to_core.connect(addresses.input)
     from_core.connect(addresses.output)
-    decoder = msgspec.msgpack.Decoder(CoreOutput)
     try:
+        yield core, to_core, from_core
+    finally:
+        to_core.close()
+        from_core.close()
+        ctx.term()
+
+        def stop() -> bool:
+            raise RuntimeError("the test is over")
+
+        engine.has_unfinished_requests = stop  # the core's loop ends on an engine error
+        loop.join(10)
+
+
+def cpu_engine(qwen3_tiny):
+    from nanovllm.config import EngineConfig
+    from nanovllm.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig.from_kwargs(str(qwen3_tiny), device="cpu", max_model_len=8192), detokenize=False)
+
+
+def test_frontend_taken_for_dead_that_speaks_again_gets_its_streams_ended(tmp_path, qwen3_tiny):
+    """A front-end silent past the timeout (stalled, not dead) has its requests aborted; when it
+    speaks again it is told so (each request ends with "abort"), so its streams do not hang."""
+    import msgspec
+
+    from nanovllm.engine.messages import AddRequest, CoreOutput, Hello, params_to_wire
+
+    engine = cpu_engine(qwen3_tiny)
+    decoder = msgspec.msgpack.Decoder(CoreOutput)
+    with core_on_a_thread(tmp_path, engine, b"stalled-frontend", frontend_timeout=1.0) as (core, to_core, from_core):
         params = params_to_wire(SamplingParams(max_tokens=8000, ignore_eos=True))
         for rid in ("a", "b"):
             to_core.send(msgspec.msgpack.encode(AddRequest(rid, [5, 6, 7, 8], params)))
@@ -560,16 +586,6 @@ def test_frontend_taken_for_dead_that_speaks_again_gets_its_streams_ended(tmp_pa
                         ended[delta.request_id] = delta.finish_reasons
         assert ended == {"a": ["abort"], "b": ["abort"]}
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    finally:
-        to_core.close()
-        from_core.close()
-        ctx.term()
-
-        def stop() -> bool:
-            raise RuntimeError("the test is over")
-
-        engine.has_unfinished_requests = stop  # the core's loop ends on an engine error
-        loop.join(10)
 
 
 def test_a_slow_request_to_handle_does_not_make_its_frontend_silent(tmp_path, qwen3_tiny):
@@ -577,14 +593,10 @@ def test_a_slow_request_to_handle_does_not_make_its_frontend_silent(tmp_path, qw
     of a costly schema can), the front-ends' heartbeats wait unread: that is no silence, and
     no request is aborted (the timeout here is 1 s)."""
     import msgspec
-    import zmq
 
-    from nanovllm.config import EngineConfig
-    from nanovllm.engine.core import CoreAddresses, EngineCore
-    from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.engine.messages import AddRequest, CoreOutput, Hello, params_to_wire
 
-    engine = LLMEngine(EngineConfig.from_kwargs(str(qwen3_tiny), device="cpu", max_model_len=8192), detokenize=False)
+    engine = cpu_engine(qwen3_tiny)
     add = engine.add_request
 
     def slow_add(request_id, *args, **kwargs):
@@ -593,19 +605,8 @@ def test_a_slow_request_to_handle_does_not_make_its_frontend_silent(tmp_path, qw
         return add(request_id, *args, **kwargs)
 
     engine.add_request = slow_add
-    addresses = CoreAddresses(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
-    core = EngineCore(engine, addresses, max_pending=8, frontend_timeout=1.0)
-    loop = threading.Thread(target=core.run, daemon=True)
-    loop.start()
-    ctx = zmq.Context()
-    to_core, from_core = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-    for sock in (to_core, from_core):
-        sock.setsockopt(zmq.IDENTITY, b"frontend-1")
-        sock.setsockopt(zmq.LINGER, 0)
-    to_core.connect(addresses.input)
-    from_core.connect(addresses.output)
     decoder = msgspec.msgpack.Decoder(CoreOutput)
-    try:
+    with core_on_a_thread(tmp_path, engine, b"frontend-1", frontend_timeout=1.0) as (core, to_core, from_core):
         params = params_to_wire(SamplingParams(max_tokens=40, ignore_eos=True))
         to_core.send(msgspec.msgpack.encode(AddRequest("running", [5, 6, 7, 8], params)))
         time.sleep(0.3)
@@ -623,16 +624,6 @@ def test_a_slow_request_to_handle_does_not_make_its_frontend_silent(tmp_path, qw
                         ended[delta.request_id] = delta.finish_reasons
         assert ended == {"running": ["length"], "slow": ["length"]}
         assert core.num_aborted == 0
-    finally:
-        to_core.close()
-        from_core.close()
-        ctx.term()
-
-        def stop() -> bool:
-            raise RuntimeError("the test is over")
-
-        engine.has_unfinished_requests = stop  # the core's loop ends on an engine error
-        loop.join(10)
 
 
 @pytest.mark.parametrize("frontends", [1, 2])

@@ -147,3 +147,20 @@ def test_a_grammar_that_matches_no_output_is_a_400_streamed_or_not(live, so, tok
     assert wait_until(lambda: pool_is_free(live.engine))
     r = live.client.completions.create(model=MODEL, prompt="fine", max_tokens=2, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 2
+
+
+def test_the_server_checks_a_constraint_once_not_per_request(live, monkeypatch):
+    """The server builds a request's grammar for its errors before the engine sees it; a
+    constraint that passed is not built again for the next request, one that failed is."""
+    import nanovllm.entrypoints.server as server
+
+    built = []
+    build = server._build_grammar
+    monkeypatch.setattr(server, "_build_grammar", lambda spec: (built.append(spec.kind), build(spec))[1])
+    body = {"prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "once[0-9]+"}}
+    for _ in range(3):
+        assert live.http.post("/v1/completions", json=body).status_code == 200
+    bad = {"prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "(once"}}
+    for _ in range(2):
+        assert assert_error_body(live.http.post("/v1/completions", json=bad), 400)["param"] == "structured_outputs"
+    assert built == ["regex"] * 3  # the good one once, the bad one each time

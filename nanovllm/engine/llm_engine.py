@@ -478,14 +478,14 @@ class LLMEngine:
             reason = "stop"
         elif token in params.stop_token_ids:
             reason = "stop"
+        detok = request.detokenizers[request.seqs.index(seq)] if request.detokenizers[0] is not None else None
         if reason is None and self.grammars.matchers:
             reason = self.grammars.accept(seq.seq_id, token)
             if reason in ("error", "abort"):  # the grammar refused the token: it is dropped
                 self.scheduler.finish(seq, reason, num_tokens=index)
-                if request.detokenizers[0] is not None:
-                    request.detokenizers[request.seqs.index(seq)].flush()
+                if detok is not None:
+                    detok.flush()
                 return
-        detok = request.detokenizers[request.seqs.index(seq)] if request.detokenizers[0] is not None else None
         if detok is not None:
             detok.add(token)
             if reason is None and params.stop_list:

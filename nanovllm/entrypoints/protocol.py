@@ -17,13 +17,15 @@ one (`apply_generation_defaults`: vLLM's `--generation-config auto`).
 Structured output: `response_format` (`{"type": "json_object"}`, or `{"type": "json_schema",
 "json_schema": {"name", "schema", "strict"}}`) and vLLM's `structured_outputs` (`json`, `regex`,
 `choice`, `grammar` or `json_object`), on both endpoints; at most one of the two per request.
-The grammar itself is checked by the engine when the request is added (a 400 naming the field).
+The grammar itself is checked by the server before the request reaches the engine
+(OpenAIServer._check_grammar: a 400 naming the field).
 
 Numbers and flags are strict: `true` is not the integer 1 and `1` is not a bool (SamplingParams
 refuses bools as numbers too). Strings with lone surrogates (JSON's "\ud800") are refused here,
 naming the field, as tokenizers cannot encode them. Chat roles are system, developer (OpenAI's
-newer name for system, given to the template as system), user, assistant and tool; `tools` and `tool_choice` are OpenAI's (entrypoints/tools.py turns them into a plan),
-the deprecated `functions` / `function_call` are refused. Per-request caps that depend on the
+newer name for system, given to the template as system), user, assistant and tool; `tools` and
+`tool_choice` are OpenAI's (entrypoints/tools.py turns them into a plan), the deprecated
+`functions` / `function_call` are refused. Per-request caps that depend on the
 server's configuration (n, prompts per request) are checked by `check_limits`.
 """
 from __future__ import annotations

@@ -38,8 +38,9 @@ import logging
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import uvicorn
@@ -92,6 +93,8 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("nanovllm.server")
+# Constraints (kind, spec text) that passed the server's grammar check, remembered per server.
+GRAMMARS_CHECKED_KEPT = 256
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHARS_PER_TOKEN_LIMIT = 16  # default prompt character limit: max_model_len x this
@@ -462,6 +465,9 @@ class OpenAIServer:
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenize")
         # Grammar checks (_check_grammar) apart: one that takes seconds holds up no tokenizing.
         self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="nanovllm-grammar-check")
+        # (kind, spec text) of the constraints that passed the check, least recently used first:
+        # a schema every request sends is built here once, not per request.
+        self._grammars_checked: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Before tokenizing: a prompt far longer than any context is refused unread."""
@@ -526,11 +532,19 @@ class OpenAIServer:
     async def _check_grammar(self, spec: StructuredOutputsParams, param: str | None) -> None:
         """Build the request's grammar on a thread of the front-end's, for its errors (a 400
         naming `param`): a schema can take seconds to build, so the engine core builds it off
-        its loop, where an error could no longer refuse the request."""
+        its loop, where an error could no longer refuse the request. A constraint that passed
+        lately is not built again."""
+        key = (spec.kind, spec.spec)
+        if key in self._grammars_checked:
+            self._grammars_checked.move_to_end(key)
+            return
         try:
             await asyncio.get_running_loop().run_in_executor(self._grammar_pool, _build_grammar, spec)
         except ValueError as exc:
             raise bad_request(str(exc), param=param) from None
+        self._grammars_checked[key] = None
+        while len(self._grammars_checked) > GRAMMARS_CHECKED_KEPT:
+            self._grammars_checked.popitem(last=False)
 
     def abort(self, streams: list[RequestStream]) -> None:
         for stream in streams:
