@@ -90,6 +90,23 @@ def test_tokenize_a_prompt_and_a_chat_as_vllm_does(replica, hf_tokenizer):
     assert usage["prompt_tokens"] == chat["count"]
 
 
+def test_tokenize_returns_the_token_strings_when_asked(replica, hf_tokenizer):
+    text = "The quick brown fox"
+    got = httpx.post(replica + "/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    ids = hf_tokenizer.encode(text)
+    assert got["tokens"] == ids
+    assert got["token_strs"] == hf_tokenizer.convert_ids_to_tokens(ids) and len(got["token_strs"]) == len(ids)
+    chat = httpx.post(replica + "/tokenize", json={"messages": [{"role": "user", "content": text}],
+                                                   "return_token_strs": True}).json()
+    assert chat["token_strs"] == hf_tokenizer.convert_ids_to_tokens(chat["tokens"])
+
+
+def test_version_names_the_package(replica):
+    import nanovllm
+
+    assert httpx.get(replica + "/version").json() == {"version": nanovllm.__version__}
+
+
 def test_detokenize_round_trips(replica, hf_tokenizer):
     text = "Large language models generate text one token at a time."
     ids = hf_tokenizer.encode(text)
@@ -104,6 +121,7 @@ def test_detokenize_round_trips(replica, hf_tokenizer):
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"messages": [{"role": "wizard", "content": "b"}]}, "messages"),
     ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+    ("/tokenize", {"prompt": "a", "return_token_strs": "yes"}, "return_token_strs"),
     ("/detokenize", {"tokens": [1, -1]}, "tokens"),
     ("/detokenize", {"tokens": [10 ** 6]}, "tokens"),
     ("/detokenize", {"tokens": ["a"]}, "tokens"),

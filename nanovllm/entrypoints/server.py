@@ -52,6 +52,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm import __version__
 from nanovllm.chat import chat_prompt_ids, check_template_kwargs
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from nanovllm.entrypoints.guard import RequestGuard
@@ -101,7 +102,7 @@ CHARS_PER_TOKEN_LIMIT = 16  # default prompt character limit: max_model_len x th
 DEFAULT_STREAM_WRITE_TIMEOUT = 60.0  # seconds a stream may wait for a client that does not read
 RETRY_AFTER_S = 1
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-             "/detokenize")
+             "/detokenize", "/version")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
@@ -822,6 +823,10 @@ class OpenAIServer:
             raise EngineDeadError("the engine is shutting down")
         return JSONResponse({"status": "ok"})
 
+    async def version(self) -> Response:
+        """GET /version, as vLLM's: {"version": the package's}."""
+        return JSONResponse({"version": __version__})
+
     async def metrics_endpoint(self) -> Response:
         await self.engine.fresh_stats()  # read by the engine collector
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -931,6 +936,7 @@ def create_app(engine: Any, model_name: str, api_key: str | None = None, *, limi
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
     app.add_api_route("/tokenize", server.tokenize_endpoint, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize_endpoint, methods=["POST"])

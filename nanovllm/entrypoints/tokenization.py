@@ -3,7 +3,8 @@
 Routers and gateways (vllm-router, the Gateway API Inference Extension) and clients that budget
 tokens ask a replica to count with its own tokenizer and chat template, so the shapes are
 vLLM's: `{"prompt"}` or `{"messages"}` -> `{"tokens", "count", "max_model_len"}`, and
-`{"tokens"}` -> `{"prompt"}`. A chat request is tokenized exactly as /v1/chat/completions
+`{"tokens"}` -> `{"prompt"}`; `"return_token_strs": true` adds each token's string (`token_strs`,
+the tokenizer's own pieces, as vLLM's). A chat request is tokenized exactly as /v1/chat/completions
 tokenizes it (nanovllm/chat.py), so the count is what generation will see. Bad input is a 400
 naming the field.
 """
@@ -21,6 +22,7 @@ class TokenizeCompletionRequest(_Request):
     model: str | None = None
     prompt: str
     add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 class TokenizeChatRequest(_Request):
@@ -30,6 +32,7 @@ class TokenizeChatRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False  # the template holds any BOS
+    return_token_strs: StrictBool = False
 
 
 class DetokenizeRequest(_Request):
@@ -86,7 +89,8 @@ def tokenize(tokenizer: Any, req: TokenizeCompletionRequest | TokenizeChatReques
             ids = [tokenizer.bos_token_id] + ids
     else:
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
+    token_strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=token_strs)
 
 
 def detokenize(tokenizer: Any, req: DetokenizeRequest, vocab_size: int) -> DetokenizeResponse:
