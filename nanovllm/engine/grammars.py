@@ -225,9 +225,10 @@ class Grammars:
         (the caller drops the refused tokens). The accepted tokens are remembered, so that
         `accept` does not advance by them twice. Rows whose request ended meanwhile are
         skipped."""
-        # One call per matcher: xgrammar's batch_accept_token takes longer than these calls at
-        # 16 and 64 rows, even on one thread; and it holds the GIL, as the mask fills do, so a
-        # thread could not take this work off the engine's loop.
+        # One call per matcher, on the loop's thread: xgrammar's batch_accept_token takes longer
+        # than these calls at 16 and 64 rows. Each call releases the GIL, but the same calls
+        # handed to a thread while the loop launches the next forward pass took longer in all
+        # than doing both in turn (the two threads trade the GIL at every torch call).
         refused = []
         for j, item in enumerate(rows):
             matcher = self.matchers.get(item.seq_id)
