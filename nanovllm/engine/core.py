@@ -160,10 +160,9 @@ def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, m
         from nanovllm.config import EngineConfig
         from nanovllm.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_kwargs), detokenize=False)
         # The front-ends check each request's grammar before they send it (OpenAIServer.submit);
         # here a grammar that takes seconds to build must not hold up the loop.
-        engine.grammars.check_in_pool = True
+        engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_kwargs), detokenize=False, grammars_checked=True)
     except BaseException as exc:  # the parent re-raises it
         conn.send(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
         conn.close()

@@ -64,7 +64,8 @@ BATCH_FILL_MIN_ROWS = 16
 
 
 class Grammars:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], pin_memory: bool = False) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], pin_memory: bool = False,
+                 check_in_pool: bool = False) -> None:
         self._tokenizer = tokenizer
         self._pin_memory = pin_memory
         self._vocab_size = vocab_size
@@ -72,7 +73,7 @@ class Grammars:
         self._stop_token_set = frozenset(stop_token_ids)
         # Build each spec's grammar in the compile pool rather than in `submit` (the engine
         # core: its front-ends check specs first, and a slow build must not hold its loop).
-        self.check_in_pool = False
+        self.check_in_pool = check_in_pool
         self._compiler: GrammarCompiler | None = None  # built on the first constrained request
         self._batch = None  # xgrammar's BatchGrammarMatcher, with the first matcher
         self.waiting: dict[str, Future] = {}  # request id -> its grammar's compile

@@ -97,9 +97,12 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True, grammars_checked: bool = False) -> None:
         """detokenize=False: outputs carry token ids only (empty text) and stop strings are not
-        applied; the engine core runs so, its front-ends detokenize and match stop strings."""
+        applied; the engine core runs so, its front-ends detokenize and match stop strings.
+        grammars_checked=True: whoever adds requests has checked their grammars (the engine
+        core's front-ends do), so a grammar is built in the compile pool, off the loop, and one
+        that fails there ends its request instead of raising from add_request."""
         self.config = config
         self.detokenize = detokenize
         # Start-up breakdown in seconds (benchmarks/startup.py prints it with the runner's).
@@ -127,7 +130,7 @@ class LLMEngine:
         # Structured output: requests waiting for their grammar, matchers of constrained sequences.
         # On CUDA the mask table is pinned, so that the runner copies it to the device as it is.
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                 pin_memory=self.executor.device_type == "cuda")
+                                 pin_memory=self.executor.device_type == "cuda", check_in_pool=grammars_checked)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
