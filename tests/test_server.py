@@ -793,3 +793,25 @@ def test_cli_generate_chat_bench_and_help(qwen3_tiny, live, monkeypatch, capsys)
             main([command, "--help"])
         assert info.value.code == 0
         assert "--device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("port", ["70000", "-5", "http"])
+def test_serve_refuses_a_port_outside_the_tcp_range(port, capsys):
+    from nanovllm.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "m", "--port", port])
+    assert exc.value.code == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def test_serve_with_a_missing_model_says_so_without_a_traceback(tmp_path):
+    """A model that does not load: one clear error line and exit status 2, no traceback from
+    the engine core's process (it used to exit through its SIGTERM handler mid-shutdown)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanovllm", "serve", str(tmp_path / "missing"), "--port", "0", "--device", "cpu"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    assert "missing" in proc.stderr

@@ -166,7 +166,10 @@ def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, m
     except BaseException as exc:  # the parent re-raises it
         conn.send(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
         conn.close()
-        return
+        # The parent stops this process now; exiting here leaves no SystemExit for the
+        # SIGTERM handler to raise into the interpreter's exit handlers (a stray traceback).
+        logging.shutdown()
+        os._exit(1)
     core = EngineCore(engine, addresses, max_pending, frontend_timeout)
     conn.send(CoreInfo(engine.source.path, engine.max_model_len, engine.vocab_size, engine.tokenizer,
                        engine.block_manager.num_blocks, engine.generation_defaults))

@@ -25,6 +25,17 @@ import time
 from typing import Sequence
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0..65535 (0: a free one, which the log names)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0..65535)")
+    return port
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options mirroring LLM(...)'s keyword arguments."""
     g = parser.add_argument_group("engine")
@@ -488,7 +499,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model_pos", nargs="?", metavar="MODEL", help="model path (or use --model)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port_number, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOVLLM_API_KEY, else none)")
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: the file/directory name)")
