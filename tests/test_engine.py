@@ -184,6 +184,33 @@ def test_stop_strings_and_stop_token_ids(qwen3_tiny):
     assert_free(llm)
 
 
+def expected_with_min_tokens(text: str, prefix: str, stop: str) -> str:
+    """vLLM's rule: a stop string is searched for only once more than min_tokens tokens are out,
+    and only where it reaches past the text of the first min_tokens tokens (`prefix`)."""
+    j = text.find(stop, max(0, len(prefix) - len(stop) + 1))
+    return text if j == -1 else text[:j]
+
+
+def test_stop_strings_wait_for_min_tokens(qwen3_tiny):
+    llm = engine(qwen3_tiny)
+    prompt = [[20, 21, 22]]
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    text, stop = base.text, base.text[3:6]
+    first = text.index(stop)
+    # The fewest tokens whose text holds the first stop string whole.
+    m = next(k for k in range(1, 30) if len(llm.tokenizer.decode(base.token_ids[:k])) >= first + len(stop))
+    prefix = llm.tokenizer.decode(base.token_ids[:m])
+    assert text.startswith(prefix)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop], min_tokens=m)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    expected = expected_with_min_tokens(text, prefix, stop)
+    assert out.text == expected and len(out.text) > first
+    assert out.finish_reason == ("stop" if expected != text else "length")
+    *_, last = llm.stream(prompt[0], params)
+    assert last.outputs[0].text == expected
+    assert_free(llm)
+
+
 def test_eos_stops_unless_ignored(qwen3_tiny):
     llm = engine(qwen3_tiny)
     eos = llm.engine.eos_token_ids

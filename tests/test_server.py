@@ -248,6 +248,28 @@ def test_stop_strings_and_stop_token_ids(live, offline):
     assert r.usage.completion_tokens == ref.token_ids.index(stop_id) + 1
 
 
+def test_stop_strings_wait_for_min_tokens(live, offline):
+    """vLLM's rule, streamed and not: a stop string counts only once more than min_tokens tokens
+    are out, and only where it reaches past their text."""
+    prompt = "Large language models"
+    ref = greedy_offline(offline, prompt, 24).outputs[0]
+    stop = ref.text[4:7]
+    first = ref.text.index(stop)
+    tok = offline.tokenizer
+    m = next(k for k in range(1, 24) if len(tok.decode(ref.token_ids[:k])) >= first + len(stop))
+    prefix = tok.decode(ref.token_ids[:m])
+    assert ref.text.startswith(prefix)
+    j = ref.text.find(stop, max(0, len(prefix) - len(stop) + 1))
+    expected = ref.text if j == -1 else ref.text[:j]
+    assert len(expected) > first
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True, "min_tokens": m})
+    r = live.client.completions.create(**kw)
+    assert r.choices[0].text == expected
+    chunks = [c for c in live.client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == expected
+
+
 def test_logprobs(live, offline):
     prompt = "Continuous batching"
     llm_out = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True),

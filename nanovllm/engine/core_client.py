@@ -106,7 +106,7 @@ class CoreStream:
     def _apply(self, delta: Delta) -> None:
         if self.done:
             return  # e.g. the core's answer to our own stop-string abort
-        stops = self.params.stop_list
+        stops, min_tokens = self.params.stop_list, self.params.min_tokens
         self.num_cached_tokens = delta.num_cached_tokens
         for i, sample in enumerate(self.samples):
             if sample.finish_reason is not None or i >= len(delta.new_token_ids):
@@ -124,13 +124,14 @@ class CoreStream:
                     sample.cumulative_logprob += entry[token]
                 if sample.detok is not None:
                     sample.detok.add(token)
-                    if stops and truncate_at_stop(sample.detok, stops):
+                    if stops and truncate_at_stop(sample.detok, stops, len(sample.token_ids) > min_tokens):
                         stopped = True
                         break
             reason = delta.finish_reasons[i] if i < len(delta.finish_reasons) else None
             if not stopped and reason is not None and sample.detok is not None:
                 sample.detok.flush()
-                if stops and reason != "abort" and truncate_at_stop(sample.detok, stops):
+                if stops and reason != "abort" and truncate_at_stop(sample.detok, stops,
+                                                                    len(sample.token_ids) > min_tokens):
                     reason = "stop"
             if stopped:
                 sample.finish_reason = "stop"

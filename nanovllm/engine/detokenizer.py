@@ -90,12 +90,16 @@ def streamable_text(detok: IncrementalDetokenizer, stops: list[str], whole: bool
     return text[: max(0, len(text) - (max(len(s) for s in stops) - 1))]
 
 
-def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str]) -> bool:
+def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], searchable: bool = True) -> bool:
     """Cut `detok.text` before the first stop string in the text not searched yet (and the
     characters before it that a stop string could still span); True if one was found. The text
     searched before had no stop string, so only a match reaching into the new text is new,
-    however much text the last token added."""
+    however much text the last token added. searchable=False (the sample has not yet more than
+    its min_tokens tokens: vLLM's rule) marks the new text searched without searching it."""
     text = detok.text
+    if not searchable:
+        detok.stop_checked = len(text)
+        return False
     start = max(0, detok.stop_checked - (max(len(s) for s in stops) - 1))
     best = -1
     for s in stops:

@@ -492,21 +492,17 @@ class LLMEngine:
         if detok is not None:
             detok.add(token)
             if reason is None and params.stop_list:
-                if self._truncate_at_stop(detok, params.stop_list):
+                if truncate_at_stop(detok, params.stop_list, n > params.min_tokens):
                     reason = "stop"
                     stopped_by_string = True
         if reason is None and n >= seq.max_tokens:
             reason = "length"
         if detok is not None and reason is not None and not stopped_by_string:
             detok.flush()
-            if params.stop_list and self._truncate_at_stop(detok, params.stop_list):
+            if params.stop_list and truncate_at_stop(detok, params.stop_list, n > params.min_tokens):
                 reason = "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason, num_tokens=index + 1)
-
-    @staticmethod
-    def _truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str]) -> bool:
-        return truncate_at_stop(detok, stops)
 
     def _text(self, request: Request, index: int, final: bool) -> str:
         seq, detok = request.seqs[index], request.detokenizers[index]
