@@ -399,3 +399,23 @@ def test_required_and_named_always_yield_valid_calls_from_a_random_model(qwen3_t
             assert json.loads(call.function.arguments) in ({"unit": "c"}, {"unit": "f"})
     finally:
         engine.shutdown()
+
+
+def test_a_constrained_answer_is_content_under_a_reasoning_parser(tools_tokenizer):
+    """response_format's grammar applies from the first token, so its output holds no reasoning:
+    with deepseek_r1 (all text before </think> is reasoning) it is still the answer, whole and
+    streamed, and the openai client's parse() gets its object."""
+    with live_app(tools_tokenizer, ParserConfig(reasoning_parser="deepseek_r1")) as (engine, client, _):
+        engine.reply = ['{"city": "Paris"}']
+        schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        kw = dict(model="tiny", messages=CONVERSATION[:2],
+                  response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+        message = client.chat.completions.create(**kw).choices[0].message
+        assert message.content == '{"city": "Paris"}' and not message.model_extra.get("reasoning_content")
+        content, reasoning, calls, _ = reassemble(client.chat.completions.create(stream=True, **kw))
+        assert (content, reasoning, calls) == ('{"city": "Paris"}', "", [])
+        plain = dict(kw)
+        del plain["response_format"]
+        engine.reply = ["thinking</think>answer"]
+        message = client.chat.completions.create(**plain).choices[0].message
+        assert (message.content, message.model_extra.get("reasoning_content")) == ("answer", "thinking")

@@ -281,6 +281,10 @@ def test_choice_parser_reasoning_then_tools():
     assert summary(merge_deltas([named.feed('{"city": "Oslo"}'), named.finish()])) == (
         None, None, [("get_weather", '{"city": "Oslo"}')])
     assert named.finish_reason("stop") == "stop"
+    # so does an output under response_format / structured_outputs: all of it is the answer
+    for parser_name in ("deepseek_r1", "qwen3"):
+        json_answer = ChoiceParser(ToolPlan("none", []), ParserConfig(reasoning_parser=parser_name), True, True)
+        assert summary(merge_deltas([json_answer.feed('{"a": 1}'), json_answer.finish()])) == ('{"a": 1}', None, [])
 
 
 def test_arguments_stream_as_valid_json_once_complete():

@@ -678,7 +678,8 @@ class OpenAIServer:
         params = body.sampling_params(max_tokens, top, self.engine.vocab_size, self.engine.generation_defaults,
                                       structured_outputs=plan.structured_outputs)
         opens_reasoning = prompt_opens_reasoning(prompt_tail)
-        parsers = [ChoiceParser(plan, self.parsers, opens_reasoning) for _ in range(params.n)]
+        constrained = params.structured_outputs is not None
+        parsers = [ChoiceParser(plan, self.parsers, opens_reasoning, constrained) for _ in range(params.n)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, 1, params.n, body.stream)
         grammar_param = "tools" if plan.structured_outputs is not None else body.structured_param

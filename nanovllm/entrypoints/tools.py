@@ -163,12 +163,15 @@ def _structured(schema: dict[str, Any]) -> StructuredOutputsParams:
 
 
 class ChoiceParser:
-    """One choice's text -> reasoning, content and tool-call deltas."""
+    """One choice's text -> reasoning, content and tool-call deltas. constrained: the output is
+    under a grammar from its first token (response_format, structured_outputs): it holds no
+    reasoning, so the reasoning parser is skipped, as for "required" and named tool choices."""
 
-    def __init__(self, plan: ToolPlan, config: ParserConfig, prompt_opens_reasoning: bool = False) -> None:
+    def __init__(self, plan: ToolPlan, config: ParserConfig, prompt_opens_reasoning: bool = False,
+                 constrained: bool = False) -> None:
         self.plan = plan
         self.reasoning: ReasoningParser | None = None
-        if config.reasoning_parser is not None and plan.mode not in ("required", "named"):  # constrained
+        if config.reasoning_parser is not None and not constrained and plan.mode not in ("required", "named"):
             self.reasoning = ReasoningParser(config.reasoning_parser, prompt_opens_reasoning)
         self.tools: ToolParser | None = None
         if plan.mode == "auto":
