@@ -419,3 +419,11 @@ def test_a_constrained_answer_is_content_under_a_reasoning_parser(tools_tokenize
         engine.reply = ["thinking</think>answer"]
         message = client.chat.completions.create(**plain).choices[0].message
         assert (message.content, message.model_extra.get("reasoning_content")) == ("answer", "thinking")
+
+
+def test_an_auto_call_that_is_not_json_makes_the_unstreamed_answer_content(hermes):
+    engine, client, _ = hermes
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>'
+    engine.reply = [text]
+    choice = client.chat.completions.create(model="tiny", messages=CONVERSATION[:2], tools=[WEATHER]).choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")

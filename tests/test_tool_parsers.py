@@ -86,6 +86,30 @@ def test_hermes_edge_cases(text, expected):
     assert assert_every_split_agrees(HermesToolParser, text) == expected
 
 
+def test_a_malformed_arguments_value_streams_no_further_than_its_end():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>'
+    assert assert_every_split_agrees(HermesToolParser, text) == (None, None, [("get_weather", '{"city": Paris}')])
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>',
+    'Sure <tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}</tool_call>',
+    'Checking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Pa',  # cut by max_tokens
+])
+def test_unstreamed_auto_answer_with_a_call_that_is_not_json_is_content(text):
+    """vLLM's rule for the unstreamed answer: a call whose arguments do not parse makes the
+    whole answer content, without calls, and the finish reason is the engine's."""
+    parser = ChoiceParser(ToolPlan("auto", [WEATHER]), ParserConfig("hermes", True))
+    assert summary(parser.whole(text)) == (text, None, [])
+    assert parser.finish_reason("stop") == "stop"
+    reasoned = ChoiceParser(ToolPlan("auto", [WEATHER]), ParserConfig("hermes", True, "qwen3"))
+    assert summary(reasoned.whole("<think>hm</think>\n\n" + text)) == (text, "hm", [])
+    good = ChoiceParser(ToolPlan("auto", [WEATHER]), ParserConfig("hermes", True))
+    assert summary(good.whole(HERMES))[2] == [
+        ("get_weather", '{"city": "Paris", "days": 12}'), ("get_time", '{"tz": "UTC", "s": "a \\"}\\" b"}')]
+    assert good.finish_reason("stop") == "tool_calls"
+
+
 def test_hermes_stream_shape():
     """A call's first delta has its id, name and empty arguments; the rest only arguments."""
     ids = itertools.count()

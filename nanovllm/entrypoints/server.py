@@ -88,7 +88,7 @@ from nanovllm.entrypoints.reasoning import prompt_opens_reasoning
 from nanovllm.entrypoints.tokenization import (
     TokenizeCompletionRequest, detokenize, parse_detokenize, parse_tokenize, tokenize,
 )
-from nanovllm.entrypoints.tool_parsers import ParsedDelta, merge_deltas
+from nanovllm.entrypoints.tool_parsers import ParsedDelta
 from nanovllm.entrypoints.tools import ChoiceParser, ParserConfig, plan_tools
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -695,7 +695,7 @@ class OpenAIServer:
         choices = []
         for c in out.outputs:
             parser = parsers[c.index]
-            parsed = merge_deltas([parser.feed(c.text), parser.finish()])
+            parsed = parser.whole(c.text)
             content = parsed.content
             if content is None and not parsed.tool_calls and parsed.reasoning is None:
                 content = ""

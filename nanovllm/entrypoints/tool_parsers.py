@@ -222,6 +222,8 @@ def scan_call_object(text: str, start: int, args_end: ValueEnd | None = None) ->
         try:
             value, j = _DECODER.raw_decode(text, i)
         except ValueError:
+            if is_args and scan.args_tracker is not None and scan.args_tracker.end is not None:
+                scan.args_end = scan.args_tracker.end  # whole but not JSON: what follows is not its
             return scan  # unfinished (or not JSON: decided when the call ends)
         if j == n and isinstance(value, (int, float)) and not isinstance(value, bool):
             return scan  # a number may go on

@@ -17,10 +17,14 @@ and `--reasoning-parser`. `plan_tools` turns a request's `tools` and `tool_choic
 and the output is not constrained), then the tool parser (keeping the first call only with
 `parallel_tool_calls: false`); `finish_reason` says "tool_calls"
 when an `auto` or `required` output that stopped on its own made calls (a named call keeps
-"stop", as with OpenAI and vLLM).
+"stop", as with OpenAI and vLLM). A stream gets each call as the parser finds it; the
+unstreamed answer (`ChoiceParser.whole`) follows vLLM's rule for `auto`: if a call's arguments
+are not JSON (a malformed call, or one cut short by max_tokens), the answer is all content and
+has no calls.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +36,11 @@ from nanovllm.entrypoints.tool_parsers import (
     PARSERS as TOOL_PARSERS,
     NamedCallParser,
     ParsedDelta,
+    ParsedOutput,
     RequiredCallsParser,
     ToolParser,
     detect_parser,
+    merge_deltas,
 )
 from nanovllm.sampling_params import StructuredOutputsParams
 
@@ -174,6 +180,8 @@ class ChoiceParser:
         if config.reasoning_parser is not None and not constrained and plan.mode not in ("required", "named"):
             self.reasoning = ReasoningParser(config.reasoning_parser, prompt_opens_reasoning)
         self.tools: ToolParser | None = None
+        self._answer = ""  # the text after any reasoning, as the model wrote it
+        self._calls_dropped = False  # `whole` found a malformed call and made the answer content
         if plan.mode == "auto":
             self.tools = TOOL_PARSERS[config.tool_call_parser]()  # type: ignore[index]
         elif plan.mode == "required":
@@ -197,7 +205,18 @@ class ChoiceParser:
             out.extend(self._first_call_only(self.tools.finish()))
         return out
 
+    def whole(self, text: str) -> ParsedOutput:
+        """The unstreamed answer to the whole `text`: what feeding it and finishing give, except
+        that an "auto" output with a call whose arguments are not JSON is all content (the
+        text after any reasoning, as written) and has no calls (vLLM's rule)."""
+        parsed = merge_deltas([self.feed(text), self.finish()])
+        if self.plan.mode == "auto" and not all(_is_json(call.arguments) for call in parsed.tool_calls):
+            self._calls_dropped = True
+            return ParsedOutput(self._answer or None, parsed.reasoning, [])
+        return parsed
+
     def _content(self, text: str) -> ParsedDelta:
+        self._answer += text
         if self.tools is None:
             return ParsedDelta(content=text)
         return self._first_call_only(self.tools.feed(text)) if text else ParsedDelta()
@@ -210,7 +229,15 @@ class ChoiceParser:
         return delta
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        called = self.tools is not None and self.tools.called
+        called = self.tools is not None and self.tools.called and not self._calls_dropped
         if engine_reason == "stop" and called and self.plan.mode in ("auto", "required"):
             return "tool_calls"
         return engine_reason
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
