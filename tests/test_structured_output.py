@@ -439,3 +439,34 @@ def test_each_refusal_doubles_the_wide_masks_a_sequence_needs_before_it_samples_
     assert g.check([item], [allowed]) == []
     g.drop([0])
     g.shutdown()
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]},
+    {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]},
+    {"type": "object", "additionalProperties": True},  # json_object's: any value under any key
+])
+def test_json_strings_take_utf8_characters_and_nothing_else(tokenizer_dir, schema):
+    """Inside a JSON string the grammar takes any UTF-8 character but raw control characters and
+    surrogate code points (U+D800-U+DFFF: their 3-byte forms are not UTF-8, decode to
+    replacement characters and so break maxLength)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from nanovllm.structured.grammar import build_grammar
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer)))
+    compiled = compiler.compile_grammar(build_grammar(StructuredOutputsParams(json=schema)))
+    opening = b'{"s": "'
+
+    def takes(chars: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string(opening)
+        return matcher.accept_string(chars)
+
+    assert takes("é한🙂a".encode())
+    if "maxLength" not in json.dumps(schema):  # xgrammar's length-bounded strings take no escapes
+        assert takes(b"\\n\\u00e9")
+    for bad in (b"\xed\xa0\x80", b"\xed\xae\x89", b"\xed\xbf\xbf", b"\x01", b"\n"):
+        assert not takes(bad), bad

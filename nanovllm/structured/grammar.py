@@ -31,11 +31,15 @@ _SUBSCHEMAS = {
 }
 # Any JSON object: `{"type": "object"}` with any properties (json_object, response_format json_object).
 JSON_OBJECT_SCHEMA = {"type": "object", "additionalProperties": True}
-# xgrammar 0.2.8 writes a length-bounded JSON string's characters (minLength / maxLength) as this
-# class, which admits raw control characters (invalid in JSON); they are excluded as in its
-# unbounded strings.
-_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+# The character classes xgrammar (0.2.x) writes for a JSON string's characters, and what they
+# become. Both admit the surrogate code points U+D800-U+DFFF, whose 3-byte encodings are not
+# UTF-8 (a model could write them, and they decode to replacement characters, which breaks a
+# maxLength); the length-bounded one (minLength / maxLength) admits raw control characters too,
+# which JSON does not.
+_STRING_CHARS = {
+    r"[^\0-\x1f\"\\\r\n]": r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]",
+    r"[^\"\\\r\n]": r"[^\0-\x1f\"\\\uD800-\uDFFF]",
+}
 
 
 def _unsupported_keyword(schema: object, path: str) -> str | None:
@@ -87,10 +91,10 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
         if kind in ("json", "json_object"):
             schema = spec.spec if kind == "json" else json.dumps(JSON_OBJECT_SCHEMA)
             grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
-            text = str(grammar)
-            if _LOOSE_STRING_CHAR in text:
-                grammar = xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
-            return grammar
+            text = fixed = str(grammar)
+            for loose, strict in _STRING_CHARS.items():
+                fixed = fixed.replace(loose, strict)
+            return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
         if kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)
         if kind == "choice":
