@@ -242,10 +242,17 @@ def test_stop_strings_and_stop_token_ids(live, offline):
     assert "".join(c.choices[0].text for c in chunks) == expected and chunks[-1].choices[0].finish_reason == "stop"
 
     stop_id = ref.token_ids[3]
-    r = live.client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
-                                       extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+              extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    r = live.client.completions.create(**kw)
     assert r.choices[0].finish_reason == "stop"
-    assert r.usage.completion_tokens == ref.token_ids.index(stop_id) + 1
+    first = ref.token_ids.index(stop_id)
+    assert r.usage.completion_tokens == first + 1
+    # the stop token's text is left out (vLLM's rule), streamed or not
+    expected = offline.tokenizer.decode(ref.token_ids[:first])
+    assert r.choices[0].text == expected
+    chunks = [c for c in live.client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == expected
 
 
 def test_stop_strings_wait_for_min_tokens(live, offline):

@@ -72,6 +72,8 @@ class CoreInfo:
     num_blocks: int
     # The model's sampling defaults (LLMEngine.generation_defaults): front-ends build SamplingParams.
     generation_defaults: dict = field(default_factory=dict)
+    # The ids that end a sample as EOS: a sample they end leaves their text out (front-ends detokenize).
+    eos_token_ids: list[int] = field(default_factory=list)
 
 
 # ---- the process, parent side -----------------------------------------------------------------
@@ -172,7 +174,7 @@ def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, m
         os._exit(1)
     core = EngineCore(engine, addresses, max_pending, frontend_timeout)
     conn.send(CoreInfo(engine.source.path, engine.max_model_len, engine.vocab_size, engine.tokenizer,
-                       engine.block_manager.num_blocks, engine.generation_defaults))
+                       engine.block_manager.num_blocks, engine.generation_defaults, list(engine.eos_token_ids)))
     conn.close()
     signal.signal(signal.SIGTERM, core.on_sigterm)
     status = core.run()

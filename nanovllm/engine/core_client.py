@@ -36,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from nanovllm.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStats
 from nanovllm.engine.core import CoreAddresses, CoreInfo
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, streamable_text, truncate_at_stop
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, ended_by_stop_token, streamable_text, truncate_at_stop
 from nanovllm.engine.messages import Abort, AddRequest, CoreOutput, Delta, Hello, params_to_wire
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -115,6 +115,10 @@ class CoreStream:
             if new and self.first_token_time is None:
                 self.first_token_time = time.monotonic()
             lps = delta.logprobs[i] if delta.logprobs is not None else None
+            reason = delta.finish_reasons[i] if i < len(delta.finish_reasons) else None
+            with_text = len(new)  # the new tokens whose text the sample shows
+            if new and ended_by_stop_token(reason, new[-1], self.params.stop_token_ids, self.client.eos_token_ids):
+                with_text -= 1  # the token that ended the sample as a stop token keeps its id, not its text
             stopped = False
             for j, token in enumerate(new):
                 sample.token_ids.append(token)
@@ -122,12 +126,11 @@ class CoreStream:
                     entry = dict(lps[j])
                     sample.logprobs.append(entry)
                     sample.cumulative_logprob += entry[token]
-                if sample.detok is not None:
+                if sample.detok is not None and j < with_text:
                     sample.detok.add(token)
                     if stops and truncate_at_stop(sample.detok, stops, len(sample.token_ids) > min_tokens):
                         stopped = True
                         break
-            reason = delta.finish_reasons[i] if i < len(delta.finish_reasons) else None
             if not stopped and reason is not None and sample.detok is not None:
                 sample.detok.flush()
                 if stops and reason != "abort" and truncate_at_stop(sample.detok, stops,
@@ -155,7 +158,11 @@ class CoreStream:
             return streamable_text(sample.detok, self.params.stop_list, final or sample.finish_reason is not None)
         if self.client.tokenizer is None or not final:
             return ""
-        return self.client.tokenizer.decode(sample.token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        ids = sample.token_ids
+        if ids and ended_by_stop_token(sample.finish_reason, ids[-1], self.params.stop_token_ids,
+                                       self.client.eos_token_ids):
+            ids = ids[:-1]
+        return self.client.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def snapshot(self) -> RequestOutput:
         final = self.done
@@ -199,6 +206,7 @@ class CoreClient:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.generation_defaults = info.generation_defaults
+        self.eos_token_ids = list(info.eos_token_ids)
         self.model_path = info.model_path
         self.error: BaseException | None = None
         self.stats = EngineStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)

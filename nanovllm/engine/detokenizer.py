@@ -112,3 +112,10 @@ def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], searchable
     detok.text = text[:best]
     detok.stop_checked = best
     return True
+
+
+def ended_by_stop_token(reason: str | None, token: int, stop_token_ids: list[int], eos_token_ids: list[int]) -> bool:
+    """Whether a sample that ended with `reason` on `token` was ended by that token as a stop
+    token (an EOS id, or one of the request's stop_token_ids). Its text is left out of the
+    output, as vLLM leaves it out; the token stays in token_ids."""
+    return reason == "stop" and (token in stop_token_ids or token in eos_token_ids)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, streamable_text, truncate_at_stop
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, ended_by_stop_token, streamable_text, truncate_at_stop
 from nanovllm.engine.grammars import Grammars
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -489,9 +489,9 @@ class LLMEngine:
                 if detok is not None:
                     detok.flush()
                 return
-        if detok is not None:
+        if detok is not None and reason is None:  # a stop token's text is left out
             detok.add(token)
-            if reason is None and params.stop_list:
+            if params.stop_list:
                 if truncate_at_stop(detok, params.stop_list, n > params.min_tokens):
                     reason = "stop"
                     stopped_by_string = True
@@ -510,7 +510,10 @@ class LLMEngine:
             return streamable_text(detok, request.params.stop_list, final or seq.is_finished)
         if self.tokenizer is None or not self.detokenize:  # the engine core's: token ids only
             return ""
-        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=request.params.skip_special_tokens)
+        ids = seq.completion_token_ids
+        if ids and ended_by_stop_token(seq.finish_reason, ids[-1], request.params.stop_token_ids, self.eos_token_ids):
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=request.params.skip_special_tokens)
 
     def _make_output(self, request: Request, final: bool = False) -> RequestOutput:
         completions = []
