@@ -3,6 +3,10 @@
 `generate` takes strings or token-id lists and one SamplingParams or one per prompt, runs the
 engine until every request is done, and returns outputs in prompt order. `chat` applies the
 model's chat template first. `stream` yields incremental outputs as they are produced.
+
+Calls may interleave (two streams read in turns, a generate while a stream is open): each
+engine step serves every open request, so a call keeps the newest output of the other calls'
+requests that its steps produce (`_held`), and each call takes its own from there first.
 """
 from __future__ import annotations
 
@@ -28,10 +32,12 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model, **kwargs)
         with collections_paused():
-            self.engine = LLMEngine(self.config)
+            self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+        self.config = self.engine.config  # with the settings the engine resolved (max_model_len)
         self._ids = itertools.count()
+        self._open: set[str] = set()  # the requests a generate or stream call is waiting on
+        self._held: dict[str, RequestOutput] = {}  # open request id -> its newest output, stepped by another call
         # Time to first token of the last generate() call, seconds: {"avg", "min", "max"} (nano-vllm's bench.py reads it).
         self.last_ttft_stats: dict[str, float] | None = None
 
@@ -98,6 +104,26 @@ class LLM:
             raise
         return request_ids
 
+    def _outputs(self, mine: set[str]) -> list[RequestOutput]:
+        """The next outputs of the requests in `mine` (cumulative, so a held one is the newest):
+        those another call's steps produced, else those of one engine step, whose outputs of
+        other open requests are held for their callers. Empty once the engine has nothing left."""
+        held = [self._held.pop(rid) for rid in [rid for rid in self._held if rid in mine]]
+        if held or not self.engine.has_unfinished_requests():
+            return held
+        outputs = []
+        for out in self.engine.step():
+            if out.request_id in mine:
+                outputs.append(out)
+            elif out.request_id in self._open:
+                self._held[out.request_id] = out
+        return outputs
+
+    def _close(self, request_ids) -> None:
+        for rid in request_ids:
+            self._open.discard(rid)
+            self._held.pop(rid, None)
+
     # ---- public API ----------------------------------------------------------------------
     def generate(
         self,
@@ -107,14 +133,20 @@ class LLM:
     ) -> list[RequestOutput]:
         prompts, params = self._normalize(prompts, sampling_params)
         request_ids = self._add_all(prompts, params, stream=False)
+        pending = set(request_ids)
+        self._open |= pending
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+            while pending:
+                outputs = self._outputs(pending)
+                if not outputs and not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"the engine finished without outputs for {len(pending)} request(s)")
+                for out in outputs:
                     if out.finished:
                         results[out.request_id] = out
+                        pending.discard(out.request_id)
                         bar.update(1)
                 stats = self.engine.last_step
                 if stats.seconds > 0:
@@ -128,6 +160,7 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         finally:
+            self._close(request_ids)
             bar.close()
         ordered = [results[rid] for rid in request_ids]
         ttfts = [
@@ -145,14 +178,19 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Yield cumulative outputs of one request as tokens arrive (the last has finished=True)."""
         (request_id,) = self._add_all([prompt], [sampling_params or self.get_default_sampling_params()], stream=True)
+        mine = {request_id}
+        self._open.add(request_id)
         done = False
         try:
-            while not done and self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        done = out.finished
-                        yield out
+            while not done:
+                outputs = self._outputs(mine)
+                if not outputs and not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"the engine finished without a final output for request {request_id}")
+                for out in outputs:
+                    done = out.finished
+                    yield out
         finally:
+            self._close(mine)
             if not done:
                 self.engine.abort_request(request_id)
 

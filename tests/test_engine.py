@@ -351,6 +351,29 @@ def test_unknown_llm_kwarg_is_a_type_error(qwen3_tiny):
         LLM(str(qwen3_tiny), device="tpu")
 
 
+def test_interleaved_streams_and_generate_each_get_every_output(qwen3_tiny):
+    """Two streams read in turns, and a generate while a stream is open: each call's own steps
+    serve the others' requests too, and every call still ends on its final output."""
+    llm = engine(qwen3_tiny)
+    short, long_ = greedy(4), greedy(12)
+    alone = {p: llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+             for p, sp in (("hello", short), ("The quick brown fox", long_))}
+    a, b = llm.stream("The quick brown fox", long_), llm.stream("hello", short)
+    b_outputs = [next(b)]
+    a_outputs = list(a)
+    b_outputs += list(b)
+    for outputs, prompt in ((a_outputs, "The quick brown fox"), (b_outputs, "hello")):
+        assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == alone[prompt]
+        assert all(not o.finished for o in outputs[:-1])
+    open_stream = llm.stream("hello", short)
+    first = next(open_stream)
+    (whole,) = llm.generate(["The quick brown fox"], long_, use_tqdm=False)
+    assert whole.outputs[0].token_ids == alone["The quick brown fox"]
+    rest = list(open_stream)
+    assert rest and rest[-1].finished and rest[-1].outputs[0].token_ids == alone["hello"] and not first.finished
+    assert_free(llm)
+
+
 def test_max_model_len_caps_generation(qwen3_tiny):
     llm = engine(qwen3_tiny, max_model_len=20)
     out = llm.generate([[4] * 15], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0]
