@@ -38,7 +38,10 @@ class EngineConfig:
     # another, joins through the store at master_addr:master_port.
     torchrun: bool = False
     dtype: str = "auto"
-    max_model_len: int = 4096
+    # The longest sequence (prompt and output). None: the model's context length, at most
+    # DEFAULT_MAX_MODEL_LEN (LLMEngine resolves it, resolve_max_model_len); longer than the
+    # model's context is a ValueError, as in vLLM.
+    max_model_len: int | None = None
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
     kvcache_block_size: int = 16
@@ -94,6 +97,8 @@ class EngineConfig:
             raise bad("dtype", f"must be one of {DTYPES}")
         for name in ("tensor_parallel_size", "nnodes", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
             value = getattr(self, name)
+            if name == "max_model_len" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(name, "must be a positive integer")
         if self.tensor_parallel_size % self.nnodes:
@@ -117,11 +122,23 @@ class EngineConfig:
         if self.kvcache_block_size & (self.kvcache_block_size - 1):
             raise bad("kvcache_block_size", "must be a power of two")
         if self.num_kvcache_blocks is not None and (
-            not isinstance(self.num_kvcache_blocks, int) or self.num_kvcache_blocks < 1
+            not isinstance(self.num_kvcache_blocks, int) or isinstance(self.num_kvcache_blocks, bool)
+            or self.num_kvcache_blocks < 1
         ):
             raise bad("num_kvcache_blocks", "must be a positive integer or None")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if not _is_number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be a number in (0, 1]")
+        if not _is_number(self.cpu_kvcache_space_gib) or not 0.0 < self.cpu_kvcache_space_gib < float("inf"):
+            raise bad("cpu_kvcache_space_gib", "must be a positive number of GiB")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise bad("seed", "must be a non-negative integer")
+        if self.eos is not None and (not isinstance(self.eos, int) or isinstance(self.eos, bool) or self.eos < 0):
+            raise bad("eos", "must be a token id (a non-negative integer) or None")
+        for name in ("enable_prefix_caching", "enforce_eager", "persistent_decode", "torchrun"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be True or False")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise bad("async_scheduling", "must be True, False or None (automatic)")
         if self.generation_config not in GENERATION_CONFIGS:
             raise bad("generation_config", f"must be one of {GENERATION_CONFIGS}")
         if self.load_format not in LOAD_FORMATS:
@@ -156,3 +173,24 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}; known: {sorted(known - {'model'})}")
         return cls(model=model, **kwargs)
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float that is not a bool (bool is an int to Python)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def resolve_max_model_len(requested: int | None, model_len: int | None) -> int:
+    """EngineConfig.max_model_len for a model whose context is model_len positions (None:
+    unknown): the request as it is, or, for None, the model's context up to
+    DEFAULT_MAX_MODEL_LEN; ValueError if the request is longer than the model's context."""
+    if requested is None:
+        return DEFAULT_MAX_MODEL_LEN if model_len is None else min(DEFAULT_MAX_MODEL_LEN, model_len)
+    if model_len is not None and requested > model_len:
+        raise ValueError(f"LLM(max_model_len={requested}): longer than the model's context, {model_len} positions "
+                         "(its max_position_embeddings, extended by its rope scaling); pass at most that, or "
+                         "leave max_model_len unset")
+    return requested

@@ -351,6 +351,39 @@ def test_unknown_llm_kwarg_is_a_type_error(qwen3_tiny):
         LLM(str(qwen3_tiny), device="tpu")
 
 
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=None), "gpu_memory_utilization"),
+    (dict(num_kvcache_blocks=True), "num_kvcache_blocks"),
+    (dict(cpu_kvcache_space_gib=float("nan")), "cpu_kvcache_space_gib"),
+    (dict(cpu_kvcache_space_gib=0), "cpu_kvcache_space_gib"),
+    (dict(cpu_kvcache_space_gib="1"), "cpu_kvcache_space_gib"),
+    (dict(seed="abc"), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(seed=-1), "seed"),
+    (dict(eos=-5), "eos"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching"),
+    (dict(enforce_eager="yes"), "enforce_eager"),
+    (dict(async_scheduling="x"), "async_scheduling"),
+    (dict(max_model_len=0), "max_model_len"),
+])
+def test_bad_engine_options_are_value_errors_naming_them(kwargs, field):
+    from nanovllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.from_kwargs(None, **kwargs)
+
+
+def test_max_model_len_defaults_to_the_models_context_and_may_not_pass_it(qwen3_tiny):
+    """qwen3_tiny's context is 1,024 positions: that is the default (under 4,096), a longer
+    max_model_len is refused naming it (vLLM's rule), and an eos outside the vocabulary too."""
+    assert LLM(str(qwen3_tiny), device="cpu").engine.max_model_len == 1024
+    with pytest.raises(ValueError, match="max_model_len=2048.*1024"):
+        LLM(str(qwen3_tiny), device="cpu", max_model_len=2048)
+    with pytest.raises(ValueError, match="eos"):
+        LLM(str(qwen3_tiny), device="cpu", eos=10**6)
+
+
 def test_interleaved_streams_and_generate_each_get_every_output(qwen3_tiny):
     """Two streams read in turns, and a generate while a stream is open: each call's own steps
     serve the others' requests too, and every call still ends on its final output."""

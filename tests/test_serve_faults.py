@@ -559,7 +559,7 @@ def cpu_engine(qwen3_tiny):
     from nanovllm.config import EngineConfig
     from nanovllm.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig.from_kwargs(str(qwen3_tiny), device="cpu", max_model_len=8192), detokenize=False)
+    return LLMEngine(EngineConfig.from_kwargs(str(qwen3_tiny), device="cpu", max_model_len=1024), detokenize=False)
 
 
 def test_frontend_taken_for_dead_that_speaks_again_gets_its_streams_ended(tmp_path, qwen3_tiny):

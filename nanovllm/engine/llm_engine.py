@@ -11,10 +11,10 @@ import gc
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from nanovllm.config import EngineConfig
+from nanovllm.config import EngineConfig, resolve_max_model_len
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, ended_by_stop_token, streamable_text, truncate_at_stop
 from nanovllm.engine.grammars import Grammars
@@ -115,11 +115,14 @@ class LLMEngine:
         self.eos_token_ids = [config.eos] if config.eos is not None else self.source.eos_token_ids(self.tokenizer)
         t = self._mark("tokenizer", t)
         self.vocab_size = hf.vocab_size
+        if config.eos is not None and config.eos >= self.vocab_size:
+            raise ValueError(f"LLM(eos={config.eos}): outside the vocabulary [0, {self.vocab_size})")
         # SamplingParams keyword arguments for every field a request leaves unset (EngineConfig.generation_config).
         self.generation_defaults = read_generation_defaults(self.source) if config.generation_config == "auto" else {}
         # The positions the model reaches (its rope scaling may extend max_position_embeddings).
-        model_len = context_length(hf) if hasattr(hf, "max_position_embeddings") else config.max_model_len
-        self.max_model_len = min(config.max_model_len, model_len)
+        model_len = context_length(hf) if hasattr(hf, "max_position_embeddings") else None
+        self.max_model_len = resolve_max_model_len(config.max_model_len, model_len)
+        config = self.config = replace(config, max_model_len=self.max_model_len)  # what the runners size by
         self.executor = make_executor(config, self.source)
         t = self._mark("executor", t)
         self.block_manager = BlockManager(

@@ -45,7 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     _add_multinode_args(g)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--max-model-len", type=int, default=4096)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest sequence, prompt and output (default: the model's context, at most 4096)")
     g.add_argument("--max-num-seqs", type=int, default=512)
     g.add_argument("--max-num-batched-tokens", type=int, default=16384)
     g.add_argument("--kvcache-block-size", type=int, default=16)
