@@ -121,7 +121,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 64
+    max_tokens: int | None = 64  # None: as many as the context leaves (max_model_len less the prompt), as vLLM
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -164,9 +164,10 @@ class SamplingParams:
             raise bad("top_p", "must be a number in (0, 1]")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be a number in [0, 1]")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be an integer >= 1")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1, or None (as many as the context leaves)")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")

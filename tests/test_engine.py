@@ -254,6 +254,11 @@ def test_chat_template(qwen3_tiny):
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     expected = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert out.prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
+    turns = messages + [{"role": "assistant", "content": "hi"}]
+    out = llm.chat(turns, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False,
+                   add_generation_prompt=False)[0]
+    expected = llm.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False)
+    assert out.prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
 
 
 def test_streaming_yields_growing_outputs(qwen3_tiny):
@@ -411,6 +416,12 @@ def test_max_model_len_caps_generation(qwen3_tiny):
     llm = engine(qwen3_tiny, max_model_len=20)
     out = llm.generate([[4] * 15], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    # max_tokens=None (vLLM's): as many as the context leaves
+    out = llm.generate([[4] * 12], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+    assert SamplingParams(max_tokens=None, min_tokens=4).min_tokens == 4
 
 
 def test_triton_backend_under_interpreter_equals_torch(qwen3_tiny, reference):

@@ -223,6 +223,7 @@ class LLMEngine:
         banned = []
         if params.min_tokens:
             banned = sorted(set((self.eos_token_ids if not params.ignore_eos else []) + params.stop_token_ids))
+        room = self.max_model_len - len(ids)  # the most tokens the context leaves
         seqs = [
             Sequence(
                 seq_id=next(self._seq_ids),
@@ -231,7 +232,7 @@ class LLMEngine:
                 params=params,
                 seed=None if params.seed is None else params.seed + i,
                 min_tokens_banned_ids=banned,
-                max_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
+                max_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
             )
             for i in range(params.n)
         ]
