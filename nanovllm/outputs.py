@@ -18,6 +18,9 @@ class CompletionOutput:
     # the sampled token and the top-k alternatives.
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    # vLLM's: the stop string or the stop_token_ids entry that ended the sample ("stop"); None
+    # for an EOS token and every other ending.
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -177,10 +177,12 @@ def test_stop_strings_and_stop_token_ids(qwen3_tiny):
     stop = text[3:6]
     cut = llm.generate([[20, 21, 22]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop)]
+    assert cut.stop_reason == stop and base.stop_reason is None  # vLLM's stop_reason
     stop_id = base.token_ids[4]
     first = base.token_ids.index(stop_id)
     by_id = llm.generate([[20, 21, 22]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
     assert by_id.finish_reason == "stop" and by_id.token_ids == base.token_ids[: first + 1]
+    assert by_id.stop_reason == stop_id
     # vLLM's rule: the stop token stays in token_ids, its text is left out (streamed too)
     assert by_id.text == llm.tokenizer.decode(base.token_ids[:first]) != llm.tokenizer.decode(by_id.token_ids)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
@@ -189,7 +191,7 @@ def test_stop_strings_and_stop_token_ids(qwen3_tiny):
     eos = llm.engine.eos_token_ids[0]
     ended = llm.generate([[20, 21, 22]], SamplingParams(temperature=0, max_tokens=4, logit_bias={eos: 100.0},
                                                         skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
-    assert (ended.token_ids, ended.text, ended.finish_reason) == ([eos], "", "stop")
+    assert (ended.token_ids, ended.text, ended.finish_reason, ended.stop_reason) == ([eos], "", "stop", None)
     assert_free(llm)
 
 

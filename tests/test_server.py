@@ -238,8 +238,13 @@ def test_stop_strings_and_stop_token_ids(live, offline):
     kw = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
     r = live.client.completions.create(**kw)
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop  # vLLM's field
     chunks = [c for c in live.client.completions.create(stream=True, **kw) if c.choices]
     assert "".join(c.choices[0].text for c in chunks) == expected and chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+    chat = live.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.choices[0].model_extra["stop_reason"] is None
 
     stop_id = ref.token_ids[3]
     kw = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
@@ -250,9 +255,10 @@ def test_stop_strings_and_stop_token_ids(live, offline):
     assert r.usage.completion_tokens == first + 1
     # the stop token's text is left out (vLLM's rule), streamed or not
     expected = offline.tokenizer.decode(ref.token_ids[:first])
-    assert r.choices[0].text == expected
+    assert r.choices[0].text == expected and r.choices[0].model_extra["stop_reason"] == stop_id
     chunks = [c for c in live.client.completions.create(stream=True, **kw) if c.choices]
     assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == stop_id
 
 
 def test_stop_strings_wait_for_min_tokens(live, offline):

@@ -49,7 +49,7 @@ HELLO_S = 0.5
 
 
 class _Sample:
-    __slots__ = ("token_ids", "logprobs", "cumulative_logprob", "detok", "finish_reason")
+    __slots__ = ("token_ids", "logprobs", "cumulative_logprob", "detok", "finish_reason", "stop_reason")
 
     def __init__(self, detok: IncrementalDetokenizer | None, logprobs: bool) -> None:
         self.token_ids: list[int] = []
@@ -57,6 +57,7 @@ class _Sample:
         self.cumulative_logprob: float | None = 0.0 if logprobs else None  # of the sampled tokens
         self.detok = detok
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop string or stop token id of a "stop"
 
 
 class CoreStream:
@@ -117,8 +118,12 @@ class CoreStream:
             lps = delta.logprobs[i] if delta.logprobs is not None else None
             reason = delta.finish_reasons[i] if i < len(delta.finish_reasons) else None
             with_text = len(new)  # the new tokens whose text the sample shows
+            stop_reason = None
             if new and ended_by_stop_token(reason, new[-1], self.params.stop_token_ids, self.client.eos_token_ids):
                 with_text -= 1  # the token that ended the sample as a stop token keeps its id, not its text
+                if new[-1] in self.params.stop_token_ids and (
+                        self.params.ignore_eos or new[-1] not in self.client.eos_token_ids):
+                    stop_reason = new[-1]  # the core checks EOS first, as vLLM
             stopped = False
             for j, token in enumerate(new):
                 sample.token_ids.append(token)
@@ -128,20 +133,25 @@ class CoreStream:
                     sample.cumulative_logprob += entry[token]
                 if sample.detok is not None and j < with_text:
                     sample.detok.add(token)
-                    if stops and truncate_at_stop(sample.detok, stops, len(sample.token_ids) > min_tokens):
-                        stopped = True
+                    found = truncate_at_stop(sample.detok, stops, len(sample.token_ids) > min_tokens) if stops else None
+                    if found is not None:
+                        stopped, stop_reason = True, found
                         break
             if not stopped and reason is not None and sample.detok is not None:
                 sample.detok.flush()
-                if stops and reason != "abort" and truncate_at_stop(sample.detok, stops,
-                                                                    len(sample.token_ids) > min_tokens):
+                found = None
+                if stops and reason != "abort":
+                    found = truncate_at_stop(sample.detok, stops, len(sample.token_ids) > min_tokens)
+                if found is not None:
                     reason = "stop"
+                    stop_reason = found if stop_reason is None else stop_reason
             if stopped:
-                sample.finish_reason = "stop"
+                sample.finish_reason, sample.stop_reason = "stop", stop_reason
                 if not delta.finished:
                     self.client._send(Abort(self.request_id, i))  # free its blocks in the core now
             elif reason is not None:
                 sample.finish_reason = reason
+                sample.stop_reason = stop_reason if reason == "stop" else None
         if delta.finished:  # the core is done with the request
             for sample in self.samples:
                 if sample.finish_reason is None:
@@ -171,7 +181,8 @@ class CoreStream:
             outputs.append(CompletionOutput(index=i, text=self._text(s, final), token_ids=list(s.token_ids),
                                             finish_reason=s.finish_reason if final else None,
                                             logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                                            cumulative_logprob=s.cumulative_logprob))
+                                            cumulative_logprob=s.cumulative_logprob,
+                                            stop_reason=s.stop_reason if final else None))
         return RequestOutput(
             request_id=self.request_id, prompt=None, prompt_token_ids=self.prompt_token_ids, outputs=outputs,
             finished=final, num_cached_tokens=self.num_cached_tokens,

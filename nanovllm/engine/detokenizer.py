@@ -90,28 +90,28 @@ def streamable_text(detok: IncrementalDetokenizer, stops: list[str], whole: bool
     return text[: max(0, len(text) - (max(len(s) for s in stops) - 1))]
 
 
-def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], searchable: bool = True) -> bool:
+def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], searchable: bool = True) -> str | None:
     """Cut `detok.text` before the first stop string in the text not searched yet (and the
-    characters before it that a stop string could still span); True if one was found. The text
+    characters before it that a stop string could still span); the stop string found, or None. The text
     searched before had no stop string, so only a match reaching into the new text is new,
     however much text the last token added. searchable=False (the sample has not yet more than
     its min_tokens tokens: vLLM's rule) marks the new text searched without searching it."""
     text = detok.text
     if not searchable:
         detok.stop_checked = len(text)
-        return False
+        return None
     start = max(0, detok.stop_checked - (max(len(s) for s in stops) - 1))
-    best = -1
+    best, found = -1, None
     for s in stops:
         i = text.find(s, start)
         if i != -1 and (best == -1 or i < best):
-            best = i
-    if best == -1:
+            best, found = i, s
+    if found is None:
         detok.stop_checked = len(text)
-        return False
+        return None
     detok.text = text[:best]
     detok.stop_checked = best
-    return True
+    return found
 
 
 def ended_by_stop_token(reason: str | None, token: int, stop_token_ids: list[int], eos_token_ids: list[int]) -> bool:

@@ -479,12 +479,12 @@ class LLMEngine:
         params = request.params
         token = seq.token_ids[index]
         n = index + 1 - seq.num_prompt_tokens  # generated tokens up to and including this one
-        reason = None
+        reason = stop_reason = None
         stopped_by_string = False
         if not params.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         elif token in params.stop_token_ids:
-            reason = "stop"
+            reason, stop_reason = "stop", token
         detok = request.detokenizers[request.seqs.index(seq)] if request.detokenizers[0] is not None else None
         if reason is None and self.grammars.matchers:
             reason = self.grammars.accept(seq.seq_id, token)
@@ -496,16 +496,21 @@ class LLMEngine:
         if detok is not None and reason is None:  # a stop token's text is left out
             detok.add(token)
             if params.stop_list:
-                if truncate_at_stop(detok, params.stop_list, n > params.min_tokens):
-                    reason = "stop"
+                found = truncate_at_stop(detok, params.stop_list, n > params.min_tokens)
+                if found is not None:
+                    reason, stop_reason = "stop", found
                     stopped_by_string = True
         if reason is None and n >= seq.max_tokens:
             reason = "length"
         if detok is not None and reason is not None and not stopped_by_string:
             detok.flush()
-            if params.stop_list and truncate_at_stop(detok, params.stop_list, n > params.min_tokens):
+            found = truncate_at_stop(detok, params.stop_list, n > params.min_tokens) if params.stop_list else None
+            if found is not None:
                 reason = "stop"
+                if stop_reason is None:
+                    stop_reason = found
         if reason is not None:
+            seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason, num_tokens=index + 1)
 
     def _text(self, request: Request, index: int, final: bool) -> str:
@@ -545,6 +550,7 @@ class LLMEngine:
                     finish_reason=seq.finish_reason,
                     logprobs=logprobs,
                     cumulative_logprob=cumulative,
+                    stop_reason=seq.stop_reason if seq.finish_reason == "stop" else None,
                 )
             )
         return RequestOutput(

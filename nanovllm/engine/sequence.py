@@ -40,6 +40,8 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    # What ended a "stop": the stop string or stop_token_ids entry (CompletionOutput.stop_reason).
+    stop_reason: int | str | None = None
     num_preemptions: int = 0
     # Per generated token: (sampled logprob, {token_id: logprob} of the top k); only if asked.
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)

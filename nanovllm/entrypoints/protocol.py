@@ -470,6 +470,8 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice ("stop"); None otherwise
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(_Response):
@@ -528,6 +530,8 @@ class ChatChoice(_Response):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice ("stop"); None otherwise
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -586,6 +590,8 @@ class ChatChunkChoice(_Response):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice ("stop"); None otherwise
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(_Response):

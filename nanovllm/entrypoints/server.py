@@ -621,7 +621,7 @@ class OpenAIServer:
                 if body.logprobs is not None:
                     logprobs = self._completion_logprobs(c.token_ids, c.logprobs or [], body.logprobs, 0)
                 choices.append(CompletionChoice(index=i * params.n + c.index, text=c.text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return JSONResponse(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                usage=self._usage(finals)).model_dump())
 
@@ -650,7 +650,8 @@ class OpenAIServer:
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                 yield _sse(CompletionResponse(
                     id=request_id, created=created, model=self.model_name,
-                    choices=[CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish)],
+                    choices=[CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish,
+                                              stop_reason=c.stop_reason if finish is not None else None)],
                 ))
         if body.include_usage:
             yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
@@ -704,7 +705,7 @@ class OpenAIServer:
             message = ChatResponseMessage(content=content, reasoning_content=parsed.reasoning, tool_calls=calls)
             logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], top) if top is not None else None
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
-                                      finish_reason=parser.finish_reason(c.finish_reason)))
+                                      finish_reason=parser.finish_reason(c.finish_reason), stop_reason=c.stop_reason))
         return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                    usage=self._usage(finals)).model_dump())
 
@@ -758,7 +759,7 @@ class OpenAIServer:
                 if not parsed and logprobs is None and finish is None:
                     continue
                 yield chunk([ChatChunkChoice(index=i, delta=_delta_message(parsed), logprobs=logprobs,
-                                             finish_reason=finish)])
+                                             finish_reason=finish, stop_reason=c.stop_reason if finish else None)])
         if body.include_usage:
             yield chunk([], usage=self._usage(tracker.outputs))
 
