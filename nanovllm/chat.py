@@ -229,25 +229,35 @@ def _special_token_texts(tokenizer: Any) -> list[str]:
 
 def chat_prompt_ids(
     tokenizer: Any, messages: Any, add_generation_prompt: bool = True, parse_special_tokens: bool = False,
-    tools: Any = None, template_kwargs: Any = None,
+    tools: Any = None, template_kwargs: Any = None, continue_final_message: bool = False,
 ) -> list[int]:
     """Prompt token ids for `messages` (and `tools`, `template_kwargs`: see the module
-    docstring). The template holds any BOS, so nothing is added around it."""
+    docstring). The template holds any BOS, so nothing is added around it.
+    continue_final_message (vLLM's, Hugging Face's): the prompt ends with the final message's
+    text, without what the template closes it with, so that the model goes on with it."""
     messages = check_messages(messages)
     tools = check_tools(tools)
     template_kwargs = check_template_kwargs(template_kwargs)
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     if parse_special_tokens:
         text = render(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+        if continue_final_message:
+            text = _cut_after(text, messages[-1]["content"])
         return tokenizer.encode(text, add_special_tokens=False)
     holders = _Placeholders(tokenizer)
     held = []
-    for m in messages:
-        m = {**m, "content": holders.new(m["content"]) if m["content"] else ""}
+    for i, m in enumerate(messages):
+        # The final message to continue gets a placeholder even if empty: the prompt ends there.
+        keep = m["content"] or (continue_final_message and i == len(messages) - 1)
+        m = {**m, "content": holders.new(m["content"]) if keep else ""}
         if "tool_calls" in m:
             m["tool_calls"] = holders.guard(m["tool_calls"], as_json=True)
         held.append(m)
     text = render(tokenizer, held, add_generation_prompt, holders.guard(tools, as_json=True),
                   holders.guard(template_kwargs, as_json=False))
+    if continue_final_message:
+        text = _cut_after(text, held[-1]["content"])
     ids: list[int] = []
     for j, piece in enumerate(re.split(holders.pattern(), text)):
         if not piece:
@@ -257,3 +267,14 @@ def chat_prompt_ids(
         else:  # the template's own text: its markers are special tokens
             ids += tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=False)
     return ids
+
+
+def _cut_after(text: str, final: str) -> str:
+    """The rendered chat up to the end of the final message's text (its last occurrence)."""
+    if not final:
+        raise ValueError("continue_final_message: the final message has no text to continue")
+    end = text.rfind(final)
+    if end < 0:
+        raise ValueError("continue_final_message: the chat template does not keep the final message's text, so "
+                         "the prompt cannot end with it")
+    return text[: end + len(final)]

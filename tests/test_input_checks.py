@@ -73,6 +73,25 @@ def test_plain_chat_tokens_are_unchanged(tokenizer):
     assert chat_prompt_ids(tokenizer, messages) == tokenizer.encode(text, add_special_tokens=False)
 
 
+def test_continue_final_message_ends_the_prompt_inside_the_final_message(tokenizer):
+    """As Hugging Face's apply_chat_template(continue_final_message=True): the prompt ends with
+    the final message's text (no end-of-turn marker after it), with or without placeholders."""
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                         continue_final_message=True)
+    assert text.endswith("The color is")
+    expected = tokenizer.encode(text, add_special_tokens=False)
+    for parse in (False, True):
+        assert chat_prompt_ids(tokenizer, messages, False, parse_special_tokens=parse,
+                               continue_final_message=True) == expected
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        chat_prompt_ids(tokenizer, messages, True, continue_final_message=True)
+    # an empty final message: the prompt ends where its text would go
+    opened = chat_prompt_ids(tokenizer, messages[:1] + [{"role": "assistant", "content": ""}], False,
+                             continue_final_message=True)
+    assert tokenizer.decode(opened).endswith("<|im_start|>assistant\n")
+
+
 @pytest.mark.parametrize("messages, error, match", [
     ([{"content": "x"}], ValueError, r"messages\[0\] has no 'role'"),
     ([{"role": "user", "content": "x"}, {"role": "wizard", "content": "x"}], ValueError, r"messages\[1\]\.role"),

@@ -101,6 +101,19 @@ def test_tokenize_returns_the_token_strings_when_asked(replica, hf_tokenizer):
     assert chat["token_strs"] == hf_tokenizer.convert_ids_to_tokens(chat["tokens"])
 
 
+def test_continue_final_message_prompt_is_hugging_faces(replica, hf_tokenizer):
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                            continue_final_message=True)
+    expected = hf_tokenizer.encode(text, add_special_tokens=False)
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    got = httpx.post(replica + "/tokenize", json={"messages": messages, **flags}).json()
+    assert got["tokens"] == expected
+    usage = httpx.post(replica + "/v1/chat/completions",
+                       json={"model": NAME, "messages": messages, "max_tokens": 1, **flags}).json()["usage"]
+    assert usage["prompt_tokens"] == len(expected)
+
+
 def test_version_names_the_package(replica):
     import nanovllm
 

@@ -416,10 +416,11 @@ class ChatCompletionRequest(_SamplingRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     add_generation_prompt: StrictBool = True
+    # vLLM's: the prompt ends inside the final message, which the model goes on with.
+    continue_final_message: StrictBool = False
     # vLLM's field: extra variables for the chat template, e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's, refused where set (check_unsupported).
-    continue_final_message: Any = None
     chat_template: Any = None
     echo: Any = None
 
@@ -431,7 +432,9 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("function_call is deprecated and not supported; use tool_choice", param="function_call")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        _refuse_set(self, ("continue_final_message", "chat_template", "echo"))
+        _refuse_set(self, ("chat_template", "echo"))
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt false", param="continue_final_message")
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]

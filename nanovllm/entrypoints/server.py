@@ -671,7 +671,8 @@ class OpenAIServer:
         self._check_chars(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
                           + len(json.dumps(plan.tools or "")), "messages")
         prompt_ids, prompt_tail = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, self._chat_prompt, messages, body.add_generation_prompt, plan.tools, template_kwargs)
+            self._tokenize_pool, self._chat_prompt, messages, body.add_generation_prompt, plan.tools, template_kwargs,
+            body.continue_final_message)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
@@ -710,7 +711,7 @@ class OpenAIServer:
                                                    usage=self._usage(finals)).model_dump())
 
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
-                     template_kwargs: dict[str, Any]) -> tuple[list[int], str]:
+                     template_kwargs: dict[str, Any], continue_final_message: bool = False) -> tuple[list[int], str]:
         """Runs on the tokenizer thread: the prompt's ids, and the text of its last few tokens
         (does the template leave a think block open?). Contents are tokenized apart, so
         special-token text in them stays text (nanovllm/chat.py)."""
@@ -720,7 +721,8 @@ class OpenAIServer:
         try:
             ids = chat_prompt_ids(tok, messages, add_generation_prompt,
                                   parse_special_tokens=self.limits.parse_special_tokens_in_chat,
-                                  tools=tools, template_kwargs=template_kwargs)
+                                  tools=tools, template_kwargs=template_kwargs,
+                                  continue_final_message=continue_final_message)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param="messages") from None
         return ids, tok.decode(ids[-4:])

@@ -31,6 +31,7 @@ class TokenizeChatRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False  # the template holds any BOS
     return_token_strs: StrictBool = False
 
@@ -82,7 +83,8 @@ def tokenize(tokenizer: Any, req: TokenizeCompletionRequest | TokenizeChatReques
         messages = [m.for_template() for m in req.messages]
         try:
             ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt, tools=req.tools,
-                                  template_kwargs=req.chat_template_kwargs)
+                                  template_kwargs=req.chat_template_kwargs,
+                                  continue_final_message=req.continue_final_message)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param="messages") from None
         if req.add_special_tokens and tokenizer.bos_token_id is not None:
