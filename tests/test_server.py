@@ -557,6 +557,15 @@ def test_serve_bench_against_live_server(live):
     assert summary["client_cpu"] > 0.0 and summary["frontend_cpu"] > 0.0
     with pytest.raises(ValueError, match="127.0.0.1"):
         asyncio.run(run_serve_bench(ServeBenchConfig(url="http://example.com:8000")))
+    # A server it cannot reach, or one that refuses the key: a ValueError saying so (the CLI's
+    # one-line error), not an httpx traceback.
+    with pytest.raises(ValueError, match="--api-key"):
+        asyncio.run(run_serve_bench(ServeBenchConfig(url=live.url, num_requests=1, num_clients=1)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once the socket closes
+    with pytest.raises(ValueError, match="cannot reach the server"):
+        asyncio.run(run_serve_bench(ServeBenchConfig(url=closed, num_requests=1, num_clients=1)))
 
 
 def test_serve_bench_spreads_its_clients_over_processes(live):

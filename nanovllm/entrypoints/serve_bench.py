@@ -314,6 +314,24 @@ def _http_client(cfg: ServeBenchConfig) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=cfg.url.rstrip("/"), limits=limits, timeout=timeout)
 
 
+async def _served_model(client: httpx.AsyncClient, cfg: ServeBenchConfig) -> str:
+    """The model the server serves (/v1/models); ValueError saying why it could not be read."""
+    import httpx
+
+    try:
+        resp = await client.get("/v1/models", headers=_headers(cfg))
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach the server at {cfg.url}: {exc or type(exc).__name__}") from None
+    if resp.status_code in (401, 403):
+        raise ValueError(f"the server at {cfg.url} refused the API key ({resp.status_code}): pass --api-key")
+    try:
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"GET {cfg.url.rstrip('/')}/v1/models gave no model (status {resp.status_code}); "
+                         "pass --model") from None
+
+
 async def _run_clients(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: str,
                        prompts: list[list[int]]) -> list[_RequestResult]:
     """cfg.num_clients clients sending these prompts, each prompt once, until they are all sent
@@ -396,11 +414,7 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> ServeBenchResult:
     prompts = [[rng.randrange(cfg.token_id_low, cfg.token_id_high) for _ in range(cfg.input_len)]
                for _ in range(cfg.num_requests)]
     async with _http_client(cfg) as client:
-        model = cfg.model
-        if model is None:
-            resp = await client.get("/v1/models", headers=_headers(cfg))
-            resp.raise_for_status()
-            model = resp.json()["data"][0]["id"]
+        model = cfg.model or await _served_model(client, cfg)
         before = await _server_counters(client)
         start, cpu_start = time.perf_counter(), time.process_time()
         if cfg.client_processes == 1:
