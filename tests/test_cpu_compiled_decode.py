@@ -7,6 +7,8 @@ machine); the tests share the compiled packages through the session's cache dire
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -353,3 +355,22 @@ def test_decodes_beside_a_prompt_decode_compiled_and_give_the_eager_tokens(check
     assert run(llm) == want
     assert splits  # some steps had decodes beside a prompt
     assert all(len(t) == 12 for t in want.values()) and len(want) == 4
+
+
+def test_a_cache_that_cannot_be_written_still_gets_a_compiled_step(checkpoint_factory, monkeypatch, tmp_path, caplog):
+    """cpu_compile=True with a cache directory that cannot be made (its parent is a file): the
+    step is built in a temporary directory and not kept, with a warning, and decodes the eager
+    model's tokens (the engine used to fail to start)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(blocker / "cache"))
+    path = checkpoint_factory("qwen3")
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    eager = LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=False)
+    want = eager.generate([PROMPTS[0]], sp, use_tqdm=False)[0]["token_ids"]
+    eager.shutdown()
+    with caplog.at_level(logging.WARNING, logger="nanovllm"):
+        llm = LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True)
+    assert llm.engine.executor.runner.cpu_decode is not None
+    assert "cannot be written" in caplog.text
+    assert llm.generate([PROMPTS[0]], sp, use_tqdm=False)[0]["token_ids"] == want

@@ -376,7 +376,14 @@ def aot_package(layer: nn.Module, args: tuple, batched: bool, shape_key: str):
             for other in path.parent.parent.iterdir():
                 if other.name != code and not other.name.startswith("."):
                     shutil.rmtree(other, ignore_errors=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            writable = os.access(path.parent, os.W_OK)
+        except OSError:
+            writable = False
+        if not writable:  # a read-only cache: build anyway, in a temporary directory
+            logger.warning("cpu_compile: the cache %s cannot be written; the build is not kept", path.parent)
+            keep = False
     with tempfile.TemporaryDirectory(dir=path.parent if keep else None) as tmp:
         built = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / "step.pt2"),
                                                          inductor_configs=COMPILE_OPTIONS)
