@@ -201,3 +201,29 @@ def test_metrics_under_vllm_names_count_what_was_served(replica):
 
 def test_health(replica):
     assert httpx.get(replica + "/health").status_code == 200
+
+
+def test_metrics_count_what_an_abandoned_unstreamed_request_generated(replica):
+    """A client that leaves an unstreamed request before it ends: the abort, and the prompt and
+    generated tokens it had cost, are counted (they used to be counted for streams only)."""
+    before = scrape(replica)
+    prompt = "a long answer please"
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(replica + "/v1/completions", timeout=0.5, json={
+            "model": NAME, "prompt": prompt, "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while True:  # the abort reaches the engine once the server sees the disconnect
+        after = scrape(replica)
+        if value(after, "vllm:request_success_total", finished_reason="abort") > \
+                value(before, "vllm:request_success_total", finished_reason="abort"):
+            break
+        assert time.monotonic() < deadline, "the abandoned request was not counted"
+        time.sleep(0.2)
+
+    def grew(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("vllm:request_success_total", finished_reason="abort") == 1
+    assert grew("vllm:prompt_tokens_total") >= 3
+    assert 0 < grew("vllm:generation_tokens_total") < MAX_MODEL_LEN - 16
+    assert grew("vllm:time_to_first_token_seconds_count") == 1

@@ -86,10 +86,18 @@ class RequestStream:
         self.finished = False
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._accepted: asyncio.Future[None] = loop.create_future()
+        self._latest: RequestOutput | None = None
 
     # Called on the event loop's thread (scheduled by the engine thread).
     def _put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, RequestOutput):
+            self._latest = item
         self._queue.put_nowait(item)
+
+    def snapshot(self) -> RequestOutput | None:
+        """The newest output the engine sent, read or not (an unstreamed request gets only its
+        final one); None before any."""
+        return self._latest
 
     def _settle(self, error: BaseException | None) -> None:
         if self._accepted.done():  # the caller gave up waiting

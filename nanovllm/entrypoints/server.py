@@ -591,6 +591,11 @@ class OpenAIServer:
                 if any(c.finish_reason == "abort" for out in finals for c in out.outputs):  # type: ignore[union-attr]
                     raise EngineDeadError("the request was aborted: the server is shutting down")
                 return finals  # type: ignore[return-value]
+            # The client left: what its requests generated so far counts in the metrics.
+            for i, stream in enumerate(streams):
+                partial = stream.snapshot()
+                if partial is not None and tracker.outputs[i] is None:
+                    tracker.update(i, partial)
             return None
         finally:
             for task in (work, gone):
