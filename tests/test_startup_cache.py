@@ -296,6 +296,33 @@ def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
     assert (target / "f").read_text() == "second" and sorted(os.listdir(tmp_path)) == ["d", "tok"]
 
 
+def test_a_killed_writers_leftovers_are_removed_by_the_next_write(tmp_path):
+    """A writer killed mid-write leaves its temporary file. The next write in that directory
+    removes it once its process is gone and it is an hour old; a newer one, or a living
+    process's, stays (a writer on another machine sharing the cache may still be at work)."""
+    import subprocess
+    import sys
+    import time
+
+    from nanovllm.loaders.cache import ORPHAN_AGE_S
+
+    entry = tmp_path / "entry"
+    code = ("import os, sys; from pathlib import Path; from nanovllm.loaders.cache import atomic_file\n"
+            "with atomic_file(Path(sys.argv[1]) / 'weights') as tmp:\n"
+            "    tmp.write_bytes(b'half'); os._exit(9)\n")
+    for _ in range(2):  # two killed writers
+        assert subprocess.run([sys.executable, "-c", code, str(entry)]).returncode == 9
+    old, recent = sorted(entry.iterdir())
+    stale = time.time() - ORPHAN_AGE_S - 60
+    os.utime(old, (stale, stale))
+    alive = entry / f".weights.tmp-{os.getpid()}-0123abcd"  # this process's: alive
+    alive.write_bytes(b"in progress")
+    os.utime(alive, (stale, stale))
+    with atomic_file(entry / "config.json") as tmp:
+        tmp.write_text("{}")
+    assert sorted(p.name for p in entry.iterdir()) == sorted(["config.json", recent.name, alive.name])
+
+
 @needs_smollm2
 def test_smollm2_answers_alike_from_the_cache(cache_root, monkeypatch):
     """The embedded model: tokenizer (with its chat template) and greedy tokens, converted vs cached."""

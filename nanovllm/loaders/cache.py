@@ -8,13 +8,17 @@ touched file still hits and an edited one never does.
 Every file is written to a temporary name beside its destination and renamed into place, so a
 reader sees a whole file or none, and concurrent writers of one entry cannot corrupt it (the last
 rename wins; both wrote the same bytes). Readers treat an entry that fails to load as absent.
+A writer killed mid-write leaves its temporary file; the next write in that directory removes
+such leftovers once their process is gone and they are an hour old.
 """
 from __future__ import annotations
 
 import logging
 import mmap
 import os
+import re
 import shutil
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +29,10 @@ import xxhash
 logger = logging.getLogger("nanovllm")
 
 _DISABLE_VALUES = ("1", "true", "yes", "on")
+_TMP_NAME = re.compile(r"\..+\.tmp-(\d+)-[0-9a-f]{8}")  # _tmp_name's: the writer's pid
+# A leftover temporary file is removed only this old: on a cache shared between machines, a
+# writer elsewhere is not among this machine's processes.
+ORPHAN_AGE_S = 3600.0
 
 
 def cache_enabled() -> bool:
@@ -61,10 +69,44 @@ def _tmp_name(dest: Path) -> Path:
     return dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists (another user's)
+        return True
+    return True
+
+
+def remove_orphans(directory: Path) -> None:
+    """Remove the temporary files and directories that writers killed mid-write left in
+    `directory`: those whose process is gone and that are ORPHAN_AGE_S old."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return
+    now = time.time()
+    for entry in entries:
+        match = _TMP_NAME.fullmatch(entry.name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        try:
+            if now - entry.lstat().st_mtime < ORPHAN_AGE_S:
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        except OSError:
+            continue
+
+
 @contextmanager
 def atomic_file(dest: Path) -> Iterator[Path]:
     """Yield a temporary path to write; on success it replaces `dest` in one rename."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_orphans(dest.parent)
     tmp = _tmp_name(dest)
     try:
         yield tmp
@@ -79,6 +121,7 @@ def atomic_dir(dest: Path) -> Iterator[Path]:
     """Yield a temporary directory to fill; on success it is renamed to `dest`, unless another
     writer got there first (then theirs is kept and ours dropped)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_orphans(dest.parent)
     tmp = _tmp_name(dest)
     tmp.mkdir()
     try:
