@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from nanovllm.sampling_params import is_int, is_number
+
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -99,7 +101,7 @@ class EngineConfig:
             value = getattr(self, name)
             if name == "max_model_len" and value is None:
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise bad(name, "must be a positive integer")
         if self.tensor_parallel_size % self.nnodes:
             raise bad("nnodes", f"must divide tensor_parallel_size={self.tensor_parallel_size} (ranks per node)")
@@ -115,24 +117,21 @@ class EngineConfig:
         if not isinstance(self.join_timeout_s, (int, float)) or not self.join_timeout_s > 0:
             raise bad("join_timeout_s", "must be a positive number of seconds")
         if self.decode_burst is not None:
-            if not isinstance(self.decode_burst, int) or isinstance(self.decode_burst, bool) or not 1 <= self.decode_burst <= 64:
+            if not is_int(self.decode_burst) or not 1 <= self.decode_burst <= 64:
                 raise bad("decode_burst", "must be an integer in [1, 64] (a graph holds that many steps) or None")
             if self.decode_burst > 1 and self.tensor_parallel_size != 1:
                 raise bad("decode_burst", "decode bursts run on one rank (tensor_parallel_size=1)")
         if self.kvcache_block_size & (self.kvcache_block_size - 1):
             raise bad("kvcache_block_size", "must be a power of two")
-        if self.num_kvcache_blocks is not None and (
-            not isinstance(self.num_kvcache_blocks, int) or isinstance(self.num_kvcache_blocks, bool)
-            or self.num_kvcache_blocks < 1
-        ):
+        if self.num_kvcache_blocks is not None and (not is_int(self.num_kvcache_blocks) or self.num_kvcache_blocks < 1):
             raise bad("num_kvcache_blocks", "must be a positive integer or None")
-        if not _is_number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if not is_number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "must be a number in (0, 1]")
-        if not _is_number(self.cpu_kvcache_space_gib) or not 0.0 < self.cpu_kvcache_space_gib < float("inf"):
+        if not is_number(self.cpu_kvcache_space_gib) or self.cpu_kvcache_space_gib <= 0:
             raise bad("cpu_kvcache_space_gib", "must be a positive number of GiB")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise bad("seed", "must be a non-negative integer")
-        if self.eos is not None and (not isinstance(self.eos, int) or isinstance(self.eos, bool) or self.eos < 0):
+        if self.eos is not None and (not is_int(self.eos) or self.eos < 0):
             raise bad("eos", "must be a token id (a non-negative integer) or None")
         for name in ("enable_prefix_caching", "enforce_eager", "persistent_decode", "torchrun"):
             if not isinstance(getattr(self, name), bool):
@@ -173,11 +172,6 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}; known: {sorted(known - {'model'})}")
         return cls(model=model, **kwargs)
-
-
-def _is_number(value: Any) -> bool:
-    """An int or float that is not a bool (bool is an int to Python)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 DEFAULT_MAX_MODEL_LEN = 4096

@@ -24,11 +24,13 @@ MAX_ADDITIVE_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
+    """An int that is not a bool (bool is an int to Python); EngineConfig's checks use it too."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: object) -> bool:
+def is_number(x: object) -> bool:
+    """A finite int or float that is not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -156,38 +158,38 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
 
-        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+        if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise bad("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "must be -1 (off) or an integer >= 1")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be a number in (0, 1]")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be a number in [0, 1]")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1, or None (as many as the context leaves)")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+        if not is_int(self.min_tokens) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED - self.n):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED - self.n):
             raise bad("seed", "must be None or an integer in [0, 2**63 - 1 - n]")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be None or an integer in [0, 20]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY:
+            if not is_number(value) or not -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY:
                 raise bad(name, f"must be a finite number in [-{MAX_ADDITIVE_PENALTY:g}, {MAX_ADDITIVE_PENALTY:g}]")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be a finite number > 0 (1 means off)")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", "must be a dict of token id -> bias")
             for token, bias in self.logit_bias.items():
-                if not _is_int(token) or token < 0:
+                if not is_int(token) or token < 0:
                     raise bad("logit_bias", f"key {token!r} is not a token id (a non-negative integer)")
-                if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                if not is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                     raise bad("logit_bias", f"bias {bias!r} of token {token} is not a number in "
                                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
             object.__setattr__(self, "logit_bias", {t: float(b) for t, b in self.logit_bias.items()} or None)
@@ -216,7 +218,7 @@ class SamplingParams:
         if self.stop_token_ids is None:
             object.__setattr__(self, "stop_token_ids", [])
         elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
+            is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
         else:
