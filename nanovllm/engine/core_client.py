@@ -36,7 +36,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from nanovllm.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStats
 from nanovllm.engine.core import CoreAddresses, CoreInfo
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, ended_by_stop_token, streamable_text, truncate_at_stop
+from nanovllm.engine.detokenizer import (
+    IncrementalDetokenizer, ended_by_stop_token, stop_token_reason, streamable_text, text_token_ids, truncate_at_stop,
+)
 from nanovllm.engine.messages import Abort, AddRequest, CoreOutput, Delta, Hello, params_to_wire
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -121,9 +123,8 @@ class CoreStream:
             stop_reason = None
             if new and ended_by_stop_token(reason, new[-1], self.params.stop_token_ids, self.client.eos_token_ids):
                 with_text -= 1  # the token that ended the sample as a stop token keeps its id, not its text
-                if new[-1] in self.params.stop_token_ids and (
-                        self.params.ignore_eos or new[-1] not in self.client.eos_token_ids):
-                    stop_reason = new[-1]  # the core checks EOS first, as vLLM
+                stop_reason = stop_token_reason(new[-1], self.params.ignore_eos, self.params.stop_token_ids,
+                                                self.client.eos_token_ids)
             stopped = False
             for j, token in enumerate(new):
                 sample.token_ids.append(token)
@@ -168,10 +169,8 @@ class CoreStream:
             return streamable_text(sample.detok, self.params.stop_list, final or sample.finish_reason is not None)
         if self.client.tokenizer is None or not final:
             return ""
-        ids = sample.token_ids
-        if ids and ended_by_stop_token(sample.finish_reason, ids[-1], self.params.stop_token_ids,
-                                       self.client.eos_token_ids):
-            ids = ids[:-1]
+        ids = text_token_ids(sample.token_ids, sample.finish_reason, self.params.stop_token_ids,
+                             self.client.eos_token_ids)
         return self.client.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def snapshot(self) -> RequestOutput:

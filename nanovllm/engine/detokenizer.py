@@ -119,3 +119,19 @@ def ended_by_stop_token(reason: str | None, token: int, stop_token_ids: list[int
     token (an EOS id, or one of the request's stop_token_ids). Its text is left out of the
     output, as vLLM leaves it out; the token stays in token_ids."""
     return reason == "stop" and (token in stop_token_ids or token in eos_token_ids)
+
+
+def text_token_ids(token_ids: list[int], reason: str | None, stop_token_ids: list[int],
+                   eos_token_ids: list[int]) -> list[int]:
+    """The output's ids whose text it shows: all but a stop token that ended it."""
+    if token_ids and ended_by_stop_token(reason, token_ids[-1], stop_token_ids, eos_token_ids):
+        return token_ids[:-1]
+    return token_ids
+
+
+def stop_token_reason(token: int, ignore_eos: bool, stop_token_ids: list[int], eos_token_ids: list[int]) -> int | None:
+    """vLLM's stop_reason for a sample that `token` ends as a stop token: the stop_token_ids
+    entry; None for EOS, which is checked first (unless ignore_eos)."""
+    if token in stop_token_ids and (ignore_eos or token not in eos_token_ids):
+        return token
+    return None

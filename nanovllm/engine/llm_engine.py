@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 
 from nanovllm.config import EngineConfig, resolve_max_model_len
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, ended_by_stop_token, streamable_text, truncate_at_stop
+from nanovllm.engine.detokenizer import (
+    IncrementalDetokenizer, stop_token_reason, streamable_text, text_token_ids, truncate_at_stop,
+)
 from nanovllm.engine.grammars import Grammars
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -481,10 +483,9 @@ class LLMEngine:
         n = index + 1 - seq.num_prompt_tokens  # generated tokens up to and including this one
         reason = stop_reason = None
         stopped_by_string = False
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
             reason = "stop"
-        elif token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
+            stop_reason = stop_token_reason(token, params.ignore_eos, params.stop_token_ids, self.eos_token_ids)
         detok = request.detokenizers[request.seqs.index(seq)] if request.detokenizers[0] is not None else None
         if reason is None and self.grammars.matchers:
             reason = self.grammars.accept(seq.seq_id, token)
@@ -519,9 +520,8 @@ class LLMEngine:
             return streamable_text(detok, request.params.stop_list, final or seq.is_finished)
         if self.tokenizer is None or not self.detokenize:  # the engine core's: token ids only
             return ""
-        ids = seq.completion_token_ids
-        if ids and ended_by_stop_token(seq.finish_reason, ids[-1], request.params.stop_token_ids, self.eos_token_ids):
-            ids = ids[:-1]
+        ids = text_token_ids(seq.completion_token_ids, seq.finish_reason, request.params.stop_token_ids,
+                             self.eos_token_ids)
         return self.tokenizer.decode(ids, skip_special_tokens=request.params.skip_special_tokens)
 
     def _make_output(self, request: Request, final: bool = False) -> RequestOutput:
