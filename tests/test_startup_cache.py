@@ -323,6 +323,31 @@ def test_a_killed_writers_leftovers_are_removed_by_the_next_write(tmp_path):
     assert sorted(p.name for p in entry.iterdir()) == sorted(["config.json", recent.name, alive.name])
 
 
+def test_a_killed_builders_scratch_directory_is_removed_by_the_next_build(tmp_path):
+    """A build in a scratch directory beside its destination (cpu_compile's packages) that is
+    killed leaves the directory; the next build there removes it once its process is gone and
+    it is an hour old. A finished build leaves none."""
+    import subprocess
+    import sys
+    import time
+
+    from nanovllm.loaders.cache import ORPHAN_AGE_S, scratch_dir
+
+    entry = tmp_path / "cpu-decode"
+    code = ("import os, sys; from pathlib import Path; from nanovllm.loaders.cache import scratch_dir\n"
+            "with scratch_dir(Path(sys.argv[1]) / 'step.pt2') as tmp:\n"
+            "    (tmp / 'step.pt2').write_bytes(b'half'); os._exit(9)\n")
+    assert subprocess.run([sys.executable, "-c", code, str(entry)]).returncode == 9
+    [left] = entry.iterdir()
+    assert (left / "step.pt2").exists()
+    stale = time.time() - ORPHAN_AGE_S - 60
+    os.utime(left, (stale, stale))
+    with scratch_dir(entry / "other.pt2") as tmp:
+        (tmp / "other.pt2").write_bytes(b"whole")
+        os.replace(tmp / "other.pt2", entry / "other.pt2")
+    assert [p.name for p in entry.iterdir()] == ["other.pt2"]
+
+
 @needs_smollm2
 def test_smollm2_answers_alike_from_the_cache(cache_root, monkeypatch):
     """The embedded model: tokenizer (with its chat template) and greedy tokens, converted vs cached."""

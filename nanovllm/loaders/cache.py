@@ -117,6 +117,21 @@ def atomic_file(dest: Path) -> Iterator[Path]:
 
 
 @contextmanager
+def scratch_dir(dest: Path) -> Iterator[Path]:
+    """Yield a temporary directory beside `dest` to build it in (the builder moves its result
+    to dest itself); removed on exit, or by a later writer's remove_orphans if the builder is
+    killed."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_orphans(dest.parent)
+    tmp = _tmp_name(dest)
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
 def atomic_dir(dest: Path) -> Iterator[Path]:
     """Yield a temporary directory to fill; on success it is renamed to `dest`, unless another
     writer got there first (then theirs is kept and ours dropped)."""

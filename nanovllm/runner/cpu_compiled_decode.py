@@ -352,7 +352,7 @@ def aot_package(layer: nn.Module, args: tuple, batched: bool, shape_key: str):
     `batched`; any block count from 2 and any pool size), loaded: from the user's cache where a
     process built it before, else exported, compiled and kept there, under a directory for this
     code (torch's version and this module), which drops the directories of other code."""
-    from nanovllm.loaders.cache import buffer_digest, cache_dir, cache_enabled, discard
+    from nanovllm.loaders.cache import buffer_digest, cache_dir, cache_enabled, discard, scratch_dir
 
     code = buffer_digest(repr((torch.__version__, Path(__file__).read_bytes())).encode())
     path = cache_dir() / "cpu-decode" / code / f"{buffer_digest(repr((shape_key, batched)).encode())}.pt2"
@@ -384,7 +384,7 @@ def aot_package(layer: nn.Module, args: tuple, batched: bool, shape_key: str):
         if not writable:  # a read-only cache: build anyway, in a temporary directory
             logger.warning("cpu_compile: the cache %s cannot be written; the build is not kept", path.parent)
             keep = False
-    with tempfile.TemporaryDirectory(dir=path.parent if keep else None) as tmp:
+    with scratch_dir(path) if keep else tempfile.TemporaryDirectory() as tmp:
         built = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / "step.pt2"),
                                                          inductor_configs=COMPILE_OPTIONS)
         if keep:
