@@ -262,6 +262,12 @@ def test_n_and_prompt_count_caps_are_400_naming_the_field(keyed):
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": true, "logprobs": true}',
      "top_logprobs"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "logprobs": 1}', "logprobs"),
+    # integers the engine core's messages cannot carry (over int64)
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 18446744073709551616}', "max_tokens"),
+    ("/v1/completions", '{"prompt": "x", "top_k": 18446744073709551616}', "top_k"),
+    ("/v1/completions", '{"prompt": "x", "min_tokens": 9223372036854775808}', "min_tokens"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": '
+     '18446744073709551616}', "max_completion_tokens"),
 ])
 def test_bad_text_and_numbers_are_400_and_the_engine_lives_on(keyed, engine, path, body, param):
     http = client(keyed)

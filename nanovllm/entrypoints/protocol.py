@@ -57,6 +57,11 @@ from nanovllm.sampling_params import (
 from nanovllm.text import check_text
 
 
+# The largest integer a request field may hold: what the engine core's messages carry (msgpack's
+# int64). Larger counts mean nothing more (max_tokens is cut to the context), but would not cross.
+MAX_REQUEST_INT = 2**63 - 1
+
+
 class OpenAIError(Exception):
     """An error to send as `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
@@ -146,12 +151,12 @@ class _SamplingRequest(_Request):
 
     # The ranges are SamplingParams' (which checks them again), stated here for the OpenAPI schema.
     model: str | None = None
-    n: StrictInt = Field(1, ge=1)
+    n: StrictInt = Field(1, ge=1, le=MAX_REQUEST_INT)
     stop: str | list[str] | None = None
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
     temperature: StrictFloat | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: StrictFloat | None = Field(None, gt=0, le=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=MAX_REQUEST_INT)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -160,11 +165,11 @@ class _SamplingRequest(_Request):
     # Token id (a decimal string, as JSON keys are strings) -> bias in [-100, 100].
     logit_bias: dict[str, StrictFloat] | None = None
     # vLLM-style extras.
-    top_k: StrictInt | None = Field(None, ge=-1)
+    top_k: StrictInt | None = Field(None, ge=-1, le=MAX_REQUEST_INT)
     min_p: StrictFloat | None = Field(None, ge=0, le=1)
     repetition_penalty: StrictFloat | None = Field(None, gt=0)
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: StrictInt = Field(0, ge=0, le=MAX_REQUEST_INT)
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
     response_format: ResponseFormat | None = None
@@ -407,7 +412,7 @@ class NamedToolChoice(_Request):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=MAX_REQUEST_INT)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[ToolDefinition] | None = None
