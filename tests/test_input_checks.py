@@ -66,6 +66,28 @@ def test_special_token_text_in_content_stays_text(tokenizer):
     assert old.count(im_start) == 3 and old.count(im_end) == 2  # the flag keeps the plain behaviour
 
 
+def test_tokenize_with_special_tokens_adds_what_the_tokenizer_adds_to_a_chat(tokenizer):
+    """/tokenize's add_special_tokens on a chat adds what the tokenizer itself adds to a text
+    (vLLM hands the flag to the tokenizer): nothing for one that adds nothing, however its BOS
+    is set, else its BOS once."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from nanovllm.entrypoints.tokenization import TokenizeChatRequest, tokenize
+
+    messages = [{"role": "user", "content": "hi"}]
+    plain = chat_prompt_ids(tokenizer, messages, True)
+    with_flag = TokenizeChatRequest.model_validate({"messages": messages, "add_special_tokens": True})
+    assert tokenizer.bos_token_id is not None and tokenizer.encode("a", add_special_tokens=True) == tokenizer.encode("a")
+    assert tokenize(tokenizer, with_flag, 64).tokens == plain
+    adds_bos = copy.deepcopy(tokenizer)
+    bos = adds_bos.bos_token
+    adds_bos.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, adds_bos.bos_token_id)])
+    assert tokenize(adds_bos, with_flag, 64).tokens == [adds_bos.bos_token_id] + plain
+
+
 def test_plain_chat_tokens_are_unchanged(tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"},
                 {"role": "assistant", "content": " jumps"}, {"role": "user", "content": ""}]
