@@ -653,6 +653,45 @@ def test_core_stream_text_never_shrinks_when_a_sample_stops_first(live, offline)
         assert all(a.text.startswith(b.text) for a, b in zip(after.outputs, before.outputs))
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_streamed_choice_that_ends_first_gets_its_finish_reason_as_it_ends(live, offline, endpoint):
+    """n=2 with a stop string that only sample 0 meets, early: its finish_reason comes in the
+    chunk where it ends, while sample 1 streams on (as vLLM and OpenAI send them), once per
+    choice, and each choice's text is the offline engine's."""
+    messages = [{"role": "user", "content": "Say something"}]
+    params = dict(n=2, temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+
+    def offline_outputs(**extra):
+        sp = SamplingParams(**params, **extra)
+        if endpoint == "chat":
+            return offline.chat(messages, sp, use_tqdm=False)[0].outputs
+        return offline.generate([[40, 41, 42]], sp, use_tqdm=False)[0].outputs
+
+    free = offline_outputs()
+    text = free[0].text
+    stop = [next(text[i : i + 3] for i in range(len(text) // 4, len(text) // 2) if text[i : i + 3] not in free[1].text)]
+    expected = offline_outputs(stop=stop)
+    assert [c.finish_reason for c in expected] == ["stop", "length"] and len(expected[0].token_ids) < 20
+    body = dict(model=MODEL, stop=stop, stream=True, **{k: v for k, v in params.items()})
+    if endpoint == "chat":
+        body["messages"], path = messages, "/v1/chat/completions"
+    else:
+        body["prompt"], path = [40, 41, 42], "/v1/completions"
+    order = []  # (choice, has text, finish_reason) per choice in a chunk, in arrival order
+    texts = {0: "", 1: ""}
+    with live.http.stream("POST", path, json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    piece = c["text"] if endpoint == "completions" else c["delta"].get("content") or ""
+                    texts[c["index"]] += piece
+                    order.append((c["index"], bool(piece), c["finish_reason"]))
+    assert sorted((i, reason) for i, _, reason in order if reason) == [(0, "stop"), (1, "length")]
+    ended_at = next(k for k, (i, _, reason) in enumerate(order) if i == 0 and reason)
+    assert sum(i == 1 and has_text for i, has_text, _ in order[ended_at + 1:]) >= 2  # sample 1 streamed on
+    assert [texts[0], texts[1]] == [c.text for c in expected]
+
+
 def test_core_stream_logprobs_match_the_offline_engine(live, offline):
     """Through the engine core, each output's logprobs and their cumulative sum (kept as the
     tokens arrive) are the offline engine's."""

@@ -178,10 +178,10 @@ class CoreStream:
         outputs = []
         for i, s in enumerate(self.samples):
             outputs.append(CompletionOutput(index=i, text=self._text(s, final), token_ids=list(s.token_ids),
-                                            finish_reason=s.finish_reason if final else None,
+                                            finish_reason=s.finish_reason,
                                             logprobs=list(s.logprobs) if s.logprobs is not None else None,
                                             cumulative_logprob=s.cumulative_logprob,
-                                            stop_reason=s.stop_reason if final else None))
+                                            stop_reason=s.stop_reason))
         return RequestOutput(
             request_id=self.request_id, prompt=None, prompt_token_ids=self.prompt_token_ids, outputs=outputs,
             finished=final, num_cached_tokens=self.num_cached_tokens,

@@ -636,15 +636,20 @@ class OpenAIServer:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         offsets: dict[int, int] = {}
+        ended: set[int] = set()  # choices whose finish_reason went out (each in the chunk where it ends)
         async for i, out in _merge(streams):
             tracker.update(i, out)
             _check_constraint(out, body.structured_param)
             for c in out.outputs:
                 index = i * params.n + c.index
+                if index in ended:
+                    continue
                 start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
                 delta = c.text[start_text:]
                 new_ids = c.token_ids[start_tok:]
-                finish = c.finish_reason if out.finished else None
+                finish = c.finish_reason
+                if finish is not None:
+                    ended.add(index)
                 logprobs = None
                 if body.logprobs is not None and new_ids:
                     logprobs = self._completion_logprobs(new_ids, (c.logprobs or [])[start_tok:], body.logprobs,
@@ -744,6 +749,7 @@ class OpenAIServer:
 
         sent_text = [0] * params.n
         sent_tokens = [0] * params.n
+        ended: set[int] = set()  # choices whose finish_reason went out (each in the chunk where it ends)
         for i in range(params.n):
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         async for _, out in _merge([stream]):
@@ -751,13 +757,16 @@ class OpenAIServer:
             _check_constraint(out, grammar_param)
             for c in out.outputs:
                 i = c.index
+                if i in ended:
+                    continue
                 text = c.text[sent_text[i]:]
                 start_tok = sent_tokens[i]
                 new_ids = c.token_ids[start_tok:]
                 sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                 parsed = parsers[i].feed(text) if text else ParsedDelta()
                 finish = None
-                if out.finished:
+                if c.finish_reason is not None:
+                    ended.add(i)
                     parsed.extend(parsers[i].finish())
                     finish = parsers[i].finish_reason(c.finish_reason)
                 logprobs = None
