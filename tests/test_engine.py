@@ -126,6 +126,9 @@ def test_preemption_equals_no_preemption(qwen3_tiny, reference, prefix_caching):
     outs = llm.generate(prompts, greedy(20), use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
+    # the prompt's prefix-cache hit at admission (none in a fresh cache), not a readmission's hit
+    # over prompt and output
+    assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)
     assert_free(llm)
 
 

@@ -121,7 +121,9 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         if cached_blocks:
-            seq.num_computed_tokens = seq.num_cached_tokens = num_computed
+            seq.num_computed_tokens = num_computed
+            if not seq.num_preemptions:  # the prompt's hit at its first admission (vLLM's), not a readmission's
+                seq.num_cached_tokens = num_computed
             seq.num_registered_blocks = len(cached_blocks)
         for _ in range(max(needed, 0)):
             seq.block_table.append(self._take_free_block())
