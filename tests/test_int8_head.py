@@ -42,3 +42,20 @@ def test_fbgemm_and_reference_kernels_give_the_same_logits_up_to_bf16():
     reference = Int8HeadMatmul(codes, scales, use_fbgemm=False)(x)
     torch.testing.assert_close(fast, reference, atol=3e-2, rtol=1e-2)
     assert torch.count_nonzero(fast[2]) == 0 and torch.count_nonzero(reference[2]) == 0
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="this torch has no FBGEMM (not an x86 build)")
+def test_a_process_that_ends_while_the_head_is_packed_exits_cleanly():
+    """A program that ends right after building the head (an LLM() followed by an error, before
+    any generate) exits with its own status: the packing it leaves running is waited for, not
+    torn down with the interpreter (which aborted the process)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from nanovllm.layers.int8_head import Int8HeadMatmul\n"
+            "codes = torch.randint(-127, 128, (151936, 1024), dtype=torch.int8)\n"
+            "Int8HeadMatmul(codes, torch.rand(151936) / 127)\n"
+            "raise SystemExit(3)\n")
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 3, run.stderr[-2000:]

@@ -66,8 +66,10 @@ class Int8HeadMatmul:
         self._packing: threading.Thread | None = None
         if self.use_fbgemm:
             # Packing takes a few hundred milliseconds for a large vocabulary; it runs beside the
-            # rest of start-up (it releases the GIL), and the first product waits for it.
-            self._packing = threading.Thread(target=self._pack, args=(codes, scales), name="int8-head-pack", daemon=True)
+            # rest of start-up (it releases the GIL), and the first product waits for it. Not a
+            # daemon: a process that ends first waits for it (a daemon thread still packing at
+            # the interpreter's exit aborted the process).
+            self._packing = threading.Thread(target=self._pack, args=(codes, scales), name="int8-head-pack")
             self._packing.start()
 
     def _pack(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
