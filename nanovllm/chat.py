@@ -78,9 +78,30 @@ def _check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return checked
 
 
+def content_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, None (""), or OpenAI's list of content parts, of
+    which only text parts ({"type": "text", "text": ...}) are taken, joined by newlines as vLLM
+    joins them. ValueError naming `where` for any other part, TypeError for another type."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, Sequence) or isinstance(content, bytes):
+        raise TypeError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}]: content parts of type {kind!r} are not supported (text only, "
+                             "as {'type': 'text', 'text': ...})")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """Messages as [{"role", "content", ...}] with string contents (None -> ""), checked: a list
-    of dicts, each with a role in ROLES (developer becomes system) and a str content; an
+    """Messages as [{"role", "content", ...}] with string contents (None -> "", a list of text
+    parts -> their text: `content_text`), checked: a list of dicts, each with a role in ROLES
+    (developer becomes system) and such a content; an
     assistant message may carry `tool_calls`, a tool message carries `tool_call_id`. TypeError
     for a wrong type, ValueError for a wrong value, naming the message."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
@@ -96,11 +117,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             raise ValueError(f"messages[{i}] has no 'role'")
         if not isinstance(role, str) or role not in ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
-        content = message.get("content")
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise TypeError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        content = content_text(message.get("content"), f"messages[{i}].content")
         entry: dict[str, Any] = {"role": TEMPLATE_ROLE.get(role, role),
                                  "content": check_text(content, f"messages[{i}].content")}
         if message.get("tool_calls") is not None:

@@ -122,10 +122,21 @@ def test_continue_final_message_ends_the_prompt_inside_the_final_message(tokeniz
     ([], ValueError, "must not be empty"),
     (["hi"], TypeError, r"messages\[0\] must be a dict"),
     (None, TypeError, "messages must be a list"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}],
+     ValueError, r"messages\[0\]\.content\[1\]: content parts of type 'image_url'"),
+    ([{"role": "user", "content": [{"type": "text"}]}], ValueError, r"messages\[0\]\.content\[0\]"),
 ])
 def test_bad_messages_are_named(tokenizer, messages, error, match):
     with pytest.raises(error, match=match):
         chat_prompt_ids(tokenizer, messages)
+
+
+def test_text_content_parts_are_their_text_joined_by_newlines(tokenizer):
+    """OpenAI's list of text parts is taken as vLLM takes it: the texts joined by newlines."""
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    joined = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nthere"}]
+    assert chat_prompt_ids(tokenizer, parts) == chat_prompt_ids(tokenizer, joined)
 
 
 # ---- LLM -------------------------------------------------------------------------------------

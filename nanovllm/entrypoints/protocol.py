@@ -46,7 +46,7 @@ from pydantic import (
     model_validator,
 )
 
-from nanovllm.chat import ROLES
+from nanovllm.chat import ROLES, content_text
 from nanovllm.sampling_params import (
     MAX_ADDITIVE_PENALTY,
     MAX_SEED,
@@ -377,16 +377,13 @@ class ChatMessage(_Request):
         return message
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise bad_request(f"content parts of type {part.type!r} are not supported (text only)", param="messages")
-            parts.append(part.text)
-        return "".join(parts)
+        content = self.content
+        if isinstance(content, list):
+            content = [part.model_dump() for part in content]
+        try:
+            return content_text(content, "content")
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
 
 
 class FunctionDefinition(_Request):
