@@ -1,6 +1,7 @@
 """The offline API, shaped like vLLM's: `LLM(model, **options).generate(prompts, params)`.
 
-`generate` takes strings or token-id lists and one SamplingParams or one per prompt, runs the
+`generate` takes strings or token-id lists (or vLLM's prompt dicts, `{"prompt": text}` and
+`{"prompt_token_ids": ids}`) and one SamplingParams or one per prompt, runs the
 engine until every request is done, and returns outputs in prompt order. `chat` applies the
 model's chat template first. `stream` yields incremental outputs as they are produced.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,6 +30,21 @@ from nanovllm.text import check_text
 logger = logging.getLogger("nanovllm")
 
 Prompt = str | list[int]
+# vLLM's prompt dicts (TextPrompt, TokensPrompt), and the one key each carries here.
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _unwrap_prompt(prompt: Any, i: int) -> Any:
+    """A vLLM prompt dict ({"prompt": text} or {"prompt_token_ids": ids}) -> its text or ids;
+    anything else as it is. ValueError naming the prompt for a dict of other keys."""
+    if not isinstance(prompt, dict):
+        return prompt
+    given = [k for k in PROMPT_KEYS if k in prompt]
+    others = sorted(set(prompt) - set(PROMPT_KEYS))
+    if len(given) != 1 or others:
+        raise ValueError(f"prompt {i}: a prompt dict holds one of {PROMPT_KEYS} (vLLM's TextPrompt or TokensPrompt); "
+                         f"got keys {sorted(prompt)}" + (" (not supported: " + ", ".join(others) + ")" if others else ""))
+    return prompt[given[0]]
 
 
 class LLM:
@@ -57,13 +74,14 @@ class LLM:
     # ---- helpers -------------------------------------------------------------------------
     def _normalize(self, prompts: Prompt | Sequence[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
         """(prompts, one SamplingParams per prompt); TypeError/ValueError naming the argument."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(
                 f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
             )
-        prompts = list(prompts)
+        prompts = [_unwrap_prompt(p, i) for i, p in enumerate(prompts)]
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 check_text(p, f"prompt {i}")

@@ -154,11 +154,29 @@ def llm(qwen3_tiny):
     (["a\ud800b"], None, ValueError, "prompt 0 contains a lone surrogate"),
     (["a", "b"], {"temperature": 0}, TypeError, "sampling_params must be a SamplingParams"),
     (["a", "b"], [SamplingParams(), {"n": 1}], TypeError, "must hold SamplingParams"),
+    ([{"prompt": "a", "multi_modal_data": {}}], None, ValueError, r"prompt 0: .*not supported: multi_modal_data"),
+    ([{"prompt": "a", "prompt_token_ids": [1]}], None, ValueError, "prompt 0: a prompt dict holds one of"),
+    ([[5, 1.5]], None, ValueError, "token id 1.5 is not an integer"),
 ])
 def test_generate_names_bad_arguments(llm, prompts, params, error, match):
     with pytest.raises(error, match=match):
         llm.generate(prompts, params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_takes_vllms_prompt_dicts_and_numpy_token_ids(llm):
+    """vLLM's TextPrompt and TokensPrompt dicts, alone or in a list, and numpy integers as token
+    ids give the plain prompts' outputs."""
+    np = pytest.importorskip("numpy")
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def tokens(prompts):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+    want = tokens([[5, 6, 7], "Hello"])
+    assert tokens([{"prompt_token_ids": [5, 6, 7]}, {"prompt": "Hello"}]) == want
+    assert tokens({"prompt_token_ids": [5, 6, 7]}) == want[:1]
+    assert tokens([list(np.array([5, 6, 7]))]) == want[:1]
 
 
 def test_chat_forged_role_markers_do_not_reach_the_model_as_control_tokens(llm):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
+import numbers
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -178,10 +179,14 @@ class LLMEngine:
             return self.tokenizer.encode(prompt) if prompt else []
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = []
         for t in prompt:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):  # numpy's integers are ids too
+                raise ValueError(f"token id {t!r} is not an integer")
+            if not 0 <= t < self.vocab_size:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        return list(prompt)
+            ids.append(int(t))
+        return ids
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, stream: bool = False,
