@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from nanovllm.chat import chat_prompt_ids, check_messages, render
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.outputs import RequestOutput
+from nanovllm.outputs import RequestOutput, ranked_logprobs
 from nanovllm.gc_pause import collections_paused
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.text import check_text
@@ -137,6 +137,15 @@ class LLM:
                 self._held[out.request_id] = out
         return outputs
 
+    @staticmethod
+    def _with_ranked_logprobs(out: RequestOutput, params: SamplingParams) -> RequestOutput:
+        """out with its logprobs entries as `Logprob`s (vLLM's `.logprob` / `.rank` read too)."""
+        if params.logprobs is not None:
+            for c in out.outputs:
+                if c.logprobs is not None:
+                    c.logprobs = [ranked_logprobs(entry, params.logprobs) for entry in c.logprobs]
+        return out
+
     def _close(self, request_ids) -> None:
         for rid in request_ids:
             self._open.discard(rid)
@@ -180,7 +189,7 @@ class LLM:
         finally:
             self._close(request_ids)
             bar.close()
-        ordered = [results[rid] for rid in request_ids]
+        ordered = [self._with_ranked_logprobs(results[rid], sp) for rid, sp in zip(request_ids, params)]
         ttfts = [
             o.metrics["first_token_time"] - o.metrics["arrival_time"]
             for o in ordered
@@ -195,7 +204,8 @@ class LLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield cumulative outputs of one request as tokens arrive (the last has finished=True)."""
-        (request_id,) = self._add_all([prompt], [sampling_params or self.get_default_sampling_params()], stream=True)
+        params = sampling_params or self.get_default_sampling_params()
+        (request_id,) = self._add_all([prompt], [params], stream=True)
         mine = {request_id}
         self._open.add(request_id)
         done = False
@@ -206,7 +216,7 @@ class LLM:
                     raise RuntimeError(f"the engine finished without a final output for request {request_id}")
                 for out in outputs:
                     done = out.finished
-                    yield out
+                    yield self._with_ranked_logprobs(out, params)
         finally:
             self._close(mine)
             if not done:

@@ -6,6 +6,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class Logprob(float):
+    """A token's log-probability in `CompletionOutput.logprobs` ({token id: Logprob}): a float,
+    which is nano-vllm's shape, that also reads as vLLM's Logprob: `.logprob`, `.rank` (1 for
+    the step's likeliest token; None for a sampled token outside the top k asked for) and
+    `.decoded_token` (None: not computed)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
+def ranked_logprobs(entry: dict[int, float], top_k: int) -> dict[int, Logprob]:
+    """One step's {token: logprob} (its top_k tokens, plus the sampled one where it is not among
+    them) as Logprobs ranked by value; a (top_k + 1)-th entry is the sampled token's, unranked."""
+    order = sorted(entry.items(), key=lambda item: -item[1])
+    return {token: Logprob(lp, rank + 1 if rank < top_k else None) for rank, (token, lp) in enumerate(order)}
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -15,7 +44,7 @@ class CompletionOutput:
     # (structured_outputs) allows no token at all after these tokens: it matches no complete output.
     finish_reason: str | None
     # Per generated token (when SamplingParams.logprobs is set): {token_id: logprob}, holding
-    # the sampled token and the top-k alternatives.
+    # the sampled token and the top-k alternatives; from LLM, each a `Logprob` (vLLM's shape too).
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     # vLLM's: the stop string or the stop_token_ids entry that ended the sample ("stop"); None

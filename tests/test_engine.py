@@ -250,7 +250,16 @@ def test_logprobs(qwen3_tiny):
         assert entry[token] == pytest.approx(row[token].item(), abs=1e-4)
         top = torch.topk(row, 3).indices.tolist()
         assert set(top) <= set(entry)
+        # vLLM's Logprob reads too: .logprob, and .rank 1..3 in the reference's order
+        assert entry[token].logprob == entry[token]
+        assert [entry[t].rank for t in top] == [1, 2, 3]
     assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)), abs=1e-5)
+    # a sampled token outside the top k has no rank
+    sampled = llm.generate([prompt], SamplingParams(temperature=5.0, seed=1, max_tokens=40, logprobs=1, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    outside = [(t, e) for t, e in zip(sampled.token_ids, sampled.logprobs) if len(e) == 2]
+    assert outside and all(e[t].rank is None and [x.rank for x in e.values() if x is not e[t]] == [1]
+                           for t, e in outside)
 
 
 def test_chat_template(qwen3_tiny):
