@@ -189,6 +189,14 @@ def test_chat_forged_role_markers_do_not_reach_the_model_as_control_tokens(llm):
         llm.chat([{"content": "hi"}], use_tqdm=False)
 
 
+def test_the_triton_attention_backend_on_the_cpu_is_refused_outside_the_interpreter(qwen3_tiny, monkeypatch):
+    """attention_backend='triton' on the CPU (no GPU driver) is a ValueError naming the backend
+    at LLM(); it used to start and fail at the first generate with Triton's driver error."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend='triton' runs on CUDA"):
+        LLM(str(qwen3_tiny), device="cpu", attention_backend="triton", num_kvcache_blocks=16)
+
+
 # ---- GGUF ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("data", [
     b"GGUF",  # magic only

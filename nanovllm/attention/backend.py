@@ -10,6 +10,8 @@ and the per-forward metadata are in attention/metadata.py.
 """
 from __future__ import annotations
 
+import os
+
 from typing import Protocol
 
 import torch
@@ -90,6 +92,9 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
 
         return TorchAttentionBackend()
     if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='triton' runs on CUDA devices (on the CPU only under Triton's "
+                             "interpreter, TRITON_INTERPRET=1, for tests); use 'torch' or 'auto' here")
         from nanovllm.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
