@@ -100,6 +100,9 @@ def test_load_format_dummy_builds_the_model_from_config_json_alone(checkpoint_fa
     vocab = json.loads((tmp_path / "config.json").read_text())["vocab_size"]
     out = greedy_tokens(llm, [[1, 2, 3]], n=4)[0]
     assert len(out) == 4 and all(0 <= t < vocab for t in out)
+    # no tokenizer files: text prompts are refused as such (not read as an empty prompt)
+    with pytest.raises(ValueError, match="no tokenizer: pass prompts as lists of token ids"):
+        llm.generate(["Hello world"], use_tqdm=False)
     with pytest.raises(ValueError, match="load_format"):
         LLM(str(tmp_path), device="cpu", load_format="pt")
 

@@ -88,10 +88,14 @@ class ModelSource:
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(self.path)
+            tokenizer = AutoTokenizer.from_pretrained(self.path)
         except (OSError, ValueError, TypeError) as exc:
             logger.warning("no tokenizer in %s (%s); only token-id prompts will work", self.path, exc)
             return None
+        if len(tokenizer) <= 1:  # transformers builds an empty one from config.json alone
+            logger.warning("no tokenizer in %s (no vocabulary files); only token-id prompts will work", self.path)
+            return None
+        return tokenizer
 
     def eos_token_ids(self, tokenizer) -> list[int]:
         """EOS ids from the generation config, else the model config, else the tokenizer."""
