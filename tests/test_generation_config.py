@@ -103,3 +103,29 @@ def test_cli_flags_over_model_defaults_over_cli_defaults():
     assert (p.temperature, p.max_tokens) == (0.0, 64)  # the CLI's own: greedy
     with pytest.raises(ValueError, match="presence_penalty"):
         params("--presence-penalty", "3", defaults={})
+
+
+@pytest.mark.parametrize("env, expected", [(None, False), ("1", None), ("0", None)])
+def test_cli_generate_leaves_cpu_compile_to_the_environment_where_it_is_set(monkeypatch, env, expected):
+    """`nanovllm generate` does not wait for the compiled decode's build unless asked: by
+    --cpu-compile, or by NANOVLLM_CPU_COMPILE, which the engine then reads (README)."""
+    import nanovllm
+    from nanovllm.entrypoints.cli import cmd_generate
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(model, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    if env is None:
+        monkeypatch.delenv("NANOVLLM_CPU_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("NANOVLLM_CPU_COMPILE", env)
+    monkeypatch.setattr(nanovllm, "LLM", fake_llm)
+    with pytest.raises(Stop):
+        cmd_generate(build_parser().parse_args(["generate", "hi"]))
+    assert seen["cpu_compile"] is expected

@@ -219,8 +219,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import_s = process_age()
     t0 = time.perf_counter()
     kwargs = engine_kwargs(args)
-    if kwargs["cpu_compile"] is None:  # a one-shot answer does not wait for the compiled decode's build
-        kwargs["cpu_compile"] = False
+    if kwargs["cpu_compile"] is None and os.environ.get("NANOVLLM_CPU_COMPILE") is None:
+        kwargs["cpu_compile"] = False  # a one-shot answer does not wait for the compiled decode's build
     llm = LLM(args.model, **kwargs)
     t1 = time.perf_counter()
     params = _sampling_params(args, llm.engine.generation_defaults)
@@ -424,7 +424,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts must be >= 1")
     llm = LLM(_model_arg(args), **engine_kwargs(args))
     try:
-        # W1 (BENCHMARKS.md): random.seed(0), random token prompts, random output lengths, EOS ignored.
+        # W1 (docs/benchmarks.md): random.seed(0), random token prompts, random output lengths, EOS ignored.
         random.seed(0)
         top = min(10000, llm.engine.vocab_size - 1)  # W1 draws ids from randint(0, 10000)
         prompts = [[random.randint(0, top) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
@@ -488,7 +488,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     worker.set_defaults(func=cmd_worker)
 
     bench = sub.add_parser("bench", help="offline throughput (W1) or, with --serving, a serving load (W4)",
-                           description="Without --serving: W1 from BENCHMARKS.md (random token prompts, "
+                           description="Without --serving: W1 from docs/benchmarks.md (random token prompts, "
                            "temperature 0.6, EOS ignored) on a model in this process. With --serving: N concurrent "
                            "streaming clients against a running server on this machine.")
     if command in (None, "bench"):  # its options import the serving benchmark (asyncio)
