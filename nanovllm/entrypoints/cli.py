@@ -59,8 +59,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-persistent-decode", dest="persistent_decode", action="store_false",
                    help="a lone sequence decodes through the per-op CUDA graph, not the persistent kernel")
     g.add_argument("--decode-burst", type=int, default=None,
-                   help="decode steps a lone greedy or plain-temperature sequence runs per engine step "
-                        "(default: 8 with the persistent kernel)")
+                   help="decode steps a lone decoding sequence (no grammar, logprobs or min_tokens ban) runs per "
+                        "engine step (default: 8 with the persistent kernel or the compiled CPU decode, else 1)")
     g.add_argument("--cpu-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU only: decode steps (every sequence one token) run each layer as code compiled ahead "
                         "of time (faster per token; built at start-up the first time for a model shape, then "
