@@ -366,6 +366,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 line = input(">>> ") if interactive else sys.stdin.readline()
             except EOFError:
                 break
+            except KeyboardInterrupt:  # Ctrl-C at the prompt quits, as Ctrl-D does
+                print(file=sys.stderr)
+                break
             if not interactive and line == "":
                 break
             line = line.strip()
@@ -561,6 +564,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, TypeError) as exc:
         print(f"nanovllm: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for it, without a traceback
+        print("nanovllm: interrupted", file=sys.stderr)
+        return 130
 
 
 def run() -> None:
