@@ -197,6 +197,25 @@ def test_the_triton_attention_backend_on_the_cpu_is_refused_outside_the_interpre
         LLM(str(qwen3_tiny), device="cpu", attention_backend="triton", num_kvcache_blocks=16)
 
 
+@pytest.mark.parametrize("damage", ["truncated-weights", "config-not-json", "config-refused"])
+def test_a_damaged_checkpoint_is_a_value_error_naming_the_file(qwen3_tiny, tmp_path, damage):
+    import json
+    import shutil
+
+    path = tmp_path / "model"
+    shutil.copytree(qwen3_tiny, path)
+    if damage == "truncated-weights":
+        (path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:5])
+        name = "model.safetensors"
+    else:
+        config = json.loads((path / "config.json").read_text())
+        text = "{not json" if damage == "config-not-json" else json.dumps({**config, "layer_types": ["full_attention"]})
+        (path / "config.json").write_text(text)
+        name = "config.json"
+    with pytest.raises(ValueError, match=name):
+        LLM(str(path), device="cpu", num_kvcache_blocks=16)
+
+
 # ---- GGUF ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("data", [
     b"GGUF",  # magic only

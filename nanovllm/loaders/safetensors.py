@@ -34,6 +34,10 @@ def iter_safetensors(model_dir: str | Path, device: str = "cpu") -> Iterator[tup
 
 def _iter_files(files: list[Path], device: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
-        with safe_open(str(file), framework="pt", device=device) as f:
+        try:
+            reader = safe_open(str(file), framework="pt", device=device)
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error types: a damaged or truncated file
+            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
+        with reader as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -149,7 +149,10 @@ def resolve_model(model: str | os.PathLike | None, hf_config: Any = None) -> Mod
         if hf_config is None:
             from transformers import AutoConfig
 
-            hf_config = AutoConfig.from_pretrained(path)
+            try:
+                hf_config = AutoConfig.from_pretrained(path)
+            except Exception as exc:  # noqa: BLE001 - invalid JSON, or a config transformers refuses
+                raise ValueError(f"{os.path.join(path, 'config.json')} cannot be read as a model config: {exc}") from exc
         return ModelSource(path, "hf", hf_config)
     raise FileNotFoundError(
         f"model {path!r} is neither a Hugging Face model directory nor a .gguf file "
