@@ -866,6 +866,10 @@ def test_cli_generate_chat_bench_and_help(qwen3_tiny, live, monkeypatch, capsys)
     assert main(["bench", *engine_args, "--num-prompts", "3", "--min-input-len", "4", "--max-input-len", "8",
                  "--min-output-len", "2", "--max-output-len", "4", "--quiet"]) == 0
     assert "tok/s" in capsys.readouterr().out
+    assert main(["bench", *engine_args, "--num-prompts", "3", "--min-input-len", "4", "--max-input-len", "8",
+                 "--min-output-len", "2", "--max-output-len", "2", "--quiet", "--json"]) == 0
+    offline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # --json without --serving too
+    assert offline["requests"] == 3 and offline["output_tokens"] == 6 and offline["output_tok_per_s"] > 0
     assert main(["bench", "--serving", "--url", live.url, "--api-key", KEY, "--num-clients", "2", "--num-requests", "2",
                  "--input-len", "4", "--output-len", "3", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -14,6 +14,7 @@ so the process exits 0. It exits 1 if the engine core dies.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import random
@@ -443,8 +444,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         llm.shutdown()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(p) for p in prompts)
-    print(f"requests: {len(prompts)}  prompt tokens: {in_tokens}  output tokens: {out_tokens}  "
-          f"time: {seconds:.2f}s  throughput: {out_tokens / seconds:.1f} tok/s")
+    if getattr(args, "json", False):
+        print(json.dumps({"requests": len(prompts), "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+                          "seconds": round(seconds, 3), "output_tok_per_s": round(out_tokens / seconds, 1)}))
+    else:
+        print(f"requests: {len(prompts)}  prompt tokens: {in_tokens}  output tokens: {out_tokens}  "
+              f"time: {seconds:.2f}s  throughput: {out_tokens / seconds:.1f} tok/s")
     return 0
 
 
