@@ -376,3 +376,27 @@ def test_serve_flags_map_onto_server_limits():
     assert limits_from_args(build_parser().parse_args(["serve"])) == ServerLimits()
     with pytest.raises(ValueError, match="max_n"):
         limits_from_args(build_parser().parse_args(["serve", "--max-n", "0"]))
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("reuseport", [False, True], ids=["plain-listener", "reuseport-listener"])
+def test_serve_on_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys, count, reuseport):
+    """Another process listening on the port (also one that set SO_REUSEPORT, as a multi-front-end
+    server does) is a one-line error naming it, before the model loads: front-ends bound with
+    SO_REUSEPORT used to share that server's port and split its clients with it."""
+    import socket
+
+    from nanovllm.entrypoints.cli import main
+
+    listener = socket.socket()
+    if reuseport:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    try:
+        missing = str(tmp_path / "no-model-here")  # loading it would be a different error
+        assert main(["serve", missing, "--port", str(port), "--api-server-count", str(count)]) == 2
+    finally:
+        listener.close()
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

@@ -258,6 +258,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
+    from nanovllm.entrypoints.frontend import check_port_free
+
+    check_port_free(args.host, args.port)  # before the model loads
     model = _model_arg(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("NANOVLLM_API_KEY")
     limits = fit_to_fd_limit(limits_from_args(args), raise_fd_limit())  # docs/server.md, limits

@@ -46,6 +46,21 @@ class FrontendConfig:
     parsers: "ParserConfig | None" = None  # --tool-call-parser, --enable-auto-tool-choice, --reasoning-parser
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ValueError where another process listens on (host, port), also one that set SO_REUSEPORT
+    (front-ends bound with it would share that process's port, and its clients). Port 0 (any
+    free port) passes."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def reuseport_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound with SO_REUSEPORT, so several processes can listen on one port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
