@@ -58,3 +58,17 @@ def test_ctrl_c_at_the_chat_prompt_quits_like_ctrl_d(qwen3_tiny):
         os.waitpid(pid, 0)
     os.close(fd)
     assert status == 0 and b"Traceback" not in seen, seen[-3000:]
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)],
+                         ids=["ctrl-c", "sigterm"])
+def test_serve_stopped_while_it_loads_stops_without_a_traceback(qwen3_tiny, sig, status):
+    """A signal while the engine core still loads the model: the server stops with the signal's
+    status, and neither it nor its core prints a traceback (the core used to, reporting its
+    interrupted load to the parent that was gone)."""
+    proc = subprocess.Popen([*CLI, "serve", str(qwen3_tiny), "--device", "cpu", "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.5)  # the core is still loading (it imports torch and builds the model first)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)  # until the core, which shares stderr, is gone too
+    assert proc.returncode == status and "Traceback" not in err, err[-3000:]

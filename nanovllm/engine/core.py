@@ -166,8 +166,11 @@ def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, m
         # here a grammar that takes seconds to build must not hold up the loop.
         engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_kwargs), detokenize=False, grammars_checked=True)
     except BaseException as exc:  # the parent re-raises it
-        conn.send(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
-        conn.close()
+        try:
+            conn.send(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            conn.close()
+        except OSError:  # the parent is gone (a SIGTERM to it and to us while loading): nobody to tell
+            pass
         # The parent stops this process now; exiting here leaves no SystemExit for the
         # SIGTERM handler to raise into the interpreter's exit handlers (a stray traceback).
         logging.shutdown()
