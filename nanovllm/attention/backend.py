@@ -11,7 +11,6 @@ and the per-forward metadata are in attention/metadata.py.
 from __future__ import annotations
 
 import os
-
 from typing import Protocol
 
 import torch

@@ -42,6 +42,7 @@ from nanovllm.engine.detokenizer import (
 from nanovllm.engine.messages import Abort, AddRequest, CoreOutput, Delta, Hello, params_to_wire
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.text import check_token_ids
 
 logger = logging.getLogger("nanovllm.client")
 
@@ -352,15 +353,13 @@ class CoreClient:
     def _validate(self, prompt: list[int]) -> list[int]:
         if not isinstance(prompt, (list, tuple)):
             raise ValueError("the core takes prompts as token ids; tokenize them first")
-        for t in prompt:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        if not prompt:
+        ids = check_token_ids(prompt, self.vocab_size)
+        if not ids:
             raise ValueError("the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len} "
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                              "(it must leave room for at least one generated token)")
-        return list(prompt)
+        return ids
 
     async def generate(self, request_id: str, prompt: list[int],
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:

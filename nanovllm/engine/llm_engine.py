@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
-import numbers
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -30,6 +29,7 @@ from nanovllm.loaders.source import resolve_model
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.step import SchedulerOutput
+from nanovllm.text import check_token_ids
 
 if TYPE_CHECKING:
     from nanovllm.runner.model_runner import RunnerOutput
@@ -179,14 +179,7 @@ class LLMEngine:
             return self.tokenizer.encode(prompt) if prompt else []
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        ids = []
-        for t in prompt:
-            if not isinstance(t, numbers.Integral) or isinstance(t, bool):  # numpy's integers are ids too
-                raise ValueError(f"token id {t!r} is not an integer")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-            ids.append(int(t))
-        return ids
+        return check_token_ids(prompt, self.vocab_size)
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, stream: bool = False,

@@ -135,20 +135,13 @@ def scratch_dir(dest: Path) -> Iterator[Path]:
 def atomic_dir(dest: Path) -> Iterator[Path]:
     """Yield a temporary directory to fill; on success it is renamed to `dest`, unless another
     writer got there first (then theirs is kept and ours dropped)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    remove_orphans(dest.parent)
-    tmp = _tmp_name(dest)
-    tmp.mkdir()
-    try:
+    with scratch_dir(dest) as tmp:
         yield tmp
         try:
             os.rename(tmp, dest)
         except OSError:
             if not dest.is_dir():
                 raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def discard(path: Path, why: BaseException) -> None:
