@@ -1,4 +1,4 @@
-"""W1 (offline throughput), W5 (single-stream latency) and start-up, from BENCHMARKS.md.
+"""W1 (offline throughput), W5 (single-stream latency) and start-up, from docs/benchmarks.md.
 
 W1 is nano-vllm's bench.py workload exactly: random.seed(0); 256 prompts of randint(100, 1024)
 token ids drawn from randint(0, 10000); max_tokens = randint(100, 1024) each; temperature 0.6,
@@ -151,7 +151,7 @@ def run_w5(llm, runs: int, sampling: dict | None = None) -> dict:
             if t_first is None:
                 t_first = time.perf_counter()
         t_end = time.perf_counter()
-        # W5 (../shared/BENCHMARKS.md): decode tok/s after the first token, and the time to the
+        # W5 (docs/benchmarks.md): decode tok/s after the first token, and the time to the
         # first token. Both from the request's own times (monotonic, host side): it arrived, its
         # first token reached the host (the prefill's result processed), its last did. (Timed
         # from the first engine step's return instead, the window would hold the rest of the

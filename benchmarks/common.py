@@ -1,4 +1,4 @@
-"""Benchmark helpers: checkpoints of real models' shapes with random weights (BENCHMARKS.md).
+"""Benchmark helpers: checkpoints of real models' shapes with random weights (docs/benchmarks.md).
 
 No model hub is reachable, so benchmarks use the real Qwen3-0.6B shape with random bf16
 weights (std 0.02, norms 1), exactly as nano-vllm's bench.py measures speed: the numbers depend

@@ -1,4 +1,4 @@
-"""W4 (BENCHMARKS.md): N concurrent streaming clients against a running `nanovllm serve`.
+"""W4 (docs/benchmarks.md): N concurrent streaming clients against a running `nanovllm serve`.
 
 A thin wrapper: the load generator lives in `nanovllm.entrypoints.serve_bench` so that
 `nanovllm bench --serving` runs the same code. Example:

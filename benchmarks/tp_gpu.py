@@ -7,7 +7,7 @@ Run on a machine with two GPUs (the device kind nvidia-h200-x2), from the reposi
 1. Parity: greedy tokens of 16 prompts (10-300 tokens, 32 generated) at TP=2 against TP=1, in
    fp32 (CUDA graphs on and off) and bf16 (graphs on). fp32 should agree token for token; bf16
    is reported as it comes (TP sums the row-parallel projections in another order).
-2. W1 (BENCHMARKS.md) at TP=1 and TP=2, with each engine's start-up time (`bench.py`).
+2. W1 (docs/benchmarks.md) at TP=1 and TP=2, with each engine's start-up time (`bench.py`).
 3. NCCL all-reduce of one decode step's activations (batch x hidden, bf16), twice per layer.
 4. A rank killed mid-generate: how long until `generate` raises, and whether any process is left.
 

@@ -11,7 +11,7 @@ Run on the H200 from the repository root:
    process group, the per-step checks and bookkeeping of the TP path, with no worker to talk
    to). Both get the same explicit KV pool (--num-kvcache-blocks, default: enough for the whole
    workload, so neither preempts) so the two fit on one GPU together.
-3. Warms both up on a slice of the workload, then runs W1 (BENCHMARKS.md: nano-vllm's bench.py
+3. Warms both up on a slice of the workload, then runs W1 (docs/benchmarks.md: nano-vllm's bench.py
    workload) on each, alternating A B, B A, A B ... so drift hits both alike; reports the median
    output tok/s of each and the ratio.
 4. Times the TP>1 control channel alone, which TP=1 never pays: a W1-sized step message
