@@ -78,7 +78,9 @@ def test_kernel_multiplies_the_codes_it_was_given():
 
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
-        quantize(torch.randn(8, 48))
+        quantize(torch.randn(16, 48))
+    with pytest.raises(ValueError, match="out-features a multiple of 16"):
+        quantize(torch.randn(8, 64))
 
 
 def test_model_with_int4_weights_computes_with_its_dequantized_weights(checkpoint_factory):

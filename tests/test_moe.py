@@ -55,6 +55,27 @@ def test_model_with_fused_moe_matches_reference_path(checkpoint_factory, shape):
     torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("shape", [QWEN2_MOE, dict(arch="mixtral", num_local_experts=8, num_experts_per_tok=2,
+                                                    intermediate_size=64)], ids=["qwen2-moe-shared-expert", "mixtral-8"])
+def test_int4_runs_moe_models_and_leaves_their_routers_as_loaded(checkpoint_factory, shape):
+    """Routers of 5 or 8 experts and a shared expert's [1, H] gate are shapes int4 cannot pack;
+    quantization leaves every router in the model's dtype, as loaded."""
+    from safetensors.torch import load_file
+
+    path = checkpoint_factory(**shape)
+    llm = LLM(path, device="cpu", quantization="int4", cpu_compile=False, num_kvcache_blocks=16)
+    out = llm.generate([[5, 9, 17, 33]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+    saved = load_file(f"{path}/model.safetensors")
+    routers = {n: m for n, m in llm.engine.executor.runner.model.named_modules() if n.endswith("gate")}
+    assert routers
+    for name, module in routers.items():
+        suffix = name.split("model.", 1)[-1] + ".weight"  # Mixtral's checkpoint says block_sparse_moe for mlp
+        loaded = next(w for k, w in saved.items() if k.replace(".block_sparse_moe.", ".mlp.").endswith(suffix))
+        torch.testing.assert_close(module.weight, loaded.to(torch.bfloat16), atol=0, rtol=0)
+    llm.shutdown()
+
+
 def test_tp2_matches_tp1(checkpoint_factory):
     path = str(checkpoint_factory(**QWEN2_MOE))
     prompts = [[5, 9, 17, 33, 2, 8], [40, 41, 42], list(range(3, 30))]

@@ -38,6 +38,8 @@ import torch
 from nanovllm.layers.cpu_features import cpu_flags
 
 GROUP_SIZE = 32
+# torch's CPU int4 packing takes weights whose out-features are a multiple of this.
+OUT_FEATURES_MULTIPLE = 16
 # Steps of at least this many rows multiply an Int4Weight's dense bf16 copy where it has one.
 DENSE_MIN_ROWS = 32
 
@@ -139,12 +141,19 @@ def _codes(
     return codes.reshape(out_features, in_features).to(torch.int32), best_scale, best_zero
 
 
+def quantizable(shape: torch.Size, group_size: int = GROUP_SIZE) -> bool:
+    """Whether a [out, in] weight can be packed: in-features in whole groups, out-features a
+    multiple of OUT_FEATURES_MULTIPLE."""
+    return len(shape) == 2 and shape[1] % group_size == 0 and shape[0] % OUT_FEATURES_MULTIPLE == 0
+
+
 def quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE, dtype: torch.dtype = torch.bfloat16,
              dense: bool = False) -> Int4Weight:
-    """Int4Weight of a 2-D weight whose in-dimension is a multiple of group_size; with dense,
-    also the weight its codes stand for, in bf16, for large steps."""
-    if weight.dim() != 2 or weight.shape[1] % group_size:
-        raise ValueError(f"int4 weights need a 2-D weight with in-features a multiple of {group_size}, got {list(weight.shape)}")
+    """Int4Weight of a 2-D weight that is `quantizable`; with dense, also the weight its codes
+    stand for, in bf16, for large steps."""
+    if not quantizable(weight.shape, group_size):
+        raise ValueError(f"int4 weights need a 2-D weight with in-features a multiple of {group_size} and "
+                         f"out-features a multiple of {OUT_FEATURES_MULTIPLE}, got {list(weight.shape)}")
     codes, scale, zero = _codes(weight, group_size, dtype)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
     pairs = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()

@@ -78,6 +78,12 @@ class ReplicatedLinear(LinearBase):
         param.data.copy_(loaded_weight)
 
 
+class RouterLinear(ReplicatedLinear):
+    """A mixture-of-experts router (or a shared expert's gate): replicated, and left in the
+    model's dtype by quantization, as vLLM leaves it: routing picks experts by small differences
+    between its logits, and its weight is a sliver of the model."""
+
+
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank returns its slice of the output."""
 
@@ -196,8 +202,8 @@ class RowParallelLinear(LinearBase):
 
 def quantize_int4(model: nn.Module, group_size: int = int4_linear.GROUP_SIZE, layout_only: bool = False,
                   dense: bool = False) -> tuple[int, int]:
-    """Replace the weight of every projection whose in-features divide into groups by its
-    Int4Weight, whose codes and scales become the module's buffers `weight_packed` and
+    """Replace the weight of every projection that int4_linear.quantizable allows (routers
+    aside: RouterLinear) by its Int4Weight, whose codes and scales become the module's buffers `weight_packed` and
     `weight_scales_and_zeros` (so a cache of the model's tensors holds them); with layout_only,
     empty ones of the right shapes (for a cache to fill). The LM head (and the embedding) stay
     dense: the vocabulary matrix is the one quantizers keep finer (the embedded GGUF file stores
@@ -212,7 +218,7 @@ def quantize_int4(model: nn.Module, group_size: int = int4_linear.GROUP_SIZE, la
         weight = module.weight
         if not isinstance(weight, torch.Tensor):
             continue  # quantized already
-        if weight.shape[1] % group_size:
+        if isinstance(module, RouterLinear) or not int4_linear.quantizable(weight.shape, group_size):
             kept += 1
             continue
         if layout_only:

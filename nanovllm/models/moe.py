@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.layers.linear import RouterLinear
 from nanovllm.layers.moe import FusedMoE
 from nanovllm.models.llama import DecoderOptions, LlamaForCausalLM, LlamaMLP
 
@@ -41,13 +41,13 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}")
-        self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False)
+        self.gate = RouterLinear(config.hidden_size, num_experts, bias=False)
         self.experts = FusedMoE(
             num_experts, top_k, config.hidden_size, intermediate_size, renormalize, fused, checkpoint_names
         )
         if shared_intermediate_size:
             self.shared_expert = LlamaMLP(config, DecoderOptions(), fused, intermediate_size=shared_intermediate_size)
-            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate = RouterLinear(config.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
 

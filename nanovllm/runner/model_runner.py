@@ -184,9 +184,9 @@ class ModelRunner:
         if not int4_linear.available():
             raise ValueError(f"LLM(quantization='int4') needs torch's CPU int4 kernels, which torch {torch.__version__} lacks")
         done, kept = quantize_int4(model, layout_only=layout_only, dense=self.int4_dense)  # the LM head stays dense
-        logger.info("int4 weights: %d layers %s%s, %d kept dense (in-features not a multiple of %d)",
+        logger.info("int4 weights: %d layers %s%s, %d kept dense (routers, and shapes int4 cannot pack)",
                     done, "laid out" if layout_only else "quantized", " (with bf16 copies for large steps)" if self.int4_dense else "",
-                    kept, int4_linear.GROUP_SIZE)
+                    kept)
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (later decodes run eagerly). Called before a process group that
