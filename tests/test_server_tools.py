@@ -365,6 +365,9 @@ UNIT = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "additionalProperties": False}}}
 NOW = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {}, "additionalProperties": False}}}
+LINK = {"type": "function", "function": {"name": "link", "parameters": {
+    "type": "object", "properties": {"to": {"const": {"$ref": "#/defs/a"}}}, "required": ["to"],
+    "additionalProperties": False}}}
 
 
 def test_required_and_named_always_yield_valid_calls_from_a_random_model(qwen3_tiny):
@@ -397,6 +400,14 @@ def test_required_and_named_always_yield_valid_calls_from_a_random_model(qwen3_t
             call = r.choices[0].message.tool_calls[0]
             assert r.choices[0].finish_reason == "stop" and call.function.name == "get_weather"
             assert json.loads(call.function.arguments) in ({"unit": "c"}, {"unit": "f"})
+            # a const that looks like a reference is data: the call's arguments equal it
+            kw = dict(model="tiny", messages=CONVERSATION[:2], tools=[LINK], tool_choice="required",
+                      max_completion_tokens=100, seed=7)
+            r = client.chat.completions.create(**kw)
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"to": {"$ref": "#/defs/a"}}
+            _, _, calls, finish = reassemble(client.chat.completions.create(stream=True, **kw))
+            assert finish == "tool_calls" and json.loads(calls[0]["arguments"]) == {"to": {"$ref": "#/defs/a"}}
     finally:
         engine.shutdown()
 

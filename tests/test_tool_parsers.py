@@ -257,6 +257,27 @@ def test_required_schema_keeps_each_tools_references_resolvable():
     assert plan.structured_outputs.json == required_schema([ship, bill])
 
 
+
+def test_required_schema_rebases_references_but_not_data_that_looks_like_one():
+    """Only a schema's own "$ref" is rebased: a const, enum, default or examples value is data
+    and keeps its text (the call's arguments must equal it), and a property named "default"
+    is a schema whose reference still resolves."""
+    data = {"$ref": "#/defs/a"}
+    parameters = {"type": "object", "required": ["link"], "$defs": {"Name": {"type": "string"}}, "properties": {
+        "link": {"const": data},
+        "kind": {"enum": [data, {"$ref": "#"}], "default": data, "examples": [data]},
+        "default": {"$ref": "#/$defs/Name"}}}
+    link = {"type": "function", "function": {"name": "link", "parameters": parameters}}
+    schema = required_schema([link])
+    kept = schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert kept["properties"]["link"] == {"const": data}
+    assert kept["properties"]["kind"] == parameters["properties"]["kind"]
+    validator = Draft202012Validator(schema)
+    assert validator.is_valid([{"name": "link", "parameters": {"link": data, "kind": {"$ref": "#"}, "default": "x"}}])
+    assert not validator.is_valid([{"name": "link", "parameters": {
+        "link": {"$ref": "#/items/anyOf/0/properties/parameters/defs/a"}}}])
+    assert not validator.is_valid([{"name": "link", "parameters": {"link": data, "default": 3}}])
+
 def test_plans():
     plan = plan_tools(request(tools=[WEATHER, TIME], tool_choice="required"), ParserConfig())
     assert plan.mode == "required" and plan.structured_outputs.json == required_schema([WEATHER, TIME])

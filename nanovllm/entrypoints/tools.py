@@ -109,8 +109,15 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[
     return schema
 
 
+# Keywords whose value is JSON data (kept as written), and those whose value maps names to schemas.
+DATA_KEYWORDS = ("const", "enum", "default", "examples")
+SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "$defs", "definitions")
+
+
 def _rebase_refs(schema: Any, root: str) -> Any:
-    """A copy of schema whose local "$ref"s ("#" and "#/...") point below `root` instead."""
+    """A copy of schema whose local "$ref"s ("#" and "#/...") point below `root` instead. Only
+    schemas' own "$ref"s move: data (a `const`, `enum`, `default` or `examples` value) is
+    kept as written, while a property named "default" (or "const", ...) is still a schema."""
     if isinstance(schema, list):
         return [_rebase_refs(item, root) for item in schema]
     if not isinstance(schema, dict):
@@ -119,6 +126,10 @@ def _rebase_refs(schema: Any, root: str) -> Any:
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = root + value[1:]
+        elif key in DATA_KEYWORDS:
+            out[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebase_refs(sub, root) for name, sub in value.items()}
         else:
             out[key] = _rebase_refs(value, root)
     return out
