@@ -139,7 +139,7 @@ def test_offline_chat_passes_tools_to_the_template(qwen3_tiny):
 # ---- a live server over a scripted engine --------------------------------------------------
 class ScriptedEngine:
     """An engine for the app that replies with `reply` (one text per sample), a few characters
-    per output, and records what it was asked."""
+    per output, ending with `finish`, and records what it was asked."""
 
     max_model_len = 4096
     generation_defaults: dict = {}
@@ -147,6 +147,7 @@ class ScriptedEngine:
     error = None
     is_running = True
     stats = EngineStats()
+    finish = "stop"
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -168,7 +169,7 @@ class ScriptedEngine:
             await asyncio.sleep(0)
             done = end >= longest
             yield RequestOutput(request_id, None, prompt, [
-                CompletionOutput(i, t[:end], list(range(len(t[:end]))), "stop" if done else None)
+                CompletionOutput(i, t[:end], list(range(len(t[:end]))), self.finish if done else None)
                 for i, t in enumerate(texts)], done)
 
     def abort_stream(self, stream) -> None:
@@ -287,6 +288,18 @@ def test_named_and_required_choices_constrain_and_parse(hermes):
     for index in (0, 1):
         _, reasoning, calls, finish = reassemble(chunks, index)
         assert [(c["name"], c["arguments"]) for c in calls] == expected and finish == "tool_calls" and not reasoning
+
+
+def test_required_output_cut_off_before_a_call_is_content_as_written(hermes, monkeypatch):
+    engine, client, _ = hermes
+    monkeypatch.setattr(engine, "finish", "length")
+    engine.reply = ['[{"name": "get_wea']
+    kw = dict(model="tiny", messages=CONVERSATION[:2], tools=[WEATHER, TIME], tool_choice="required",
+              max_completion_tokens=6)
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (
+        '[{"name": "get_wea', None, "length")
+    assert reassemble(client.chat.completions.create(stream=True, **kw)) == ('[{"name": "get_wea', "", [], "length")
 
 
 def test_tool_result_round_trip(hermes, tools_tokenizer):

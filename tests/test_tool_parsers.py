@@ -139,9 +139,18 @@ def test_default_ids_are_openai_shaped_and_unique():
     ("Hello {\"name\": \"f\"}", ('Hello {"name": "f"}', None, [])),
     ('{"name": "f", "parameters": {"a": 1}} and then text', ("and then text", None, [("f", '{"a": 1}')])),
     ('{"name": "f", "parameters": {"a": 1} oops', ("oops", None, [("f", '{"a": 1}')])),
+    # no call began (cut off before the name was complete): the output is content as written
+    ('<|python_tag|> {"name": "get_wea', ('<|python_tag|> {"name": "get_wea', None, [])),
 ])
 def test_llama3_json(text, expected):
     assert assert_every_split_agrees(llama3_json_parser, text) == expected
+
+
+@pytest.mark.parametrize("text", ['[', '[{"name": "', ' [\n  {"name": "get_wea', '[{"parameters": {}}]'])
+def test_required_output_without_a_call_is_content_as_written(text):
+    """Cut off by max_tokens before a call's name is complete: the model's text, opening
+    bracket and all, is the content, streamed and whole alike."""
+    assert assert_every_split_agrees(RequiredCallsParser, text) == (text, None, [])
 
 
 def test_required_array_and_named():

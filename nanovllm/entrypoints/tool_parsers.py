@@ -387,7 +387,8 @@ class HermesToolParser(ToolParser):
 class JsonCallsParser(ToolParser):
     """A run of call objects: `opener`, then objects separated by `separators`, then an
     optional `closer`; an output that does not open that way is content. Text after the run
-    (or after a malformed object) is content too."""
+    (or after a malformed object) is content too. An output that ends, or turns to content,
+    before any call begins is content as written (opener, separators and all)."""
 
     def __init__(self, opener: str, optional_prefix: str, separators: str, closer: str,
                  new_id: Callable[[], str] = new_call_id) -> None:
@@ -399,9 +400,12 @@ class JsonCallsParser(ToolParser):
         self._buffer = ""
         self._state = "start"  # start -> between <-> object; -> content
         self._args_end: ValueEnd | None = None  # the current object's arguments tracker
+        self._written = ""  # the output so far, kept until a call begins
 
     def feed(self, text: str) -> ParsedDelta:
         self._buffer += text
+        if not self.called and self._state != "content":
+            self._written += text
         return self._advance(final=False)
 
     def finish(self) -> ParsedDelta:
@@ -409,6 +413,8 @@ class JsonCallsParser(ToolParser):
         if self._state == "object":
             scan = scan_call_object(self._buffer, 0, self._args_end)
             out.extend(self._end_object(scan, final=True))
+        if self._state != "content":
+            self._to_content()
         out.content += self._content.add(self._buffer)
         self._buffer = ""
         out.content += self._content.finish(self.called)
@@ -433,7 +439,7 @@ class JsonCallsParser(ToolParser):
                         self._buffer = ""
                         return out
                 if body[0] != self.opener:
-                    self._state = "content"
+                    self._to_content()
                     continue
                 self._buffer = body if self.opener == "{" else body[1:]
                 self._state = "between"
@@ -450,7 +456,7 @@ class JsonCallsParser(ToolParser):
                     continue
                 if self.closer and buf[0] == self.closer:
                     self._buffer = buf[1:]
-                self._state = "content"
+                self._to_content()
                 continue
             scan = scan_call_object(buf, 0, self._args_end)  # state "object"
             self._args_end = scan.args_tracker
@@ -471,8 +477,14 @@ class JsonCallsParser(ToolParser):
             self._buffer = buf[end:]
             self._state = "between" if scan.state == "complete" else "content"
         else:  # no name: this object, and all after it, is content
-            self._state = "content"
+            self._to_content()
         return out
+
+    def _to_content(self) -> None:
+        """The rest of the output is content: with no call before it, the whole output as written."""
+        if not self.called:
+            self._buffer = self._written
+        self._state = "content"
 
 
 def llama3_json_parser(new_id: Callable[[], str] = new_call_id) -> JsonCallsParser:
