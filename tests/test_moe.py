@@ -109,6 +109,23 @@ def test_expert_weights_are_checked_by_shape_and_shard(checkpoint_factory):
     assert torch.equal(moe.w13[2, 6:], up)
 
 
+def test_packed_experts_load_this_ranks_slices(monkeypatch):
+    """transformers' [E, 2I, H] gate_up_proj and [E, H, I] down_proj of every expert: rank 1 of 2
+    takes the second half of the gate rows, of the up rows and of down's columns."""
+    import nanovllm.layers.moe as moe
+
+    monkeypatch.setattr(moe, "tp_size", lambda: 2)
+    monkeypatch.setattr(moe, "tp_rank", lambda: 1)
+    layer = FusedMoE(num_experts=3, top_k=2, hidden_size=8, intermediate_size=6, renormalize=True)
+    gate_up, down = torch.randn(3, 12, 8), torch.randn(3, 8, 6)
+    layer.weight_loader(layer.w13, gate_up, "gate_up")
+    layer.weight_loader(layer.w2, down, "down")
+    assert torch.equal(layer.w13, torch.cat([gate_up[:, 3:6], gate_up[:, 9:12]], dim=1))
+    assert torch.equal(layer.w2, down[:, :, 3:])
+    with pytest.raises(ValueError, match=r"gate_up_proj: .*\[3, 6, 8\], expected \[3, 12, 8\]"):
+        layer.weight_loader(layer.w13, gate_up[:, :6], "gate_up")
+
+
 def test_load_format_dummy_builds_the_model_from_config_json_alone(checkpoint_factory, tmp_path):
     source = checkpoint_factory(**QWEN3_MOE)
     (tmp_path / "config.json").write_text((source / "config.json").read_text())

@@ -3,9 +3,10 @@ routing of each token to its top_k, and the weighted sum of their outputs.
 
 Weights: `w13` [E, 2 * I, H] holds every expert's gate rows then up rows, `w2` [E, H, I] their
 down projections. Checkpoints store one tensor per expert and projection (Hugging Face names
-`experts.{e}.gate_proj.weight`, or Mixtral's `w1` / `w3` / `w2`); each is copied into its slice
-of the packed parameter as it is read (`weight_loader` with shard_id (expert, part)), so loading
-never holds a second copy of the experts.
+`experts.{e}.gate_proj.weight`, or Mixtral's `w1` / `w3` / `w2`), or, as transformers 5 holds
+them and can save them, every expert's in two tensors laid out as ours (`experts.gate_up_proj`
+[E, 2I, H], `experts.down_proj` [E, H, I]). Each is copied into its slice of the packed parameter
+as it is read (`weight_loader`), so loading never holds a second copy of the experts.
 
 Tensor parallelism: like a dense MLP, each expert's intermediate dimension is split across ranks
 (gate/up column-parallel, down row-parallel) and the layer's output is summed with one
@@ -30,6 +31,8 @@ from nanovllm.distributed import all_reduce, divide, tp_rank, tp_size
 from nanovllm.layers.linear import check_shape
 
 PARTS = ("gate", "up", "down")
+# transformers' packed tensors of every expert -> (our parameter, shard id).
+ALL_EXPERTS = {"gate_up_proj": ("w13", "gate_up"), "down_proj": ("w2", "down")}
 
 
 def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,15 +136,30 @@ class FusedMoE(nn.Module):
         self.kernel_config: Callable[[int], object] | None = kernel_config_from_env() if fused else None
 
     def checkpoint_tensors(self) -> dict[str, tuple[str, tuple[int, str]]]:
-        """Checkpoint tensor name (relative to this module) -> (our parameter, shard id)."""
+        """Checkpoint tensor name (relative to this module) -> (our parameter, shard id), one per
+        expert and projection."""
         names = {}
         for expert in range(self.num_experts):
             for part, hf_name in self.checkpoint_names.items():
                 names[f"{expert}.{hf_name}.weight"] = ("w2" if part == "down" else "w13", (expert, part))
         return names
 
+    def packed_checkpoint_tensors(self) -> dict[str, tuple[str, str, list[str]]]:
+        """The alternative: transformers' tensors of every expert (relative name) -> (our
+        parameter, shard id, the `checkpoint_tensors` names it stands for)."""
+        per_expert = self.checkpoint_tensors()
+        return {
+            name: (param, shard_id, [n for n, (p, _) in per_expert.items() if p == param])
+            for name, (param, shard_id) in ALL_EXPERTS.items()
+        }
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
-        """Copy one expert's gate, up or down weight (full, unsharded) into its slice of `param`."""
+        """Copy one checkpoint tensor (full, unsharded) into its slice of `param`: one expert's
+        gate, up or down weight (shard_id (expert, part)), or every expert's ("gate_up": [E, 2I, H],
+        gate rows then up rows; "down": [E, H, I])."""
+        if shard_id in ("gate_up", "down"):
+            self._load_all_experts(param, loaded_weight, shard_id)
+            return
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in PARTS
                 and isinstance(shard_id[0], int) and 0 <= shard_id[0] < self.num_experts):
             raise ValueError(f"FusedMoE weight needs shard_id (expert in 0..{self.num_experts - 1}, part in {PARTS}), "
@@ -157,6 +175,17 @@ class FusedMoE(nn.Module):
         check_shape(what, loaded_weight, (local * self.tp_size, hidden))
         offset = 0 if part == "gate" else local
         param.data[expert].narrow(0, offset, local).copy_(loaded_weight.narrow(0, self.tp_rank * local, local))
+
+    def _load_all_experts(self, param: nn.Parameter, loaded_weight: torch.Tensor, part: str) -> None:
+        local, hidden = self.w2.shape[2], self.w2.shape[1]
+        full, start = local * self.tp_size, self.tp_rank * local
+        if part == "down":
+            check_shape("FusedMoE experts down_proj", loaded_weight, (self.num_experts, hidden, full))
+            param.data.copy_(loaded_weight.narrow(2, start, local))
+            return
+        check_shape("FusedMoE experts gate_up_proj", loaded_weight, (self.num_experts, 2 * full, hidden))
+        for half in range(2):  # gate rows, then up rows: this rank's slice of each
+            param.data.narrow(1, half * local, local).copy_(loaded_weight.narrow(1, half * full + start, local))
 
     def forward(
         self, x: torch.Tensor, router_logits: torch.Tensor, slot_mapping: torch.Tensor | None = None

@@ -46,6 +46,15 @@ PACKED_MODULES = {
 }
 # Buffers some checkpoints carry that we recompute instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# How many names of each kind a load error lists before it gives their count.
+SHOWN_NAMES = 5
+
+
+def first_few(names: Iterable[str]) -> str:
+    """The first SHOWN_NAMES of `names` (sorted), and how many there are when that is not all."""
+    names = sorted(names)
+    shown = ", ".join(names[:SHOWN_NAMES])
+    return shown if len(names) <= SHOWN_NAMES else f"{shown}, ... ({len(names)} in all)"
 
 
 @dataclass(frozen=True)
@@ -183,7 +192,8 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     # (our name fragment, checkpoint name fragment) pairs where a family's checkpoints name a
-    # module otherwise (Mixtral's MoE block is `block_sparse_moe`, ours `mlp`).
+    # module otherwise (Mixtral's MoE block is `block_sparse_moe`, ours `mlp`). Our names, which
+    # transformers 5 saves with packed experts, are accepted as well.
     CHECKPOINT_RENAMES: tuple[tuple[str, str], ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -192,34 +202,52 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
 
-    def _expected_weights(self) -> dict[str, tuple[str, object]]:
-        """Every HF tensor name this model needs -> (our parameter name, shard id)."""
+    def _checkpoint_name(self, name: str) -> str:
+        for ours, theirs in self.CHECKPOINT_RENAMES:
+            name = name.replace(ours, theirs)
+        return name
+
+    def _expected_weights(self) -> tuple[dict[str, tuple[str, object]], dict[str, tuple[str, object, list[str]]]]:
+        """(every HF tensor name this model needs -> (our parameter name, shard id), names a
+        checkpoint may hold instead -> (our parameter name, shard id, the needed names it stands
+        for)). The alternatives are transformers' own names, which it can also save: experts
+        packed into one tensor per projection, and ours where CHECKPOINT_RENAMES names a module
+        otherwise."""
         unpacked: dict[str, list[tuple[str, object]]] = {}
         for hf_module, (packed, shard_id) in PACKED_MODULES.items():
             unpacked.setdefault(packed, []).append((hf_module, shard_id))
-        expected: dict[str, tuple[str, object]] = {}
+        needed: dict[str, tuple[str, object]] = {}
+        alternatives: dict[str, tuple[str, object, list[str]]] = {}
         for name, _ in self.named_parameters():  # a tied lm_head is listed once, as the embedding
             module_path, _, leaf = name.rpartition(".")
             owner = self.get_submodule(module_path) if module_path else self
-            if hasattr(owner, "checkpoint_tensors"):  # packed experts: one checkpoint tensor per expert
+            if hasattr(owner, "checkpoint_tensors"):  # experts: a tensor per expert, or all in one
                 for relative, (param_leaf, shard_id) in owner.checkpoint_tensors().items():
                     if param_leaf == leaf:
-                        expected[f"{module_path}.{relative}"] = (name, shard_id)
+                        needed[f"{module_path}.{relative}"] = (name, shard_id)
+                for relative, (param_leaf, shard_id, covers) in owner.packed_checkpoint_tensors().items():
+                    if param_leaf == leaf:
+                        covered = [self._checkpoint_name(f"{module_path}.{c}") for c in covers]
+                        alternatives[f"{module_path}.{relative}"] = (name, shard_id, covered)
                 continue
             parent, _, module = module_path.rpartition(".")
             for hf_module, shard_id in unpacked.get(module, [(module, None)]):
                 hf_name = f"{parent}.{hf_module}.{leaf}" if parent else f"{hf_module}.{leaf}"
-                expected[hf_name] = (name, shard_id)
-        for ours, theirs in self.CHECKPOINT_RENAMES:
-            expected = {hf_name.replace(ours, theirs): target for hf_name, target in expected.items()}
-        return expected
+                needed[hf_name] = (name, shard_id)
+        expected: dict[str, tuple[str, object]] = {}
+        for hf_name, target in needed.items():
+            theirs = self._checkpoint_name(hf_name)
+            expected[theirs] = target
+            if theirs != hf_name:
+                alternatives[hf_name] = (*target, [theirs])
+        return expected, alternatives
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; raise one ValueError listing every missing, unexpected or
-        mis-shaped tensor."""
-        expected = self._expected_weights()
+        """Load HF-named tensors; raise one ValueError listing the missing, unexpected and
+        mis-shaped tensors (the first few of each, and how many)."""
+        expected, alternatives = self._expected_weights()
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        accounted: set[str] = set()  # expected names loaded, or found with the wrong shape
         unexpected: list[str] = []
         mismatched: dict[str, str] = {}
         for hf_name, tensor in weights:
@@ -227,25 +255,29 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            if hf_name not in expected:
+            if hf_name in expected:
+                (name, shard_id), covers = expected[hf_name], [hf_name]
+            elif hf_name in alternatives:
+                name, shard_id, covers = alternatives[hf_name]
+            else:
                 unexpected.append(hf_name)
                 continue
-            name, shard_id = expected[hf_name]
+            accounted.update(covers)
             param = params[name]
             loader = getattr(param, "weight_loader", default_weight_loader)
             try:
                 loader(param, tensor, shard_id)
             except ValueError as exc:
                 mismatched[hf_name] = str(exc)
-                continue
-            loaded.add(hf_name)
-        missing = sorted(set(expected) - loaded - set(mismatched))
+        missing = set(expected) - accounted
         problems = []
         if missing:
-            problems.append(f"missing tensors: {missing}")
+            problems.append(f"missing tensors: {first_few(missing)}")
         if unexpected:
-            problems.append(f"unexpected tensors: {sorted(unexpected)}")
+            problems.append(f"unexpected tensors: {first_few(unexpected)}")
         if mismatched:
-            problems.append("shape mismatches:" + "".join(f"\n  {k}: {v}" for k, v in sorted(mismatched.items())))
+            shown = sorted(mismatched)[:SHOWN_NAMES]
+            problems.append("shape mismatches:" + "".join(f"\n  {k}: {mismatched[k]}" for k in shown)
+                            + (f"\n  ... ({len(mismatched)} in all)" if len(mismatched) > SHOWN_NAMES else ""))
         if problems:
             raise ValueError(f"{type(self).__name__}.load_weights: " + "\n".join(problems))

@@ -7,7 +7,7 @@ by a sigmoid gate and added. They differ in attention (Qwen3: q/k norm; Qwen2: q
 Mixtral: neither), in which layers are sparse (Qwen: every `decoder_sparse_step`-th layer not in
 `mlp_only_layers`; Mixtral: all), in whether the top-k weights are renormalised (Qwen:
 `norm_topk_prob`; Mixtral: always) and in checkpoint names (Mixtral: `block_sparse_moe`,
-experts' `w1` / `w3` / `w2`).
+experts' `w1` / `w3` / `w2`, except in transformers 5's packed form, which names them as ours).
 """
 from __future__ import annotations
 
