@@ -1,7 +1,8 @@
 """Checkpoint forms transformers writes and reads, served by the engine: sharded directories with
 an index (and other *.safetensors files beside the shards), and MoE experts packed as
 transformers 5 holds them (`save_pretrained(..., save_original_format=False)`), with one rank and
-with two. Greedy fp32 output must equal transformers' token for token.
+with two, and Qwen2-MoE's empty shared expert. Greedy fp32 output must equal transformers' token
+for token.
 """
 from __future__ import annotations
 
@@ -103,3 +104,14 @@ def test_packed_experts_of_the_wrong_shape_or_absent_are_named(packed_moe):
     assert "[5, 47, 64], expected [5, 48, 64]" in message
     assert "missing tensors: model.layers.0.mlp.experts.0.down_proj.weight, " in message
     assert "... (10 in all)" in message and "layers.1.mlp.experts.0.down_proj" not in message
+
+
+def test_qwen2_moe_without_shared_expert_matches_transformers(checkpoint_factory):
+    """shared_expert_intermediate_size=0: transformers still saves the shared expert, empty ([0, H]
+    and [H, 0] weights) with a [1, H] gate, and adds its output, exactly 0."""
+    path = checkpoint_factory("qwen2_moe", num_heads=2, num_kv_heads=1, num_experts=3, num_experts_per_tok=2,
+                              moe_intermediate_size=24, shared_expert_intermediate_size=0, norm_topk_prob=True)
+    shapes = {name: list(t.shape) for name, t in iter_safetensors(path)}
+    assert shapes["model.layers.0.mlp.shared_expert.up_proj.weight"] == [0, 64]
+    assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == [1, 64]
+    assert greedy_tokens(path) == hf_greedy(path, PROMPTS, 8)

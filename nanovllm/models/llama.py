@@ -242,16 +242,22 @@ class LlamaForCausalLM(nn.Module):
                 alternatives[hf_name] = (*target, [theirs])
         return expected, alternatives
 
+    def _ignored_weights(self) -> set[str]:
+        """Checkpoint tensors that modules declare they do without (`ignored_checkpoint_tensors`)."""
+        return {f"{path}.{name}" for path, module in self.named_modules()
+                for name in getattr(module, "ignored_checkpoint_tensors", ())}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raise one ValueError listing the missing, unexpected and
         mis-shaped tensors (the first few of each, and how many)."""
         expected, alternatives = self._expected_weights()
+        ignored = self._ignored_weights()
         params = dict(self.named_parameters())
         accounted: set[str] = set()  # expected names loaded, or found with the wrong shape
         unexpected: list[str] = []
         mismatched: dict[str, str] = {}
         for hf_name, tensor in weights:
-            if hf_name.endswith(IGNORED_SUFFIXES):
+            if hf_name.endswith(IGNORED_SUFFIXES) or hf_name in ignored:
                 continue
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue

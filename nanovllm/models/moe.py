@@ -22,9 +22,20 @@ from nanovllm.layers.moe import FusedMoE
 from nanovllm.models.llama import DecoderOptions, LlamaForCausalLM, LlamaMLP
 
 
+# Qwen2-MoE's shared expert as transformers builds and saves it when its width is 0: [0, H] and
+# [H, 0] weights and a [1, H] gate, whose product adds exactly 0.
+EMPTY_SHARED_EXPERT = ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                       "shared_expert.down_proj.weight", "shared_expert_gate.weight")
+
+
 class SparseMoeBlock(nn.Module):
     """router -> experts, plus `sigmoid(shared_expert_gate(x)) * shared_expert(x)` when
-    shared_intermediate_size > 0."""
+    shared_intermediate_size > 0.
+
+    ignored_checkpoint_tensors: checkpoint tensors (names relative to the block) that the model's
+    loader skips, for parts the block does without."""
+
+    ignored_checkpoint_tensors: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -93,11 +104,15 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     def build_mlp(self, config: Any, options: DecoderOptions, layer_index: int, fused: bool) -> nn.Module | None:
         if not is_sparse_layer(config, layer_index):
             return LlamaMLP(config, options, fused)
-        return SparseMoeBlock(
+        shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+        block = SparseMoeBlock(
             config, fused, num_experts=config.num_experts, top_k=config.num_experts_per_tok,
             intermediate_size=config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
-            shared_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
+            shared_intermediate_size=shared,
         )
+        if not shared:
+            block.ignored_checkpoint_tensors = EMPTY_SHARED_EXPERT
+        return block
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
