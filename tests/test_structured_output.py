@@ -276,6 +276,70 @@ def test_bad_grammar_is_a_value_error_naming_the_field_and_harms_nothing(llm, sp
     assert llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
 
 
+I = {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+@pytest.mark.parametrize("schema, where, wrong", [
+    # keywords xgrammar does not enforce, behind a $ref to a place that is not a subschema keyword
+    ({"$ref": "#/my/L", "my": {"L": {"type": "array", "items": I, "uniqueItems": True}}}, "#/my/L/uniqueItems",
+     "[1, 1]"),
+    ({"$ref": "#/x", "x": {"enum": ["a", "b"], "not": {"const": "a"}}}, "#/x/not", '"a"'),
+    ({"$ref": "#/$defs/p", "$defs": {"p": {"$ref": "#/x/0"}}, "x": [{"type": "array", "items": I, "uniqueItems": True}]},
+     "#/x/0/uniqueItems", "[1, 1]"),
+    # a required property that properties does not define is never written
+    ({"type": "object", "properties": {"a": I}, "required": ["a", "b"]}, "#/required", '{"a": 1}'),
+    ({"type": "object", "properties": {"a": I}, "required": ["b"], "additionalProperties": True}, "#/required",
+     '{"a": 1}'),
+    ({"type": "object", "properties": {"a": I, "b": I}, "anyOf": [{"required": ["a"]}]}, "#/anyOf/0/required",
+     "{}"),
+    # empty anyOf / oneOf / type
+    ({"anyOf": []}, "#/anyOf", ""),
+    ({"oneOf": []}, "#/oneOf", ""),
+    ({"type": []}, "#/type", "[]"),
+    # a reference out of the document
+    ({"$ref": "https://example.com/schema.json"}, "#/$ref", "1"),
+    ({"$ref": "#anchor", "$defs": {"a": {"$anchor": "anchor", "type": "integer"}}}, "#/$ref", '"x"'),
+    # const / enum values the rest of their schema does not allow
+    ({"type": "integer", "const": "a"}, "#/const", '"a"'),
+    ({"type": "integer", "minimum": 5, "const": 3}, "#/const", "3"),
+    ({"type": "object", "properties": {"s": {"type": "string", "maxLength": 1, "enum": ["d", "abc"]}}},
+     "#/properties/s/enum", '{"s": "abc"}'),
+])
+def test_schemas_xgrammar_would_enforce_wrongly_are_refused_naming_the_place(schema, where, wrong):
+    """Each schema is refused, naming where in it the problem is; xgrammar's own grammar for it
+    takes `wrong`, which is not a valid instance."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from nanovllm.structured.grammar import build_grammar
+
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json: .*" + re.escape(where)):
+        build_grammar(StructuredOutputsParams(json=schema))
+    unchecked = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    assert _is_grammar_accept_string(unchecked, wrong)
+    with pytest.raises((ValueError, jsonschema.SchemaError, jsonschema.ValidationError,
+                        jsonschema.exceptions._RefResolutionError)):
+        jsonschema.validate(json.loads(wrong), schema)
+
+
+@pytest.mark.parametrize("schema, right, wrong", [
+    ({"type": "object", "properties": {"a": I, "b": I}, "required": ["a", "b"]}, '{"a": 1, "b": 2}', '{"a": 1}'),
+    ({"type": "string", "required": ["x"]}, '"x"', "1"),  # required means nothing to a string
+    ({"type": "integer", "enum": [1, 2]}, "2", "3"),
+    ({"type": ["integer", "null"], "const": None}, "null", "1"),
+    ({"$ref": "#/$defs/a~1b%20c", "$defs": {"a/b c": {"$ref": "#/x"}}, "x": I}, "5", "10"),
+    ({"type": "object", "properties": {"next": {"$ref": "#"}}}, '{"next": {"next": {}}}', '{"next": 1}'),
+])
+def test_schemas_close_to_the_refused_ones_build_and_hold(schema, right, wrong):
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from nanovllm.structured.grammar import build_grammar
+
+    grammar = build_grammar(StructuredOutputsParams(json=schema))
+    assert _is_grammar_accept_string(grammar, right) and not _is_grammar_accept_string(grammar, wrong)
+    jsonschema.validate(json.loads(right), schema)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_grammar_that_allows_no_token_ends_its_sample_with_error_and_harms_nothing(llm, temperature):
     """xgrammar compiles grammars that match nothing; where such a grammar allows no token at

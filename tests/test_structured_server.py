@@ -124,6 +124,19 @@ def test_openai_client_raises_bad_request_for_a_bad_schema(live):
     assert info.value.body["param"] == "response_format" and "uniqueItems" in info.value.body["message"]
 
 
+@pytest.mark.parametrize("route, extra, where", [
+    ("/v1/completions", {"structured_outputs": {"json": {"$ref": "#/my/L", "my": {"L": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}}, "#/my/L/uniqueItems"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}}}}, "#/required"),
+    ("/v1/completions", {"structured_outputs": {"json": {"type": "integer", "enum": ["a", 1]}}}, "#/enum"),
+], ids=["keyword-behind-ref", "required-undefined", "enum-off-type"])
+def test_a_schema_the_grammar_would_not_hold_is_a_400_naming_the_place(live, route, extra, where):
+    body = {"prompt": "x"} if route == "/v1/completions" else {"messages": MESSAGES}
+    err = assert_error_body(live.http.post(route, json={**body, "max_tokens": 4, **extra}), 400)
+    assert err["param"] == next(iter(extra)) and where in err["message"], err
+
+
 DEAD_ENDS = [({"grammar": "root ::= root"}, 0),  # matches nothing: no first token
              ({"json": {"type": "string", "pattern": "[^\\s\\S]"}}, 1)]  # its opening quote, then nothing
 

@@ -3,11 +3,15 @@
 JSON schemas are compiled with fixed separators (`", "` and `": "`, no free whitespace), so a
 model cannot spend its tokens on whitespace, and in xgrammar's strict mode (no properties or
 items beyond those the schema names, unless it allows them). Keywords that xgrammar would
-silently ignore are refused rather than not enforced (`UNSUPPORTED_KEYWORDS`).
+silently ignore are refused rather than not enforced (`UNSUPPORTED_KEYWORDS`), and so is anything
+else it would hold differently from JSON Schema (`_node_problem`), in every subschema and every
+place a local `$ref` points at.
 """
 from __future__ import annotations
 
 import json
+import re
+from urllib.parse import unquote
 
 import xgrammar as xgr
 
@@ -42,33 +46,91 @@ _STRING_CHARS = {
 }
 
 
-def _unsupported_keyword(schema: object, path: str) -> str | None:
-    """The first keyword of UNSUPPORTED_KEYWORDS in the schema tree, as a JSON pointer-like path."""
-    if not isinstance(schema, dict):
-        return None
-    for key in schema:
+def _resolve(root: dict, ref: str) -> object:
+    """The value a local $ref ("#" or a JSON pointer "#/a/b", percent- and ~-escaped) points at,
+    None where it points at nothing (xgrammar refuses such a schema itself)."""
+    node: object = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _node_problem(node: dict, path: str, root: dict) -> str | None:
+    """Why xgrammar would not enforce this schema node as JSON Schema means it; None if it would."""
+    for key in node:
         if key in UNSUPPORTED_KEYWORDS:
-            return f"{path}/{key}"
+            return f"the JSON schema keyword at {path}/{key} is not supported"
     # xgrammar enforces an allOf of one schema standing alone; with more, it allows any JSON
     # value, and beside other keywords it keeps the allOf's schema and drops the rest.
-    if "allOf" in schema:
-        parts, others = schema["allOf"], set(schema) - {"allOf", "$defs", "definitions"} - _ANNOTATIONS
+    if "allOf" in node:
+        parts, others = node["allOf"], set(node) - {"allOf", "$defs", "definitions"} - _ANNOTATIONS
         if not isinstance(parts, list) or len(parts) != 1 or others:
-            return f"{path}/allOf"
-    for key, how in _SUBSCHEMAS.items():
-        sub = schema.get(key)
-        if how == _ONE:
-            children = [(key, sub)]
-        elif how == _LIST and isinstance(sub, list):
-            children = [(f"{key}/{i}", s) for i, s in enumerate(sub)]
-        elif how == _DICT and isinstance(sub, dict):
-            children = [(f"{key}/{name}", s) for name, s in sub.items()]
-        else:
-            children = []
-        for where, child in children:
-            found = _unsupported_keyword(child, f"{path}/{where}")
-            if found:
-                return found
+            return f"the JSON schema keyword at {path}/allOf is not supported"
+    for key in ("anyOf", "oneOf", "type"):  # xgrammar takes an empty anyOf for "" and an empty type for any value
+        if node.get(key) == []:
+            return f"{path}/{key} is empty: no value matches it"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        return f"{path}/$ref {ref!r}: only references within the schema (\"#\" or \"#/...\") are supported"
+    # xgrammar never writes a required property that `properties` does not define.
+    kinds = node.get("type", "object")
+    if isinstance(node.get("required"), list) and "object" in (kinds if isinstance(kinds, list) else [kinds]):
+        properties = node.get("properties")
+        for name in node["required"]:
+            if isinstance(name, str) and not (isinstance(properties, dict) and name in properties):
+                return (f"{path}/required names {name!r}, which {path}/properties does not define: "
+                    "such a property is never written")
+    # xgrammar writes a const or enum value as it is, whatever the keywords beside it say.
+    values = [node["const"]] if "const" in node else node.get("enum") if isinstance(node.get("enum"), list) else []
+    rest = {k: v for k, v in node.items() if k not in ("const", "enum")}
+    if values and set(rest) - _ANNOTATIONS:
+        from jsonschema import Draft202012Validator
+        from referencing.exceptions import Unresolvable
+
+        which = "const" if "const" in node else "enum"
+        validator = Draft202012Validator(root).evolve(schema=rest)
+        for value in values:
+            try:
+                if not validator.is_valid(value):
+                    return f"{path}/{which} value {value!r} does not match the rest of its schema"
+            except (re.error, Unresolvable) as exc:
+                return f"{path}/{which} cannot be checked against the rest of its schema ({exc})"
+    return None
+
+
+def _schema_problem(schema: dict) -> str | None:
+    """The first place, as a JSON pointer, where xgrammar would not enforce `schema` as JSON
+    Schema means it (_node_problem), with why; None if there is none. Walks every subschema
+    and the target of every local $ref, wherever in the document it is."""
+    seen: set[int] = set()
+    todo: list[tuple[object, str]] = [(schema, "#")]
+    while todo:
+        node, path = todo.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        problem = _node_problem(node, path, schema)
+        if problem:
+            return problem
+        children = []
+        for key, how in _SUBSCHEMAS.items():
+            sub = node.get(key)
+            if how == _ONE:
+                children.append((sub, f"{path}/{key}"))
+            elif how == _LIST and isinstance(sub, list):
+                children += [(s, f"{path}/{key}/{i}") for i, s in enumerate(sub)]
+            elif how == _DICT and isinstance(sub, dict):
+                children += [(s, f"{path}/{key}/{name}") for name, s in sub.items()]
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            children.append((_resolve(schema, ref), ref))
+        todo += reversed(children)  # depth first, in the schema's order
     return None
 
 
@@ -84,9 +146,9 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
     field = f"structured_outputs.{kind}"
     if kind == "json":
         schema = json.loads(spec.spec)
-        found = _unsupported_keyword(schema, "#")
-        if found:
-            raise ValueError(f"{field}: the JSON schema keyword at {found} is not supported")
+        problem = _schema_problem(schema)
+        if problem:
+            raise ValueError(f"{field}: {problem}")
     try:
         if kind in ("json", "json_object"):
             schema = spec.spec if kind == "json" else json.dumps(JSON_OBJECT_SCHEMA)
