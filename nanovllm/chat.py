@@ -30,6 +30,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from nanovllm.sampling_params import schema_text
 from nanovllm.text import check_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -139,8 +140,8 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
 
 def check_tools(tools: Any) -> list[dict[str, Any]] | None:
     """Tool definitions in OpenAI's shape ({"type": "function", "function": {"name",
-    "description", "parameters"}}), checked; `parameters` must be a valid JSON schema. None or
-    [] -> None."""
+    "description", "parameters"}}), checked; `parameters` must be a valid JSON schema, within the
+    bounds of structured outputs' (sampling_params.schema_text). None or [] -> None."""
     if tools is None:
         return None
     if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
@@ -167,6 +168,7 @@ def check_tools(tools: Any) -> list[dict[str, Any]] | None:
         if parameters is not None:
             if not isinstance(parameters, dict):
                 raise ValueError(f"{at}.function.parameters must be a JSON schema object")
+            schema_text(parameters, f"{at}.function.parameters")
             try:
                 Draft202012Validator.check_schema(parameters)
             except SchemaError as exc:

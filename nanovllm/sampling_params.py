@@ -22,6 +22,12 @@ MAX_SEED = 2**63 - 1
 # [-100, 100] (a bias of +-100 is a ban or an exclusive choice; larger values only overflow).
 MAX_ADDITIVE_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+# A JSON schema (structured_outputs.json, response_format's, a tool's parameters) nests objects and
+# arrays at most this deep, and its JSON text is at most this long: real schemas stay far below
+# both, and they bound the time its checks and its grammar take to build (the build's time grows
+# fast with depth).
+MAX_SCHEMA_DEPTH = 64
+MAX_SCHEMA_CHARS = 256 * 1024
 
 
 def is_int(x: object) -> bool:
@@ -32,6 +38,35 @@ def is_int(x: object) -> bool:
 def is_number(x: object) -> bool:
     """A finite int or float that is not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _nests_deeper(value: object, depth: int) -> bool:
+    """Whether `value` nests dicts and lists (tuples) more than `depth` deep; without recursion."""
+    todo = [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
+        if children is None:
+            continue
+        if level > depth:
+            return True
+        todo += [(child, level + 1) for child in children]
+    return False
+
+
+def schema_text(schema: object, what: str) -> str:
+    """`schema` as compact JSON text, key order kept (a schema's property order is the order the
+    output writes them in); ValueError naming `what` where it is not JSON-serializable, nests
+    deeper than MAX_SCHEMA_DEPTH or is longer than MAX_SCHEMA_CHARS."""
+    if _nests_deeper(schema, MAX_SCHEMA_DEPTH):
+        raise ValueError(f"{what}: is nested too deeply (more than {MAX_SCHEMA_DEPTH} levels of objects and arrays)")
+    try:
+        text = _json.dumps(schema, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}: is not JSON-serializable ({e})") from None
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"{what}: is too long ({len(text)} characters as JSON text, at most {MAX_SCHEMA_CHARS})")
+    return text
 
 
 @dataclass(frozen=True)
@@ -77,7 +112,8 @@ class StructuredOutputsParams:
                 except ValueError as e:
                     raise bad("json", f"is not valid JSON text ({e})") from None
                 except RecursionError:
-                    raise bad("json", "is nested too deeply") from None
+                    raise bad("json", f"is nested too deeply (more than {MAX_SCHEMA_DEPTH} levels of objects and "
+                                      "arrays)") from None
             else:
                 schema = self.json
             if not isinstance(schema, dict):
@@ -95,10 +131,7 @@ class StructuredOutputsParams:
             raise bad("json_object", "must be a bool")
         kind = set_fields[0]
         if kind == "json":
-            try:  # key order kept: a schema's property order is the order the output writes them in
-                spec = _json.dumps(schema, separators=(",", ":"))
-            except (TypeError, ValueError) as e:
-                raise bad("json", f"is not JSON-serializable ({e})") from None
+            spec = schema_text(schema, "StructuredOutputsParams.json")
         elif kind == "choice":
             spec = _json.dumps(self.choice)
         elif kind == "json_object":

@@ -349,6 +349,22 @@ def test_bad_tool_requests_are_400_naming_the_field(hermes, fields, param):
     assert len(engine.prompts) == before  # nothing reached the engine
 
 
+@pytest.mark.parametrize("depth", [65, 200])
+@pytest.mark.parametrize("tool_choice", ["none", "required"])
+def test_tool_parameters_nested_too_deeply_are_a_400_naming_them(hermes, tool_choice, depth):
+    engine, _, http = hermes
+    before = len(engine.prompts)
+    parameters = '{"type": "array", "items": ' * (depth - 1) + '{"type": "integer"}' + "}" * (depth - 1)
+    body = ('{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "%s", "tools": [{"type": "function", '
+            '"function": {"name": "f", "parameters": %s}}]}' % (tool_choice, parameters))
+    r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and err["message"].startswith(
+        "tools[0].function.parameters: is nested too deeply (more than 64 levels"), err
+    assert len(engine.prompts) == before
+
+
 def test_auto_needs_the_flag(tools_tokenizer):
     with live_app(tools_tokenizer, ParserConfig()) as (engine, client, _):
         with pytest.raises(openai.BadRequestError) as info:

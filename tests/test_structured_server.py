@@ -137,6 +137,20 @@ def test_a_schema_the_grammar_would_not_hold_is_a_400_naming_the_place(live, rou
     assert err["param"] == next(iter(extra)) and where in err["message"], err
 
 
+@pytest.mark.parametrize("depth", [65, 950])  # 950: just within what the server's JSON parser takes
+@pytest.mark.parametrize("route, param", [("/v1/completions", "structured_outputs"),
+                                          ("/v1/chat/completions", "response_format")])
+def test_a_schema_nested_too_deeply_is_a_400_naming_the_field(live, route, param, depth):
+    schema = '{"type": "array", "items": ' * (depth - 1) + '{"type": "integer"}' + "}" * (depth - 1)
+    if route == "/v1/completions":
+        body = '{"prompt": "x", "max_tokens": 2, "structured_outputs": {"json": %s}}' % schema
+    else:
+        body = ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": '
+                '{"type": "json_schema", "json_schema": {"name": "x", "schema": %s}}}' % schema)
+    err = assert_error_body(live.http.post(route, content=body, headers={"content-type": "application/json"}), 400)
+    assert err["param"] == param and "is nested too deeply (more than 64 levels" in err["message"], err
+
+
 DEAD_ENDS = [({"grammar": "root ::= root"}, 0),  # matches nothing: no first token
              ({"json": {"type": "string", "pattern": "[^\\s\\S]"}}, 1)]  # its opening quote, then nothing
 

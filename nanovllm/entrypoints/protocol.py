@@ -89,15 +89,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def _check_strings(value: Any, where: str) -> None:
-    if isinstance(value, str):
-        check_text(value, where)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _check_strings(item, where)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_strings(key, where)
-            _check_strings(item, where)
+    """Every string in `value` (keys too) through check_text; without recursion, as a value
+    (a schema) may nest as deep as the JSON parser takes."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            check_text(item, where)
+        elif isinstance(item, (list, tuple)):
+            todo += item
+        elif isinstance(item, dict):
+            todo += [*item.keys(), *item.values()]
 
 
 # ---- requests --------------------------------------------------------------------------------
