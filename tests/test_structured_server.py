@@ -12,6 +12,7 @@ from typing import Literal
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
 pytest.importorskip("xgrammar", reason="xgrammar is not installed")
@@ -191,3 +192,49 @@ def test_the_server_checks_a_constraint_once_not_per_request(live, monkeypatch):
     for _ in range(2):
         assert assert_error_body(live.http.post("/v1/completions", json=bad), 400)["param"] == "structured_outputs"
     assert built == ["regex"] * 3  # the good one once, the bad one each time
+
+
+def test_a_grammar_check_still_queued_when_its_client_leaves_is_dropped(live, monkeypatch):
+    """Two slow checks hold the front-end's two grammar-check threads; a third waits for one.
+    All three clients leave: each request ends at once (499), the third check never runs, and the
+    next request is checked at once."""
+    import threading
+
+    import nanovllm.entrypoints.server as server
+
+    started, release = [], threading.Event()
+    build = server._build_grammar
+
+    def slow_build(spec):
+        if spec.kind == "regex" and spec.regex.startswith("slow"):
+            started.append(spec.regex)
+            release.wait(30)
+        return build(spec)
+
+    monkeypatch.setattr(server, "_build_grammar", slow_build)
+
+    def leave_early(regex):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(live.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=1,
+                       json={"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": regex}})
+
+    def dropped() -> float:  # requests answered 499: their client left first
+        for family in text_string_to_metric_families(live.http.get("/metrics").text):
+            for sample in family.samples:
+                if sample.name == "nanovllm_http_requests_total" and sample.labels == {
+                        "code": "499", "endpoint": "/v1/completions"}:
+                    return sample.value
+        return 0.0
+
+    before = dropped()
+    clients = [threading.Thread(target=leave_early, args=(f"slow{i}[a-z]",)) for i in range(3)]
+    for client in clients:
+        client.start()
+    assert wait_until(lambda: len(started) == 2)
+    for client in clients:
+        client.join()
+    assert wait_until(lambda: dropped() == before + 3)  # each answered once its client left
+    release.set()
+    body = {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "next[0-9]"}}
+    assert live.http.post("/v1/completions", json=body).status_code == 200
+    assert len(started) == 2  # the third slow check, queued behind the other two, never ran

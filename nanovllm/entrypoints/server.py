@@ -507,12 +507,14 @@ class OpenAIServer:
                               param="model", code="model_not_found")
 
     async def submit(self, base_id: str, prompts: list[str | list[int]], params: SamplingParams, stream: bool,
-                     param: str, grammar_param: str | None = None) -> list[RequestStream]:
+                     param: str, grammar_param: str | None = None,
+                     request: Request | None = None) -> list[RequestStream]:
         """Add one engine request per prompt, all at once; all or nothing. ValueError -> 400
-        naming `param` (`grammar_param` for the engine's grammar check: structured_outputs.*)."""
+        naming `param` (`grammar_param` for the engine's grammar check: structured_outputs.*).
+        `request`: the HTTP request, whose grammar check is dropped if its client leaves first."""
         prompts = await self.tokenize(prompts, param)
         if params.structured_outputs is not None:
-            await self._check_grammar(params.structured_outputs, grammar_param)
+            await self._check_grammar(params.structured_outputs, grammar_param, request)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
             *(self.engine.add_request(rid, prompt, params, stream=stream) for rid, prompt in zip(ids, prompts)),
@@ -530,17 +532,29 @@ class OpenAIServer:
             raise exc
         return streams
 
-    async def _check_grammar(self, spec: StructuredOutputsParams, param: str | None) -> None:
+    async def _check_grammar(self, spec: StructuredOutputsParams, param: str | None,
+                             request: Request | None = None) -> None:
         """Build the request's grammar on a thread of the front-end's, for its errors (a 400
         naming `param`): a schema can take seconds to build, so the engine core builds it off
         its loop, where an error could no longer refuse the request. A constraint that passed
-        lately is not built again."""
+        lately is not built again. Where the client of `request` leaves first, the request ends
+        (a 499 nobody reads) and its check, if still waiting for a thread, is dropped."""
         key = (spec.kind, spec.spec)
         if key in self._grammars_checked:
             self._grammars_checked.move_to_end(key)
             return
+        check = asyncio.get_running_loop().run_in_executor(self._grammar_pool, _build_grammar, spec)
+        if request is not None:
+            gone = asyncio.ensure_future(_wait_for_disconnect(request))
+            try:
+                await asyncio.wait({check, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if not check.done():
+                check.cancel()  # not started yet: never runs (a running one ends unheard)
+                raise OpenAIError(499, "the client closed the connection before its grammar was checked")
         try:
-            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, _build_grammar, spec)
+            await check
         except ValueError as exc:
             raise bad_request(str(exc), param=param) from None
         self._grammars_checked[key] = None
@@ -612,7 +626,8 @@ class OpenAIServer:
         params = body.sampling_params(max_tokens, body.logprobs, self.engine.vocab_size, self.engine.generation_defaults)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, len(prompts), params.n, body.stream)
-        streams = await self.submit(request_id, prompts, params, body.stream, "prompt", body.structured_param)
+        streams = await self.submit(request_id, prompts, params, body.stream, "prompt", body.structured_param,
+                                    request)
         if body.stream:
             return _EventStream(_sse_body(self._completion_events(request_id, body, params, streams, tracker), tracker),
                                 lambda: self._close_stream(streams, tracker), self.stream_write_timeout)
@@ -695,7 +710,7 @@ class OpenAIServer:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, 1, params.n, body.stream)
         grammar_param = "tools" if plan.structured_outputs is not None else body.structured_param
-        streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages", grammar_param)
+        streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages", grammar_param, request)
         if body.stream:
             events = self._chat_events(request_id, body, params, parsers, streams[0], tracker, grammar_param)
             return _EventStream(_sse_body(events, tracker), lambda: self._close_stream(streams, tracker),
