@@ -286,6 +286,10 @@ I = {"type": "integer", "minimum": 0, "maximum": 9}
     ({"$ref": "#/x", "x": {"enum": ["a", "b"], "not": {"const": "a"}}}, "#/x/not", '"a"'),
     ({"$ref": "#/$defs/p", "$defs": {"p": {"$ref": "#/x/0"}}, "x": [{"type": "array", "items": I, "uniqueItems": True}]},
      "#/x/0/uniqueItems", "[1, 1]"),
+    # keywords beside a $ref (xgrammar keeps the referenced schema alone)
+    ({"$ref": "#/$defs/a", "maximum": 3, "$defs": {"a": {"type": "integer"}}}, "#/$ref", "9"),
+    ({"type": "object", "properties": {"p": {"$ref": "#/$defs/s", "maxLength": 1}}, "required": ["p"],
+      "$defs": {"s": {"type": "string"}}}, "#/properties/p/$ref", '{"p": "ab"}'),
     # a required property that properties does not define is never written
     ({"type": "object", "properties": {"a": I}, "required": ["a", "b"]}, "#/required", '{"a": 1}'),
     ({"type": "object", "properties": {"a": I}, "required": ["b"], "additionalProperties": True}, "#/required",
@@ -329,6 +333,8 @@ def test_schemas_xgrammar_would_enforce_wrongly_are_refused_naming_the_place(sch
     ({"type": ["integer", "null"], "const": None}, "null", "1"),
     ({"$ref": "#/$defs/a~1b%20c", "$defs": {"a/b c": {"$ref": "#/x"}}, "x": I}, "5", "10"),
     ({"type": "object", "properties": {"next": {"$ref": "#"}}}, '{"next": {"next": {}}}', '{"next": 1}'),
+    # annotations beside a $ref (as pydantic writes a field's description and default)
+    ({"$ref": "#/$defs/a", "description": "d", "default": 1, "$defs": {"a": I}}, "5", "10"),
 ])
 def test_schemas_close_to_the_refused_ones_build_and_hold(schema, right, wrong):
     from xgrammar.testing import _is_grammar_accept_string

@@ -26,6 +26,12 @@ UNSUPPORTED_KEYWORDS = frozenset({
 # Keywords that only annotate a schema (they constrain nothing).
 _ANNOTATIONS = frozenset({"title", "description", "$comment", "default", "examples", "$schema", "$id", "deprecated",
                           "readOnly", "writeOnly"})
+# The keywords xgrammar enforces (the others it refuses, or they only annotate).
+_CONSTRAINTS = frozenset({
+    "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
+    "additionalItems", "minItems", "maxItems", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "minLength", "maxLength", "pattern", "format", "anyOf", "oneOf", "allOf",
+})
 # Where a schema holds subschemas: keyword -> how (one schema, a list of them, a dict of them).
 _ONE, _LIST, _DICT = "one", "list", "dict"
 _SUBSCHEMAS = {
@@ -78,6 +84,11 @@ def _node_problem(node: dict, path: str, root: dict) -> str | None:
     ref = node.get("$ref")
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
         return f"{path}/$ref {ref!r}: only references within the schema (\"#\" or \"#/...\") are supported"
+    # Beside a $ref, xgrammar keeps the referenced schema and drops every other keyword.
+    others = sorted(set(node) & _CONSTRAINTS) if "$ref" in node else []
+    if others:
+        return (f"{path}/$ref beside {', '.join(others)} is not supported: put them in the referenced schema, "
+                "or combine the two with anyOf")
     # xgrammar never writes a required property that `properties` does not define.
     kinds = node.get("type", "object")
     if isinstance(node.get("required"), list) and "object" in (kinds if isinstance(kinds, list) else [kinds]):
