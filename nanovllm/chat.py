@@ -30,7 +30,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from nanovllm.sampling_params import schema_text
+from nanovllm.sampling_params import nests_deeper, schema_text
 from nanovllm.text import check_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -38,6 +38,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 TEMPLATE_ROLE = {"developer": "system"}
 # vLLM's rule for function names (and OpenAI's).
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# A tool call's arguments (in an assistant message) nest objects and arrays at most this deep.
+MAX_ARGUMENTS_DEPTH = 128
 # apply_chat_template's own arguments: a request's chat_template_kwargs cannot set them.
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -70,8 +72,14 @@ def _check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
                 arguments = json.loads(check_text(arguments, f"{at}.function.arguments"))
             except ValueError:
                 raise ValueError(f"{at}.function.arguments must be the JSON text of an object") from None
+            except RecursionError:  # nested deeper than Python's parser goes
+                raise ValueError(f"{at}.function.arguments nests objects and arrays more than "
+                                 f"{MAX_ARGUMENTS_DEPTH} levels deep") from None
         if not isinstance(arguments, dict):
             raise ValueError(f"{at}.function.arguments must be the JSON text of an object")
+        if nests_deeper(arguments, MAX_ARGUMENTS_DEPTH):
+            raise ValueError(f"{at}.function.arguments nests objects and arrays more than {MAX_ARGUMENTS_DEPTH} "
+                             "levels deep")
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise TypeError(f"{at}.id must be a string")

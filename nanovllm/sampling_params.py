@@ -40,7 +40,7 @@ def is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _nests_deeper(value: object, depth: int) -> bool:
+def nests_deeper(value: object, depth: int) -> bool:
     """Whether `value` nests dicts and lists (tuples) more than `depth` deep; without recursion."""
     todo = [(value, 1)]
     while todo:
@@ -58,7 +58,7 @@ def schema_text(schema: object, what: str) -> str:
     """`schema` as compact JSON text, key order kept (a schema's property order is the order the
     output writes them in); ValueError naming `what` where it is not JSON-serializable, nests
     deeper than MAX_SCHEMA_DEPTH or is longer than MAX_SCHEMA_CHARS."""
-    if _nests_deeper(schema, MAX_SCHEMA_DEPTH):
+    if nests_deeper(schema, MAX_SCHEMA_DEPTH):
         raise ValueError(f"{what}: is nested too deeply (more than {MAX_SCHEMA_DEPTH} levels of objects and arrays)")
     try:
         text = _json.dumps(schema, separators=(",", ":"))

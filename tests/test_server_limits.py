@@ -303,6 +303,10 @@ def test_special_token_text_in_chat_stays_text_unless_the_flag_allows_it(engine,
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages"),
+    # a previous call's arguments nested past Python's JSON parser, and past the cap (128 levels)
+    *[({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a":' + "[" * depth + "]" * depth + "}"}}]}]},
+       "messages") for depth in (1_400, 128, 900)],
     ({"response_format": {"type": "json_schema"}}, "response_format"),  # no schema
 ])
 def test_bad_chat_fields_and_roles_are_400_naming_the_field(keyed, extra, param):

@@ -249,6 +249,6 @@ class ChoiceParser:
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested deeper than Python's parser goes: not usable as JSON
         return False
     return True
