@@ -95,6 +95,8 @@ def test_a_malformed_arguments_value_streams_no_further_than_its_end():
     '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>',
     'Sure <tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}</tool_call>',
     'Checking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Pa',  # cut by max_tokens
+    # nested deeper than Python's JSON parser goes
+    '<tool_call>{"name": "get_weather", "arguments": {"a": ' + "[" * 1500 + "]" * 1500 + '}}</tool_call>',
 ])
 def test_unstreamed_auto_answer_with_a_call_that_is_not_json_is_content(text):
     """vLLM's rule for the unstreamed answer: a call whose arguments do not parse makes the

@@ -221,7 +221,7 @@ def scan_call_object(text: str, start: int, args_end: ValueEnd | None = None) ->
                 return scan  # unfinished
         try:
             value, j = _DECODER.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested deeper than Python's parser goes: not JSON to us)
             if is_args and scan.args_tracker is not None and scan.args_tracker.end is not None:
                 scan.args_end = scan.args_tracker.end  # whole but not JSON: what follows is not its
             return scan  # unfinished (or not JSON: decided when the call ends)
