@@ -193,8 +193,10 @@ class SamplingParams:
 
         if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise bad("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
-        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            raise bad("top_k", "must be -1 (off) or an integer >= 1")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "must be 0 or -1 (off) or an integer >= 1")
+        if self.top_k == 0:  # vLLM's "off" (as in Hugging Face configs); -1 here
+            object.__setattr__(self, "top_k", -1)
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be a number in (0, 1]")
         if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:

@@ -22,7 +22,7 @@ ENGINE_KW = dict(device="cpu", max_model_len=256, kvcache_block_size=4, num_kvca
     ("temperature", math.nan), ("temperature", math.inf), ("temperature", 1e30), ("temperature", -1.0),
     ("temperature", True), ("top_p", math.nan), ("top_p", True), ("min_p", math.nan), ("min_p", math.inf),
     ("logprobs", True), ("logprobs", False), ("max_tokens", True), ("min_tokens", True), ("n", True),
-    ("top_k", False), ("seed", True), ("seed", -1), ("seed", 2**64), ("stop_token_ids", [True]),
+    ("top_k", False), ("top_k", -2), ("seed", True), ("seed", -1), ("seed", 2**64), ("stop_token_ids", [True]),
     ("ignore_eos", 1), ("skip_special_tokens", "yes"),
 ])
 def test_sampling_params_refuse_non_finite_out_of_range_and_bools(field, value):
@@ -33,6 +33,15 @@ def test_sampling_params_refuse_non_finite_out_of_range_and_bools(field, value):
 def test_sampling_params_accept_the_edges():
     SamplingParams(temperature=0, top_p=1, min_p=0, seed=0, logprobs=0, top_k=-1)
     SamplingParams(temperature=100.0, logprobs=20, seed=2**63 - 2, n=1)
+
+
+def test_top_k_0_is_off_as_in_vllm(checkpoint_factory):
+    """vLLM's (and Hugging Face configs') 0 turns top-k off: the draws are those of -1."""
+    llm = LLM(checkpoint_factory("qwen3"), **ENGINE_KW)
+    outs = [llm.generate([[1, 2, 3]], SamplingParams(temperature=1.0, top_k=k, seed=7, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids for k in (0, -1, 2)]
+    assert outs[0] == outs[1] != outs[2]
+    llm.shutdown()
 
 
 def test_sampling_params_are_frozen_after_validation():
