@@ -292,6 +292,34 @@ def test_special_token_text_in_chat_stays_text_unless_the_flag_allows_it(engine,
     assert safe - parsed == len(as_text) - len(markers)  # the forged markers counted as text, not as 2 tokens
 
 
+def test_add_special_tokens_as_in_vllm(engine):
+    """vLLM's add_special_tokens: a completion's text prompt gets the BOS its tokenizer adds
+    unless the flag is false; a chat prompt (whose template holds its own) only if it is true."""
+    from tokenizers.processors import TemplateProcessing
+
+    backend = engine.tokenizer.backend_tokenizer
+    plain = backend.post_processor
+    bos = engine.tokenizer.bos_token or engine.tokenizer.eos_token
+    backend.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, engine.tokenizer.convert_tokens_to_ids(bos))])
+    try:
+        app = create_app(engine, MODEL, api_key=KEY, limits=LIMITS)  # the server keeps a copy of this tokenizer
+    finally:
+        backend.post_processor = plain
+    with serve(app, LIMITS) as port:
+        def prompt_tokens(path: str, body: dict) -> int:
+            resp = client(port).post(path, json={"max_tokens": 1, **body})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["usage"]["prompt_tokens"]
+
+        text = len(engine.tokenizer.encode("hello there", add_special_tokens=False))
+        assert prompt_tokens("/v1/completions", {"prompt": "hello there"}) == text + 1
+        assert prompt_tokens("/v1/completions", {"prompt": "hello there", "add_special_tokens": False}) == text
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        templated = prompt_tokens("/v1/chat/completions", chat)
+        assert prompt_tokens("/v1/chat/completions", {**chat, "add_special_tokens": True}) == templated + 1
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),

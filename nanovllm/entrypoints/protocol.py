@@ -305,6 +305,9 @@ class CompletionRequest(_SamplingRequest):
     echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: the tokenizer's special tokens (a BOS) before a text prompt's; false for a text
+    # that holds them already.
+    add_special_tokens: StrictBool = True
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -422,6 +425,8 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: StrictBool = True
     # vLLM's: the prompt ends inside the final message, which the model goes on with.
     continue_final_message: StrictBool = False
+    # vLLM's: the tokenizer's special tokens (a BOS) before the template's text, which holds its own.
+    add_special_tokens: StrictBool = False
     # vLLM's field: extra variables for the chat template, e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's, refused where set (check_unsupported).

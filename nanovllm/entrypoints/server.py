@@ -477,13 +477,15 @@ class OpenAIServer:
                               f"{self.max_prompt_chars} (max_model_len {self.engine.max_model_len} x "
                               f"{CHARS_PER_TOKEN_LIMIT}, or --max-prompt-chars)", param=param)
 
-    def _encode(self, prompt: str) -> list[int]:
+    def _encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self._tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-        return self._tokenizer.encode(prompt) if prompt else []
+        return self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if prompt else []
 
-    async def tokenize(self, prompts: list[str | list[int]], param: str) -> list[list[int]]:
-        """Token ids of every prompt (strings tokenized on the tokenizer thread)."""
+    async def tokenize(self, prompts: list[str | list[int]], param: str,
+                       add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of every prompt (strings tokenized on the tokenizer thread, with the special
+        tokens the tokenizer adds, such as a BOS, unless add_special_tokens is false)."""
         for p in prompts:
             if isinstance(p, str):
                 self._check_chars(len(p), param)
@@ -494,7 +496,7 @@ class OpenAIServer:
                 out.append(p)
                 continue
             try:
-                out.append(await loop.run_in_executor(self._tokenize_pool, self._encode, p))
+                out.append(await loop.run_in_executor(self._tokenize_pool, self._encode, p, add_special_tokens))
             except ValueError as exc:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 raise bad_request(f"{where}{exc}", param=param) from None
@@ -508,11 +510,11 @@ class OpenAIServer:
 
     async def submit(self, base_id: str, prompts: list[str | list[int]], params: SamplingParams, stream: bool,
                      param: str, grammar_param: str | None = None,
-                     request: Request | None = None) -> list[RequestStream]:
+                     request: Request | None = None, add_special_tokens: bool = True) -> list[RequestStream]:
         """Add one engine request per prompt, all at once; all or nothing. ValueError -> 400
         naming `param` (`grammar_param` for the engine's grammar check: structured_outputs.*).
         `request`: the HTTP request, whose grammar check is dropped if its client leaves first."""
-        prompts = await self.tokenize(prompts, param)
+        prompts = await self.tokenize(prompts, param, add_special_tokens)
         if params.structured_outputs is not None:
             await self._check_grammar(params.structured_outputs, grammar_param, request)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
@@ -627,7 +629,7 @@ class OpenAIServer:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, len(prompts), params.n, body.stream)
         streams = await self.submit(request_id, prompts, params, body.stream, "prompt", body.structured_param,
-                                    request)
+                                    request, body.add_special_tokens)
         if body.stream:
             return _EventStream(_sse_body(self._completion_events(request_id, body, params, streams, tracker), tracker),
                                 lambda: self._close_stream(streams, tracker), self.stream_write_timeout)
@@ -697,7 +699,7 @@ class OpenAIServer:
                           + len(json.dumps(plan.tools or "")), "messages")
         prompt_ids, prompt_tail = await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, self._chat_prompt, messages, body.add_generation_prompt, plan.tools, template_kwargs,
-            body.continue_final_message)
+            body.continue_final_message, body.add_special_tokens)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
@@ -736,10 +738,12 @@ class OpenAIServer:
                                                    usage=self._usage(finals)).model_dump())
 
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
-                     template_kwargs: dict[str, Any], continue_final_message: bool = False) -> tuple[list[int], str]:
+                     template_kwargs: dict[str, Any], continue_final_message: bool = False,
+                     add_special_tokens: bool = False) -> tuple[list[int], str]:
         """Runs on the tokenizer thread: the prompt's ids, and the text of its last few tokens
         (does the template leave a think block open?). Contents are tokenized apart, so
-        special-token text in them stays text (nanovllm/chat.py)."""
+        special-token text in them stays text (nanovllm/chat.py). add_special_tokens (vLLM's):
+        what the tokenizer adds to a text of its own (a BOS) goes before the template's text."""
         tok = self._tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
@@ -750,6 +754,8 @@ class OpenAIServer:
                                   continue_final_message=continue_final_message)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param="messages") from None
+        if add_special_tokens:
+            ids = tok.encode("", add_special_tokens=True) + ids
         return ids, tok.decode(ids[-4:])
 
     async def _chat_events(self, request_id: str, body: ChatCompletionRequest, params: SamplingParams,
