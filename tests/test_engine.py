@@ -354,7 +354,7 @@ def test_prompt_larger_than_pool_is_rejected(qwen3_tiny):
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=0), "top_k"),
+    [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
      (dict(max_tokens=0), "max_tokens"), (dict(min_p=2), "min_p"), (dict(n=0), "n"),
      (dict(stop=[1]), "stop"), (dict(logprobs=-1), "logprobs"), (dict(min_tokens=9, max_tokens=2), "min_tokens")],
 )
