@@ -110,3 +110,25 @@ def test_streamed_text_equals_the_decode_when_invalid_bytes_precede_a_split_char
             assert expected.startswith(detok.text), (data, detok.text, expected)
         detok.flush()
         assert detok.text == expected, data
+
+
+def test_output_text_reads_alike_decoded_at_once_or_token_by_token(checkpoint_factory):
+    """A prompt that ends inside a character, and an output that goes on with its bytes: the
+    text generate gives is the same whether it is decoded at once (no stop strings), token by
+    token (a stop string that never matches) or streamed."""
+    from nanovllm import LLM, SamplingParams
+
+    llm = LLM(checkpoint_factory("qwen3"), device="cpu", max_model_len=128, num_kvcache_blocks=32)
+    tok = llm.tokenizer
+    prompt = tok.encode("hi ") + _byte_token_ids(tok, "🙂".encode()[:2])  # the emoji's first two bytes
+    continuation = _byte_token_ids(tok, b"\x99")[0]  # a UTF-8 continuation byte, forced every step
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={continuation: 100.0})
+    stopped = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={continuation: 100.0},
+                             stop=["\x00never"])
+    at_once = llm.generate([prompt], plain, use_tqdm=False)[0].outputs[0]
+    by_token = llm.generate([prompt], stopped, use_tqdm=False)[0].outputs[0]
+    streamed = [p.outputs[0].text for p in llm.stream(prompt, plain)][-1]
+    assert at_once.token_ids == by_token.token_ids == [continuation] * 6
+    # the first two continuation bytes complete the prompt's character, so their text is the prompt's
+    assert at_once.text == by_token.text == streamed == "\ufffd" * 4
+    llm.shutdown()

@@ -37,7 +37,8 @@ from zmq.utils.monitor import recv_monitor_message
 from nanovllm.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStats
 from nanovllm.engine.core import CoreAddresses, CoreInfo
 from nanovllm.engine.detokenizer import (
-    IncrementalDetokenizer, ended_by_stop_token, stop_token_reason, streamable_text, text_token_ids, truncate_at_stop,
+    IncrementalDetokenizer, decode_after, ended_by_stop_token, stop_token_reason, streamable_text, text_token_ids,
+    truncate_at_stop,
 )
 from nanovllm.engine.messages import Abort, AddRequest, CoreOutput, Delta, Hello, params_to_wire
 from nanovllm.outputs import CompletionOutput, RequestOutput
@@ -172,7 +173,7 @@ class CoreStream:
             return ""
         ids = text_token_ids(sample.token_ids, sample.finish_reason, self.params.stop_token_ids,
                              self.client.eos_token_ids)
-        return self.client.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        return decode_after(self.client.tokenizer, self.prompt_token_ids, ids, self.params.skip_special_tokens)
 
     def snapshot(self) -> RequestOutput:
         final = self.done

@@ -38,6 +38,17 @@ def ids_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], s
     return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
+def decode_after(tokenizer, prompt_token_ids: list[int], ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text of output `ids` decoded at once, as an IncrementalDetokenizer reads it token by
+    token: after the prompt's last CONTEXT_TOKENS tokens, so that a token's text depends on
+    what precedes it alike (the leading space a tokenizer drops at the start of a text, the
+    rest of a character whose first bytes end the prompt)."""
+    decode = ids_decoder(tokenizer, skip_special_tokens)
+    context = list(prompt_token_ids[-CONTEXT_TOKENS:])
+    prefix_text, full_text = decode(context), decode(context + list(ids))
+    return full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from nanovllm.config import EngineConfig, resolve_max_model_len
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import (
-    IncrementalDetokenizer, stop_token_reason, streamable_text, text_token_ids, truncate_at_stop,
+    IncrementalDetokenizer, decode_after, stop_token_reason, streamable_text, text_token_ids, truncate_at_stop,
 )
 from nanovllm.engine.grammars import Grammars
 from nanovllm.engine.scheduler import Scheduler
@@ -520,7 +520,7 @@ class LLMEngine:
             return ""
         ids = text_token_ids(seq.completion_token_ids, seq.finish_reason, request.params.stop_token_ids,
                              self.eos_token_ids)
-        return self.tokenizer.decode(ids, skip_special_tokens=request.params.skip_special_tokens)
+        return decode_after(self.tokenizer, seq.prompt_token_ids, ids, request.params.skip_special_tokens)
 
     def _make_output(self, request: Request, final: bool = False) -> RequestOutput:
         completions = []
