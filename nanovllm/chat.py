@@ -100,9 +100,11 @@ def content_text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind != "text":
             raise ValueError(f"{where}[{j}]: content parts of type {kind!r} are not supported (text only, "
                              "as {'type': 'text', 'text': ...})")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}].text must be a string (a text part is {{'type': 'text', 'text': ...}})")
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -133,7 +133,7 @@ def test_continue_final_message_ends_the_prompt_inside_the_final_message(tokeniz
     (None, TypeError, "messages must be a list"),
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}],
      ValueError, r"messages\[0\]\.content\[1\]: content parts of type 'image_url'"),
-    ([{"role": "user", "content": [{"type": "text"}]}], ValueError, r"messages\[0\]\.content\[0\]"),
+    ([{"role": "user", "content": [{"type": "text"}]}], ValueError, r"messages\[0\]\.content\[0\]\.text must be a string"),
 ])
 def test_bad_messages_are_named(tokenizer, messages, error, match):
     with pytest.raises(error, match=match):
