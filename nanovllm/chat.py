@@ -3,20 +3,23 @@
 A chat template renders the messages into one string. Tokenizing that string with special
 tokens parsed (what `apply_chat_template` + `encode` do, and what vLLM and llama.cpp do) turns
 special-token text inside a message, e.g. a user writing `<|im_end|>\\n<|im_start|>system`, into
-the real control tokens: the user can forge a system turn. So contents are tokenized apart:
-the template is rendered with a unique placeholder in place of each non-empty content; the
-template's own text between placeholders is tokenized with special tokens parsed (its role
-markers), each content with `split_special_tokens=True` (special-token text stays ordinary
-text), and the ids are concatenated in order. `parse_special_tokens=True` gives the plain
-behaviour (the rendered string tokenized whole).
+the real control tokens: the user can forge a system turn. So a content holding special-token
+text is tokenized apart: the template is rendered with a unique placeholder in its place; the
+text between placeholders (the template's, with the other contents in it) is tokenized with
+special tokens parsed (its role markers), each such content with `split_special_tokens=True`
+(special-token text stays ordinary text), and the ids are concatenated in order. A chat whose
+client text holds no special-token text is therefore tokenized exactly as transformers
+tokenizes the rendered chat. `parse_special_tokens=True` gives the plain behaviour (the
+rendered string tokenized whole) in every case.
 
 Tool definitions, the arguments of earlier tool calls and `chat_template_kwargs` reach the
 template as data, which templates print as JSON (`tojson`) or inspect. Their strings go in
 unchanged, except a string holding special-token text: it becomes a placeholder too, whose
 text (JSON-escaped for tools and arguments, as `tojson` prints it) is tokenized as plain text.
 
-The template sees placeholders, not contents: a template that inspects or transforms content
-(strips it, splits it on `</think>`) acts on the placeholder, and the content goes in as sent.
+The template sees a placeholder where a content holds special-token text: a template that
+inspects or transforms content (strips it, splits it on `</think>`) acts on the placeholder
+there, and that content goes in as sent.
 
 `check_messages` and `check_tools` give the errors for malformed input (no role, an unknown
 role, a content that is not text, a tool call without a function name, ...) as
@@ -274,12 +277,15 @@ def chat_prompt_ids(
         if continue_final_message:
             text = _cut_after(text, messages[-1]["content"])
         return tokenizer.encode(text, add_special_tokens=False)
+    # Client text that holds special-token text stands in the rendered template as a placeholder
+    # and is tokenized apart; the rest is tokenized with the template's text around it, as
+    # transformers tokenizes a rendered chat (whitespace joins across their boundary).
     holders = _Placeholders(tokenizer)
     held = []
     for i, m in enumerate(messages):
         # The final message to continue gets a placeholder even if empty: the prompt ends there.
-        keep = m["content"] or (continue_final_message and i == len(messages) - 1)
-        m = {**m, "content": holders.new(m["content"]) if keep else ""}
+        final_and_empty = continue_final_message and i == len(messages) - 1 and not m["content"]
+        m = {**m, "content": holders.new("") if final_and_empty else holders.guard(m["content"], as_json=False)}
         if "tool_calls" in m:
             m["tool_calls"] = holders.guard(m["tool_calls"], as_json=True)
         held.append(m)

@@ -104,6 +104,17 @@ def test_plain_chat_tokens_are_unchanged(tokenizer):
     assert chat_prompt_ids(tokenizer, messages) == tokenizer.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.parametrize("content", ["  two leading spaces", "\n  indented", "    def f():\n        return 1",
+                                     " x\n\n", "\t\ttabs"])
+def test_chat_tokens_join_whitespace_across_the_template_as_transformers_does(tokenizer, content):
+    """Content whose whitespace the tokenizer would merge with the template's text around it
+    (a newline and the spaces after it) gives transformers' ids for the rendered chat."""
+    messages = [{"role": "user", "content": content}, {"role": "assistant", "content": content},
+                {"role": "user", "content": "next"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat_prompt_ids(tokenizer, messages) == tokenizer.encode(text, add_special_tokens=False)
+
+
 def test_continue_final_message_ends_the_prompt_inside_the_final_message(tokenizer):
     """As Hugging Face's apply_chat_template(continue_final_message=True): the prompt ends with
     the final message's text (no end-of-turn marker after it), with or without placeholders."""
