@@ -44,6 +44,17 @@ def test_top_k_0_is_off_as_in_vllm(checkpoint_factory):
     llm.shutdown()
 
 
+def test_a_shut_down_llm_refuses_requests_clearly(checkpoint_factory):
+    llm = LLM(checkpoint_factory("qwen3"), **ENGINE_KW)
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()
+    llm.shutdown()  # again: nothing to do
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(RuntimeError, match="shut down"):
+        next(iter(llm.stream([1, 2, 3], SamplingParams(max_tokens=2))))
+
+
 def test_sampling_params_are_frozen_after_validation():
     params = SamplingParams(n=2, stop="x")
     with pytest.raises(dataclasses.FrozenInstanceError):

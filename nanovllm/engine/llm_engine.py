@@ -138,6 +138,7 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                  pin_memory=self.executor.device_type == "cuda", check_in_pool=grammars_checked)
         self.requests: dict[str, Request] = {}
+        self.closed = False  # shut down: no new requests
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
         self.last_step = StepStats()
@@ -190,6 +191,8 @@ class LLMEngine:
         request's previous output (its new token ids, their logprobs, the new text) instead of
         all of it, so that a long stream costs the same per step at any length; the finish
         reasons and the cumulative logprob are whole as always."""
+        if self.closed:
+            raise RuntimeError("this engine was shut down; create a new LLM to generate again")
         params = params if params is not None else SamplingParams(**self.generation_defaults)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -574,5 +577,9 @@ class LLMEngine:
         return output
 
     def shutdown(self) -> None:
+        """Stop the executor and the grammar threads; later requests are refused. Safe to repeat."""
+        if self.closed:
+            return
+        self.closed = True
         self.grammars.shutdown()
         self.executor.shutdown()
