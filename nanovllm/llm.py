@@ -203,9 +203,16 @@ class LLM:
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield cumulative outputs of one request as tokens arrive (the last has finished=True)."""
-        params = sampling_params or self.get_default_sampling_params()
-        (request_id,) = self._add_all([prompt], [params], stream=True)
+        """Yield cumulative outputs of one request as tokens arrive (the last has finished=True).
+        `prompt` takes the forms generate takes for one prompt (a string, token ids, vLLM's
+        prompt dicts)."""
+        if isinstance(sampling_params, (list, tuple)):
+            raise TypeError("stream takes one SamplingParams (or None), for its one prompt")
+        prompts, params_list = self._normalize(prompt, sampling_params)
+        if len(prompts) != 1:
+            raise ValueError(f"stream takes one prompt, got {len(prompts)}")
+        params = params_list[0]
+        (request_id,) = self._add_all(prompts, [params], stream=True)
         mine = {request_id}
         self._open.add(request_id)
         done = False

@@ -44,6 +44,21 @@ def test_top_k_0_is_off_as_in_vllm(checkpoint_factory):
     llm.shutdown()
 
 
+def test_stream_takes_the_prompt_forms_generate_takes(checkpoint_factory):
+    llm = LLM(checkpoint_factory("qwen3"), **ENGINE_KW)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ({"prompt_token_ids": [5, 6, 7]}, [5, 6, 7]):
+        assert list(llm.stream(prompt, params))[-1].outputs[0].token_ids == expected
+    text = llm.generate({"prompt": "hello"}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(llm.stream({"prompt": "hello"}, params))[-1].outputs[0].token_ids == text
+    with pytest.raises(ValueError, match="prompt 0.*surrogate"):
+        next(iter(llm.stream("bad \ud800", params)))
+    with pytest.raises(ValueError, match="one prompt"):
+        next(iter(llm.stream(["a", "b"], params)))
+    llm.shutdown()
+
+
 def test_a_shut_down_llm_refuses_requests_clearly(checkpoint_factory):
     llm = LLM(checkpoint_factory("qwen3"), **ENGINE_KW)
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
