@@ -262,6 +262,28 @@ def test_a_damaged_entry_is_rebuilt(cache_root, tiny_gguf, monkeypatch, damage):
     assert_same_tokenizer(tokenizer, ref_tokenizer)
 
 
+def test_a_full_disk_skips_the_cache_with_a_warning(cache_root, tiny_gguf, monkeypatch, caplog):
+    """A full disk: safetensors and the tokenizers library raise errors of their own (not
+    OSError). The model still loads, converted, and the cache is skipped with a warning."""
+    import safetensors.torch
+    from transformers import PreTrainedTokenizerBase
+
+    class NoSpace(Exception):
+        pass
+
+    def full(*args, **kwargs):
+        raise NoSpace("No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", full)
+    ref_config, ref_tokenizer, ref_weights = converted(tiny_gguf)
+    with caplog.at_level("WARNING"):
+        _, config, tokenizer, weights = load_all(tiny_gguf)
+    assert_same_params(weights, ref_weights)
+    assert_same_tokenizer(tokenizer, ref_tokenizer)
+    assert "No space left on device" in caplog.text
+
+
 def test_disabled_cache_writes_nothing(cache_root, tiny_gguf, monkeypatch):
     monkeypatch.setenv("NANOVLLM_DISABLE_CACHE", "1")
     source, *_ = load_all(tiny_gguf)

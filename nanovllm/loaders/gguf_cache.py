@@ -145,7 +145,9 @@ class GGUFCacheEntry:
         try:
             with atomic_dir(self.tokenizer_dir) as tmp:
                 tokenizer.save_pretrained(str(tmp))
-        except OSError as exc:
+        # Any failure to write is a warning: the tokenizers library and safetensors report a
+        # full disk with errors of their own, not OSError.
+        except Exception as exc:  # noqa: BLE001
             logger.warning("could not cache the tokenizer in %s: %s", self.tokenizer_dir, exc)
 
     # ---- loaded parameters ---------------------------------------------------------------
@@ -211,7 +213,7 @@ class GGUFCacheEntry:
         try:
             with atomic_file(dest) as tmp:
                 write(tmp)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - as save_tokenizer: a full disk is not always an OSError
             logger.warning("could not write the cache file %s: %s", dest, exc)
             return False
         return True
