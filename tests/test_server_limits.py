@@ -432,3 +432,13 @@ def test_serve_on_a_port_in_use_is_refused_before_the_model_loads(tmp_path, caps
     finally:
         listener.close()
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["nonexistent.invalid", "192.0.2.1"])  # no such name; not this machine's
+def test_serve_on_a_host_it_cannot_listen_on_is_refused_before_the_model_loads(tmp_path, capsys, host):
+    """Also with --port 0 (any free port): the host is checked before the model loads."""
+    from nanovllm.entrypoints.cli import main
+
+    missing = str(tmp_path / "no-model-here")  # loading it would be a different error
+    assert main(["serve", missing, "--host", host, "--port", "0"]) == 2
+    assert f"cannot listen on {host}:0" in capsys.readouterr().err

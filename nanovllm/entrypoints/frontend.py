@@ -48,10 +48,8 @@ class FrontendConfig:
 
 def check_port_free(host: str, port: int) -> None:
     """ValueError where another process listens on (host, port), also one that set SO_REUSEPORT
-    (front-ends bound with it would share that process's port, and its clients). Port 0 (any
-    free port) passes."""
-    if port == 0:
-        return
+    (front-ends bound with it would share that process's port, and its clients), or where the
+    host is not an address of this machine. Port 0 (any free port) checks the host alone."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
