@@ -442,3 +442,15 @@ def test_serve_on_a_host_it_cannot_listen_on_is_refused_before_the_model_loads(t
     missing = str(tmp_path / "no-model-here")  # loading it would be a different error
     assert main(["serve", missing, "--host", host, "--port", "0"]) == 2
     assert f"cannot listen on {host}:0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--max-pending-requests", "-1"), ("--max-pending-requests", "0"),
+                                         ("--max-prompt-chars", "0"), ("--shutdown-timeout", "-1"),
+                                         ("--stream-write-timeout", "-1"), ("--stream-write-timeout", "nan")])
+def test_serve_refuses_out_of_range_limits_before_the_model_loads(tmp_path, capsys, flag, value):
+    """Such values used to be taken (every request a 503, every stream a 500) or, as 0, read as
+    the default."""
+    from nanovllm.entrypoints.cli import main
+
+    assert main(["serve", str(tmp_path / "no-model-here"), "--port", "0", flag, value]) == 2
+    assert flag in capsys.readouterr().err

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -258,6 +259,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
+    for flag, value, ok, rule in (("--max-pending-requests", args.max_pending_requests, lambda v: v >= 1, ">= 1"),
+                                  ("--max-prompt-chars", args.max_prompt_chars, lambda v: v >= 1, ">= 1"),
+                                  ("--shutdown-timeout", args.shutdown_timeout, lambda v: 0 <= v < math.inf, ">= 0"),
+                                  ("--stream-write-timeout", args.stream_write_timeout, lambda v: 0 < v < math.inf,
+                                   "> 0")):
+        if value is not None and not ok(value):  # (a NaN is refused too)
+            raise ValueError(f"{flag} must be a finite number {rule}, got {value}")
     from nanovllm.entrypoints.frontend import check_port_free
 
     check_port_free(args.host, args.port)  # before the model loads
