@@ -86,6 +86,17 @@ def test_compiled_decode_hidden_states_match_the_eager_forward(checkpoint_factor
     torch.testing.assert_close(runner.k_caches[0][n // 16, n % 16], k_after_eager, atol=1e-6, rtol=1e-6)
 
 
+def test_shutdown_removes_what_the_loaded_packages_unpacked(checkpoint_factory, monkeypatch, tmp_path):
+    """A loaded package unpacks into the temporary directory; a process that ends with
+    os._exit after shutdown (the CLI, the engine core) must not leave that behind."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    llm = LLM(checkpoint_factory("qwen3"), device="cpu", num_kvcache_blocks=16, cpu_compile=True)
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert list(tmp_path.glob("aotinductor_*"))
+    llm.shutdown()
+    assert not list(tmp_path.glob("aotinductor_*"))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(device="cuda"), "cpu_compile"),
     (dict(tensor_parallel_size=2), "cpu_compile"),

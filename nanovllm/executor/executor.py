@@ -71,7 +71,7 @@ class InProcessExecutor:
         return self.runner.launch_forward(out)
 
     def shutdown(self) -> None:
-        pass
+        self.runner.release_compiled()
 
 
 def make_executor(config: EngineConfig, source: ModelSource) -> Executor:

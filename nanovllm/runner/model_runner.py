@@ -8,6 +8,7 @@ the device. One device-to-host copy brings the sampled ids back.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from concurrent.futures import Future
@@ -197,6 +198,14 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.release()
             self.graph_runner = None
+
+    def release_compiled(self) -> None:
+        """Drop the compiled CPU decode's loaded packages (later decodes run eagerly): their
+        loaders delete the directories they unpacked into, which a process that ends with
+        os._exit (the CLI, the engine core) would leave behind in the temporary directory."""
+        if self.cpu_decode is not None:
+            self.cpu_decode = None
+            gc.collect()
 
     def finish_background_compile(self) -> None:
         """Compile and adopt the fast path's kernel now, and wait for the other kernel variants
