@@ -38,15 +38,21 @@ def ids_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], s
     return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
+def text_after(decode: Callable[[list[int]], str], tokens: list[int], start: int, split: int) -> str:
+    """The text tokens[split:] add to tokens[start:split] (and what they change of it), both
+    decoded from `start`: a token's text depends on what precedes it."""
+    prefix_text = decode(tokens[start:split])
+    full_text = decode(tokens[start:])
+    return full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
+
+
 def decode_after(tokenizer, prompt_token_ids: list[int], ids: list[int], skip_special_tokens: bool = True) -> str:
     """The text of output `ids` decoded at once, as an IncrementalDetokenizer reads it token by
     token: after the prompt's last CONTEXT_TOKENS tokens, so that a token's text depends on
     what precedes it alike (the leading space a tokenizer drops at the start of a text, the
     rest of a character whose first bytes end the prompt)."""
-    decode = ids_decoder(tokenizer, skip_special_tokens)
     context = list(prompt_token_ids[-CONTEXT_TOKENS:])
-    prefix_text, full_text = decode(context), decode(context + list(ids))
-    return full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
+    return text_after(ids_decoder(tokenizer, skip_special_tokens), context + list(ids), 0, len(context))
 
 
 class IncrementalDetokenizer:
@@ -63,9 +69,7 @@ class IncrementalDetokenizer:
 
     def _new_text(self) -> str:
         """The window's text past its prefix (tokens [read_offset:] and what they change)."""
-        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.tokens[self.prefix_offset :])
-        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        return text_after(self._decode, self.tokens, self.prefix_offset, self.read_offset)
 
     def add(self, token_id: int) -> str:
         """Append one generated token; return the newly completed text (maybe empty)."""
