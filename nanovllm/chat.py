@@ -262,11 +262,22 @@ def _special_token_texts(tokenizer: Any) -> list[str]:
 def chat_prompt_ids(
     tokenizer: Any, messages: Any, add_generation_prompt: bool = True, parse_special_tokens: bool = False,
     tools: Any = None, template_kwargs: Any = None, continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Prompt token ids for `messages` (and `tools`, `template_kwargs`: see the module
-    docstring). The template holds any BOS, so nothing is added around it.
+    docstring). The template holds any BOS, so nothing is added around it unless
+    add_special_tokens (vLLM's): then what the tokenizer adds to a text of its own (a BOS) goes
+    before it, as vLLM hands the flag to the tokenizer.
     continue_final_message (vLLM's, Hugging Face's): the prompt ends with the final message's
     text, without what the template closes it with, so that the model goes on with it."""
+    ids = _chat_ids(tokenizer, messages, add_generation_prompt, parse_special_tokens, tools, template_kwargs,
+                    continue_final_message)
+    return tokenizer.encode("", add_special_tokens=True) + ids if add_special_tokens else ids
+
+
+def _chat_ids(tokenizer: Any, messages: Any, add_generation_prompt: bool, parse_special_tokens: bool, tools: Any,
+              template_kwargs: Any, continue_final_message: bool) -> list[int]:
+    """chat_prompt_ids without the tokenizer's own special tokens: the template's ids."""
     messages = check_messages(messages)
     tools = check_tools(tools)
     template_kwargs = check_template_kwargs(template_kwargs)

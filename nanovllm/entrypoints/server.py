@@ -742,8 +742,8 @@ class OpenAIServer:
                      add_special_tokens: bool = False) -> tuple[list[int], str]:
         """Runs on the tokenizer thread: the prompt's ids, and the text of its last few tokens
         (does the template leave a think block open?). Contents are tokenized apart, so
-        special-token text in them stays text (nanovllm/chat.py). add_special_tokens (vLLM's):
-        what the tokenizer adds to a text of its own (a BOS) goes before the template's text."""
+        special-token text in them stays text, and add_special_tokens (vLLM's) puts the
+        tokenizer's own BOS before the template's text (nanovllm/chat.py)."""
         tok = self._tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
@@ -751,11 +751,10 @@ class OpenAIServer:
             ids = chat_prompt_ids(tok, messages, add_generation_prompt,
                                   parse_special_tokens=self.limits.parse_special_tokens_in_chat,
                                   tools=tools, template_kwargs=template_kwargs,
-                                  continue_final_message=continue_final_message)
+                                  continue_final_message=continue_final_message,
+                                  add_special_tokens=add_special_tokens)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param="messages") from None
-        if add_special_tokens:
-            ids = tok.encode("", add_special_tokens=True) + ids
         return ids, tok.decode(ids[-4:])
 
     async def _chat_events(self, request_id: str, body: ChatCompletionRequest, params: SamplingParams,

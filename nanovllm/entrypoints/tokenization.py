@@ -84,11 +84,10 @@ def tokenize(tokenizer: Any, req: TokenizeCompletionRequest | TokenizeChatReques
         try:
             ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt, tools=req.tools,
                                   template_kwargs=req.chat_template_kwargs,
-                                  continue_final_message=req.continue_final_message)
+                                  continue_final_message=req.continue_final_message,
+                                  add_special_tokens=req.add_special_tokens)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param="messages") from None
-        if req.add_special_tokens:  # what the tokenizer adds to a text of its own (vLLM passes the flag to it)
-            ids = tokenizer.encode("", add_special_tokens=True) + ids
     else:
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     token_strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
