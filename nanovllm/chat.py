@@ -70,19 +70,18 @@ def _check_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
             raise ValueError(f"{at}.function.name must be 1-64 letters, digits, '_' or '-'; got {name!r}")
         arguments = function.get("arguments", "{}")
+        too_deep = f"{at}.function.arguments nests objects and arrays more than {MAX_ARGUMENTS_DEPTH} levels deep"
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(check_text(arguments, f"{at}.function.arguments"))
             except ValueError:
                 raise ValueError(f"{at}.function.arguments must be the JSON text of an object") from None
             except RecursionError:  # nested deeper than Python's parser goes
-                raise ValueError(f"{at}.function.arguments nests objects and arrays more than "
-                                 f"{MAX_ARGUMENTS_DEPTH} levels deep") from None
+                raise ValueError(too_deep) from None
         if not isinstance(arguments, dict):
             raise ValueError(f"{at}.function.arguments must be the JSON text of an object")
         if nests_deeper(arguments, MAX_ARGUMENTS_DEPTH):
-            raise ValueError(f"{at}.function.arguments nests objects and arrays more than {MAX_ARGUMENTS_DEPTH} "
-                             "levels deep")
+            raise ValueError(too_deep)
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise TypeError(f"{at}.id must be a string")
