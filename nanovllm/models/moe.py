@@ -35,8 +35,6 @@ class SparseMoeBlock(nn.Module):
     ignored_checkpoint_tensors: checkpoint tensors (names relative to the block) that the model's
     loader skips, for parts the block does without."""
 
-    ignored_checkpoint_tensors: tuple[str, ...] = ()
-
     def __init__(
         self,
         config: Any,
@@ -48,8 +46,10 @@ class SparseMoeBlock(nn.Module):
         renormalize: bool,
         shared_intermediate_size: int = 0,
         checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        ignored_checkpoint_tensors: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
+        self.ignored_checkpoint_tensors = ignored_checkpoint_tensors
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}")
         self.gate = RouterLinear(config.hidden_size, num_experts, bias=False)
@@ -105,14 +105,11 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         if not is_sparse_layer(config, layer_index):
             return LlamaMLP(config, options, fused)
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
-        block = SparseMoeBlock(
+        return SparseMoeBlock(
             config, fused, num_experts=config.num_experts, top_k=config.num_experts_per_tok,
             intermediate_size=config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
-            shared_intermediate_size=shared,
+            shared_intermediate_size=shared, ignored_checkpoint_tensors=() if shared else EMPTY_SHARED_EXPERT,
         )
-        if not shared:
-            block.ignored_checkpoint_tensors = EMPTY_SHARED_EXPERT
-        return block
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
