@@ -365,6 +365,25 @@ def test_tool_parameters_nested_too_deeply_are_a_400_naming_them(hermes, tool_ch
     assert len(engine.prompts) == before
 
 
+@pytest.mark.parametrize("depth", [60, 64])
+def test_required_over_parameters_that_fit_alone_but_not_wrapped_names_the_tools(hermes, depth):
+    """tool_choice "required" puts each function's parameters 5 levels down in the calls' schema:
+    parameters that pass the tools' own check there can take the whole past the schema depth
+    limit, and the 400 says so about the tools (the client sent no structured_outputs)."""
+    engine, _, http = hermes
+    before = len(engine.prompts)
+    parameters = '{"type": "array", "items": ' * (depth - 1) + '{"type": "integer"}' + "}" * (depth - 1)
+    body = ('{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": [{"type": '
+            '"function", "function": {"name": "f", "parameters": %s}}]}' % parameters)
+    r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and err["message"].startswith(
+        'tools: tool_choice "required" wraps each function\'s parameters in the schema of a list of calls'), err
+    assert "is nested too deeply (more than 64 levels" in err["message"] and "StructuredOutputsParams" not in err["message"]
+    assert len(engine.prompts) == before
+
+
 def test_auto_needs_the_flag(tools_tokenizer):
     with live_app(tools_tokenizer, ParserConfig()) as (engine, client, _):
         with pytest.raises(openai.BadRequestError) as info:

@@ -163,20 +163,27 @@ def plan_tools(body: ChatCompletionRequest, config: ParserConfig) -> ToolPlan:
                               param="tool_choice")
         return ToolPlan("auto", tools, parallel=body.parallel_tool_calls)
     if choice == "required":
-        return ToolPlan("required", tools, structured_outputs=_structured(required_schema(tools, body.parallel_tool_calls)))
+        schema = required_schema(tools, body.parallel_tool_calls)
+        return ToolPlan("required", tools, structured_outputs=_structured(
+            schema, 'tools: tool_choice "required" wraps each function\'s parameters in the schema of a list of calls, '
+                    'and that schema'))
     name = choice.function.name
-    tool = next((t for t in tools if t["function"]["name"] == name), None)
-    if tool is None:
+    index = next((i for i, t in enumerate(tools) if t["function"]["name"] == name), None)
+    if index is None:
         raise bad_request(f"tool_choice names the function {name!r}, which is not in tools "
                           f"({', '.join(t['function']['name'] for t in tools)})", param="tool_choice")
-    return ToolPlan("named", tools, function=name, structured_outputs=_structured(named_schema(tool)))
+    return ToolPlan("named", tools, function=name,
+                    structured_outputs=_structured(named_schema(tools[index]), f"tools[{index}].function.parameters:"))
 
 
-def _structured(schema: dict[str, Any]) -> StructuredOutputsParams:
+def _structured(schema: dict[str, Any], what: str) -> StructuredOutputsParams:
+    """The output constraint of a tool choice; a 400 about the tools (`what` says which part)
+    where the schema is refused: the client sent the tools, not a structured_outputs field."""
     try:
         return StructuredOutputsParams(json=schema)
     except ValueError as exc:
-        raise bad_request(str(exc), param="tools") from None
+        reason = str(exc).removeprefix("StructuredOutputsParams.json:")
+        raise bad_request(f"{what}{reason}", param="tools") from None
 
 
 class ChoiceParser:
