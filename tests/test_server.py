@@ -147,6 +147,41 @@ def test_models_health_and_auth(live):
     assert_error_body(live.http.get("/v1/nothing"), 404)
 
 
+def test_retrieve_model_gives_the_listed_card_and_404_for_other_ids(live):
+    """GET /v1/models/{model} (OpenAI's retrieve-model): the card /v1/models lists, behind the
+    same API key; an id the server does not serve is a 404 in OpenAI's shape naming it."""
+    listed = live.http.get("/v1/models").json()["data"]
+    got = live.http.get(f"/v1/models/{MODEL}")
+    assert got.status_code == 200 and [got.json()] == listed
+    assert live.client.models.retrieve(MODEL).model_dump() == live.client.models.list().data[0].model_dump()
+    for unknown in ("nope", f"{MODEL}/extra", f"org/{MODEL}", ""):
+        err = assert_error_body(live.http.get(f"/v1/models/{unknown}"), 404)
+        assert err["code"] == "model_not_found" and repr(unknown) in err["message"], err
+    with pytest.raises(openai.NotFoundError):
+        live.client.models.retrieve("nope")
+    assert assert_error_body(httpx.get(f"{live.url}/v1/models/{MODEL}"), 401)["code"] == "invalid_api_key"
+    # Responses are counted under the route, not under each id asked for.
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(live.url + "/metrics").text)}
+    endpoints = {s.labels["endpoint"] for s in families["nanovllm_http_requests"].samples}
+    assert "/v1/models/{model}" in endpoints and not any("nope" in e for e in endpoints)
+
+
+def test_retrieve_model_takes_an_id_with_slashes(live):
+    app = create_app(live.engine, "org/tiny-2", api_key=KEY)
+    try:
+        with serve_in_thread(app) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+            card = client.models.retrieve("org/tiny-2")
+            assert card.id == "org/tiny-2" and card.model_dump() == client.models.list().data[0].model_dump()
+            http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+            assert http.get("/v1/models/org/tiny-2").json()["id"] == "org/tiny-2"
+            assert http.get("/v1/models/org%2Ftiny-2").json()["id"] == "org/tiny-2"
+            err = assert_error_body(http.get("/v1/models/org/other"), 404)
+            assert err["code"] == "model_not_found" and "'org/other'" in err["message"]
+    finally:
+        app.state.server.close()
+
+
 def test_completion_greedy_equals_offline_streaming_or_not(live, offline):
     prompt = "Paris is the capital of"
     ref = greedy_offline(offline, prompt, 12)

@@ -1,10 +1,11 @@
 """The app's OpenAPI schema, made to describe the responses the server really sends.
 
 FastAPI documents a 200 with an empty schema and a 422 for every route; this server answers
-400 for invalid requests (OpenAI's shape), 401 for a wrong key, 408/413 from the request
-guard, 503 when the engine is down or the server is full, and streams `text/event-stream`
-when asked. `document_responses(app)` rewrites the generated schema accordingly, so that a
-schema-driven fuzzer (schemathesis, tests/test_fuzz.py) can check every response against it.
+400 for invalid requests (OpenAI's shape), 401 for a wrong key, 404 for a model id it does not
+serve (GET /v1/models/{model}), 408/413 from the request guard, 503 when the engine is down or
+the server is full, and streams `text/event-stream` when asked. `document_responses(app)`
+rewrites the generated schema accordingly, so that a schema-driven fuzzer (schemathesis,
+tests/test_fuzz.py) can check every response against it.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from nanovllm.entrypoints.protocol import ChatCompletionResponse, CompletionResponse, ModelList
+from nanovllm.entrypoints.protocol import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
 
 
 class ErrorDetail(BaseModel):
@@ -39,7 +40,9 @@ _OK = {
     "/v1/completions": (CompletionResponse, True),
     "/v1/chat/completions": (ChatCompletionResponse, True),
     "/v1/models": (ModelList, False),
+    "/v1/models/{model}": (ModelCard, False),
 }
+_NOT_FOUND = {"/v1/models/{model}": "No served model has this id (`code: \"model_not_found\"`)"}
 
 
 def _only(*values: Any) -> dict[str, Any]:
@@ -94,7 +97,8 @@ def document_responses(app: Any, model_name: str) -> None:
             return app.openapi_schema
         schema = generate()
         _, defs = models_json_schema(
-            [(m, "serialization") for m in (ErrorResponse, CompletionResponse, ChatCompletionResponse, ModelList)],
+            [(m, "serialization") for m in (ErrorResponse, CompletionResponse, ChatCompletionResponse, ModelCard,
+                                            ModelList)],
             ref_template=_REF,
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -125,7 +129,8 @@ def document_responses(app: Any, model_name: str) -> None:
                                         "content": {"text/plain": {"schema": {"type": "string"}}}}
                 else:
                     responses["200"] = op.get("responses", {}).get("200", {"description": "Success"})
-                for code, description in _ERRORS.items():
+                errors = {**_ERRORS, "404": _NOT_FOUND[path]} if path in _NOT_FOUND else _ERRORS
+                for code, description in sorted(errors.items()):
                     if code == "401" and not path.startswith("/v1/"):
                         continue
                     responses[code] = {"description": description, "content": _json("ErrorResponse")}

@@ -103,6 +103,7 @@ DEFAULT_STREAM_WRITE_TIMEOUT = 60.0  # seconds a stream may wait for a client th
 RETRY_AFTER_S = 1
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
              "/detokenize", "/version")
+MODEL_ROUTE = "/v1/models/{model}"  # OpenAI's retrieve-model; the id may hold slashes ("org/name")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
@@ -222,6 +223,7 @@ class _HTTPMetricsMiddleware:
             await send(message)
 
         path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else MODEL_ROUTE if path.startswith("/v1/models/") else "other"
         try:
             await self.app(scope, receive, send_and_record)
         except asyncio.CancelledError:
@@ -231,7 +233,7 @@ class _HTTPMetricsMiddleware:
             raise
         finally:
             # Nothing answered and nothing failed: the client went away first (499, as nginx counts it).
-            self.counter.labels(path if path in ENDPOINTS else "other", str(status or 499)).inc()
+            self.counter.labels(endpoint, str(status or 499)).inc()
 
 
 class _Tracker:
@@ -453,6 +455,7 @@ class OpenAIServer:
                  parsers: ParserConfig | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.created = int(time.time())  # the model card's `created`: when this server started
         self.limits = limits
         self.parsers = (parsers or ParserConfig()).for_template(getattr(engine.tokenizer, "chat_template", None))
         self.metrics = ServerMetrics(engine, model_name)
@@ -831,9 +834,19 @@ class OpenAIServer:
         return ChatLogprobs(content=content)
 
     # ---- other endpoints ----
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, created=self.created, root=getattr(self.engine, "model_path", None),
+                         max_model_len=self.engine.max_model_len)
+
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, root=getattr(self.engine, "model_path", None),
-                                         max_model_len=self.engine.max_model_len)])
+        return ModelList(data=[self._model_card()])
+
+    async def model(self, model: str) -> ModelCard:
+        """GET /v1/models/{model}: OpenAI's retrieve-model, the card /v1/models lists under that id."""
+        if model != self.model_name:
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                              code="model_not_found")
+        return self._model_card()
 
     async def tokenize_endpoint(self, request: Request) -> JSONResponse:
         """POST /tokenize (nanovllm/entrypoints/tokenization.py)."""
@@ -973,6 +986,7 @@ def create_app(engine: Any, model_name: str, api_key: str | None = None, *, limi
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", server.model, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
