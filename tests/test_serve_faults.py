@@ -296,6 +296,29 @@ def test_two_frontends_share_the_port_metrics_admission_and_sigterm(qwen3_tiny):
         serve.close()
 
 
+def test_cors_flags_reach_every_frontend(qwen3_tiny):
+    """The CORS flags travel with the front-ends' configuration: whichever front-end a
+    connection lands on (a new connection each) answers a browser's preflight by them."""
+    serve = Serve(qwen3_tiny, "--api-server-count", "2", "--allowed-origins", '["https://app.example"]',
+                  "--allowed-methods", '["GET", "POST"]', frontends=2)
+    try:
+        for i in range(12):
+            origin = "https://app.example" if i % 3 else "https://evil.example"
+            r = httpx.options(serve.url + "/v1/chat/completions", timeout=30,
+                              headers={"origin": origin, "access-control-request-method": "POST",
+                                       "access-control-request-headers": "content-type"})
+            if origin == "https://app.example":
+                assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin, r.text
+                assert r.headers["access-control-allow-methods"] == "GET, POST"
+            else:
+                assert assert_error_body(r, 400)["code"] == "cors_refused"
+            r = httpx.get(serve.url + "/v1/models", headers={"origin": origin}, timeout=30)
+            assert r.status_code == 200
+            assert r.headers.get("access-control-allow-origin") == (origin if i % 3 else None)
+    finally:
+        serve.close()
+
+
 # ---- in-process server (test_server.py's `live`) -------------------------------------------------
 def test_stop_string_frees_the_blocks_at_once(live, offline):
     prompt = "Paris is the capital of"

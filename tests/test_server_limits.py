@@ -230,6 +230,90 @@ def test_allowed_hosts_widen_the_host_policy():
     assert ServerLimits().host_allowed("anything", api_key_set=True)
 
 
+# ---- CORS (browsers) ---------------------------------------------------------------------------
+def preflight(http: httpx.Client, path: str, origin: str, method: str = "POST",
+              headers: str | None = "authorization, content-type") -> httpx.Response:
+    """The OPTIONS request a browser sends before a cross-origin request (with no API key)."""
+    sent = {"origin": origin, "access-control-request-method": method}
+    if headers is not None:
+        sent["access-control-request-headers"] = headers
+    return http.options(path, headers=sent)
+
+
+def test_cors_by_default_lets_any_origin_call_the_server(keyed):
+    """vLLM's defaults: any origin, method and header; no credentials. A preflight needs no key,
+    and a refusal behind it (401) still carries the header, so the page can read it."""
+    anonymous = client(keyed, key=None)
+    resp = preflight(anonymous, "/v1/chat/completions", "https://app.example")
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["access-control-allow-origin"] == "*"
+    assert "POST" in resp.headers["access-control-allow-methods"]
+    assert resp.headers["access-control-allow-headers"] == "authorization, content-type"
+    assert "access-control-allow-credentials" not in resp.headers
+    page = {"origin": "https://app.example"}
+    resp = client(keyed).get("/v1/models", headers=page)
+    assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
+    resp = anonymous.post("/v1/completions", json={"prompt": "hi"}, headers=page)
+    assert error(resp, 401)["code"] == "invalid_api_key" and resp.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-origin" not in client(keyed).get("/v1/models").headers  # not a browser's
+
+
+def test_cors_flags_narrow_origins_methods_and_headers(engine):
+    limits = ServerLimits(allowed_origins=("https://app.example",), allow_credentials=True,
+                          allowed_methods=("get", "POST"), allowed_headers=("Authorization", "Content-Type"))
+    with serve(create_app(engine, MODEL, api_key=KEY, limits=limits), limits) as port:
+        anonymous = client(port, key=None)
+        resp = preflight(anonymous, "/v1/completions", "https://app.example")
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["access-control-allow-origin"] == "https://app.example"
+        assert resp.headers["access-control-allow-credentials"] == "true"
+        for origin, method, headers, flag in [("https://evil.example", "POST", None, "--allowed-origins"),
+                                              ("https://app.example", "DELETE", None, "--allowed-methods"),
+                                              ("https://app.example", "POST", "x-other", "--allowed-headers")]:
+            err = error(preflight(anonymous, "/v1/completions", origin, method, headers), 400)
+            assert err["code"] == "cors_refused" and flag in err["message"], err
+        resp = client(port).get("/v1/models", headers={"origin": "https://app.example"})
+        assert resp.status_code == 200
+        assert resp.headers["access-control-allow-origin"] == "https://app.example"
+        assert resp.headers["access-control-allow-credentials"] == "true"
+        resp = client(port).get("/v1/models", headers={"origin": "https://evil.example"})
+        assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers  # the browser hides it
+
+
+def test_cors_serve_flags_are_vllms_json_lists():
+    from nanovllm.entrypoints.cli import build_parser
+    from nanovllm.entrypoints.limits import limits_from_args
+
+    args = build_parser().parse_args([
+        "serve", "--allowed-origins", '["https://a.example", "http://localhost:3000"]', "--allow-credentials",
+        "--allowed-methods", '["GET", "post"]', "--allowed-headers", '["Authorization"]',
+    ])
+    limits = limits_from_args(args)
+    assert limits.allowed_origins == ("https://a.example", "http://localhost:3000")
+    assert limits.allow_credentials is True
+    assert limits.allowed_methods == ("GET", "POST") and limits.allowed_headers == ("Authorization",)
+    default = limits_from_args(build_parser().parse_args(["serve", "--no-allow-credentials"]))
+    assert (default.allowed_origins, default.allow_credentials, default.allowed_methods,
+            default.allowed_headers) == (("*",), False, ("*",), ("*",))
+    with pytest.raises(ValueError, match="allowed_origins"):
+        ServerLimits(allowed_origins="*")  # a string, not a list of origins
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--allowed-origins", "*"), ("--allowed-origins", '"*"'), ("--allowed-origins", '["https://a.example/"]'),
+    ("--allowed-origins", '["a.example"]'), ("--allowed-methods", '["GET POST"]'), ("--allowed-headers", "[1]"),
+    ("--allowed-headers", '["x-a\\r\\nx-b: 1"]'), ("--allowed-headers", "{}"),
+])
+def test_serve_refuses_bad_cors_flags_before_the_model_loads(tmp_path, capsys, flag, value):
+    from nanovllm.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", str(tmp_path / "no-model-here"), "--port", "0", flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and "Traceback" not in err, err
+
+
 # ---- item 4: caps ------------------------------------------------------------------------------
 def test_n_and_prompt_count_caps_are_400_naming_the_field(keyed):
     http = client(keyed)

@@ -11,6 +11,10 @@ to the server (disconnect detection keeps working).
 
 Every refusal is OpenAI's error body; refusals are logged through `LogThrottle`, at most once
 per interval per kind, so a flood cannot flood the log.
+
+`CORSGuard`, outside everything else, answers browsers' CORS preflights (before the API key is
+asked for: a browser sends none on a preflight) and adds the CORS headers to every response,
+refusals too, so that a page can read them.
 """
 from __future__ import annotations
 
@@ -21,6 +25,10 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse, Response
 
 from nanovllm.entrypoints.limits import ServerLimits
 from nanovllm.entrypoints.protocol import error_body
@@ -148,3 +156,27 @@ class RequestGuard:
                               self.limits.max_body_bytes, client)
         await send_error(send, 413, f"the request body is larger than {self.limits.max_body_bytes} bytes",
                          "invalid_request_error", "request_too_large", {"connection": "close"})
+
+
+# What a refused preflight names (Starlette's word for it) -> the flag that allows it.
+_CORS_FLAGS = {"origin": "--allowed-origins", "method": "--allowed-methods", "headers": "--allowed-headers"}
+
+
+class CORSGuard(CORSMiddleware):
+    """Starlette's CORS middleware with the policy of `limits` (vLLM's flags); a preflight it
+    refuses gets OpenAI's error body (400, `code: "cors_refused"`) instead of plain text."""
+
+    def __init__(self, app: Any, limits: ServerLimits) -> None:
+        super().__init__(app, allow_origins=limits.allowed_origins, allow_methods=limits.allowed_methods,
+                         allow_headers=limits.allowed_headers, allow_credentials=limits.allow_credentials)
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        refused = bytes(response.body).decode().removeprefix("Disallowed CORS ").split(", ")
+        what = ", ".join(f"{r} (see {_CORS_FLAGS[r]})" if r in _CORS_FLAGS else r for r in refused)
+        headers = {k: v for k, v in response.headers.items() if k.startswith("access-control-") or k == "vary"}
+        return JSONResponse(error_body(f"this server's CORS policy does not allow the request's {what}",
+                                       "invalid_request_error", code="cors_refused"),
+                            status_code=response.status_code, headers=headers)

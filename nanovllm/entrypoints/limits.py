@@ -8,9 +8,12 @@ without getting in the way of ordinary OpenAI clients.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import re
 import resource
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger("nanovllm.server")
 
@@ -18,6 +21,26 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # File descriptors kept free of connections: the model files, the engine's sockets and pipes,
 # logs, and the sockets being accepted and turned away.
 FD_RESERVE = 256
+_HTTP_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a method or header name (RFC 9110 token)
+_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\x00-\x20\x7f/?#]+")  # scheme://host[:port], as browsers send
+
+
+def cors_list(kind: str, values: Any) -> tuple[str, ...]:
+    """`values` checked as the CORS `kind` ("origins", "methods" or "headers"): a list of
+    strings, '*' meaning any; methods upper-cased, as browsers send them. ValueError says what is
+    wrong."""
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
+        raise ValueError(f"the allowed {kind} must be a list of strings (JSON on the command line, such as "
+                         f"'[\"*\"]'), got {values!r}")
+    for value in values:
+        if value == "*" or (kind == "origins" and value == "null"):  # "null": a sandboxed page or file: URL
+            continue
+        if kind == "origins" and not _ORIGIN.fullmatch(value):
+            raise ValueError(f"{value!r} is not an origin: scheme://host[:port] with no path, such as "
+                             f"'https://app.example' (or '*' for any)")
+        if kind != "origins" and not _HTTP_TOKEN.fullmatch(value):
+            raise ValueError(f"{value!r} is not an HTTP {kind[:-1]} name")
+    return tuple(v.upper() for v in values) if kind == "methods" else tuple(values)
 
 
 @dataclass(frozen=True)
@@ -38,6 +61,11 @@ class ServerLimits:
     max_prompts: int = 64  # prompts in one /v1/completions request
     # Chat (nanovllm/chat.py)
     parse_special_tokens_in_chat: bool = False  # True: special-token text in messages becomes control tokens
+    # CORS (browsers; vLLM's flags and defaults): what a page of another origin may send and read.
+    allowed_origins: tuple[str, ...] = ("*",)  # '*': any
+    allow_credentials: bool = False  # cookies and HTTP authentication sent along
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)  # request headers beyond the CORS-safelisted ones
     # Rejections are logged at most once per this many seconds per kind, with a count.
     log_interval: float = 10.0
 
@@ -55,6 +83,13 @@ class ServerLimits:
                 raise ValueError(f"ServerLimits.allowed_hosts must be a tuple of names (got {self.allowed_hosts!r})")
             # compared with the Host header's name: lower case, no brackets around IPv6
             object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().strip("[]") for h in self.allowed_hosts))
+        for kind in ("origins", "methods", "headers"):
+            try:
+                object.__setattr__(self, f"allowed_{kind}", cors_list(kind, getattr(self, f"allowed_{kind}")))
+            except ValueError as exc:
+                raise ValueError(f"ServerLimits.allowed_{kind}: {exc}") from None
+        if not isinstance(self.allow_credentials, bool):
+            raise ValueError(f"ServerLimits.allow_credentials must be a bool (got {self.allow_credentials!r})")
 
     def host_allowed(self, host: str | None, api_key_set: bool) -> bool:
         """Whether a request with this Host header is served. With --allowed-hosts, those names
@@ -147,6 +182,31 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="most prompts in one /v1/completions request (default: %(default)s)")
     g.add_argument("--parse-special-tokens-in-chat", action="store_true",
                    help="let special-token text in chat messages become control tokens (as vLLM and llama.cpp do)")
+    c = parser.add_argument_group("CORS (vLLM's flags; docs/server.md)")
+    c.add_argument("--allowed-origins", type=_json_cors_list("origins"), default=d.allowed_origins,
+                   help='JSON list of the origins whose pages may call the server, e.g. \'["https://app.example"]\' '
+                        '(default: \'["*"]\', any)')
+    c.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=d.allow_credentials,
+                   help="let those pages send cookies and HTTP authentication (default: no)")
+    c.add_argument("--allowed-methods", type=_json_cors_list("methods"), default=d.allowed_methods,
+                   help='JSON list of the HTTP methods they may use (default: \'["*"]\', any)')
+    c.add_argument("--allowed-headers", type=_json_cors_list("headers"), default=d.allowed_headers,
+                   help='JSON list of the request headers they may send (default: \'["*"]\', any)')
+
+
+def _json_cors_list(kind: str):
+    """argparse type: a JSON list of CORS `kind` (vLLM takes these flags as JSON too)."""
+    def parse(text: str) -> tuple[str, ...]:
+        try:
+            values = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not JSON; give a JSON list such as '[\"*\"]'") from None
+        try:
+            return cors_list(kind, values)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
@@ -159,4 +219,6 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
         max_body_bytes=args.max_body_bytes, timeout_body=args.timeout_body, allowed_hosts=hosts,
         max_n=args.max_n, max_prompts=args.max_prompts_per_request,
         parse_special_tokens_in_chat=args.parse_special_tokens_in_chat,
+        allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
+        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
     )

@@ -6,13 +6,14 @@
 own the engine: `nanovllm serve` shuts it down after uvicorn has stopped (after in-flight
 requests finished, or were cancelled at the graceful-shutdown timeout).
 
-A request goes: `RequestGuard` (Host header, API key and body limits, before the body is parsed;
-entrypoints/guard.py, docs/server.md "Limits and security") -> parse (pydantic) -> checks (a
-prompt's characters are counted before it is tokenized) -> tokenize on the tokenizer thread ->
-`SamplingParams` -> `engine.add_request` for each prompt. The engine accepts or rejects a prompt
-before any byte of the response is sent, so a bad prompt (too long, empty, ids outside the
-vocabulary) is a clean 400 even for a stream, and a full engine a 503 with Retry-After. Then the
-handler streams SSE chunks or waits for the final outputs.
+A request goes: `CORSGuard` (a browser's preflight is answered there) -> `RequestGuard` (Host
+header, API key and body limits, before the body is parsed; entrypoints/guard.py, docs/server.md
+"Limits and security") -> parse (pydantic) -> checks (a prompt's characters are counted before
+it is tokenized) -> tokenize on the tokenizer thread -> `SamplingParams` -> `engine.add_request`
+for each prompt. The engine accepts or rejects a prompt before any byte of the response is sent,
+so a bad prompt (too long, empty, ids outside the vocabulary) is a clean 400 even for a stream,
+and a full engine a 503 with Retry-After. Then the handler streams SSE chunks or waits for the
+final outputs.
 
 Clients that go away abort their requests (blocks freed at once): for streams, Starlette cancels
 the response when it sees `http.disconnect` and `_EventStream` aborts whatever is unfinished; for
@@ -55,7 +56,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanovllm import __version__
 from nanovllm.chat import chat_prompt_ids, check_template_kwargs
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
-from nanovllm.entrypoints.guard import RequestGuard
+from nanovllm.entrypoints.guard import CORSGuard, RequestGuard
 from nanovllm.entrypoints.limits import ServerLimits
 from nanovllm.entrypoints.openapi import document_responses
 from nanovllm.entrypoints.protocol import (
@@ -938,7 +939,7 @@ def create_app(engine: Any, model_name: str, api_key: str | None = None, *, limi
                parsers: ParserConfig | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (a `CoreClient`, or an in-process `AsyncEngine`) as model
     `model_name`. With `api_key`, /v1/* requires `Authorization: Bearer <api_key>` (/health and
-    /metrics stay open). `limits`: the limits and Host policy (docs/server.md); the
+    /metrics stay open). `limits`: the limits, Host and CORS policy (docs/server.md); the
     connection-level ones go to uvicorn separately (http_protocol.uvicorn_options).
     `max_prompt_chars` (default max_model_len x 16) refuses longer prompts before tokenizing them.
     `parsers`: the tool-call and reasoning parsers (entrypoints/tools.py; ValueError if
@@ -949,6 +950,7 @@ def create_app(engine: Any, model_name: str, api_key: str | None = None, *, limi
     app.state.server = server
     app.add_middleware(RequestGuard, limits=limits, api_key=api_key)  # inside the metrics middleware
     app.add_middleware(_HTTPMetricsMiddleware, counter=server.metrics.http_requests)
+    app.add_middleware(CORSGuard, limits=limits)  # outermost: preflights go uncounted, refusals get its headers
     document_responses(app, model_name)  # the OpenAPI schema declares the real responses
 
     @app.exception_handler(OpenAIError)
