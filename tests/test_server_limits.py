@@ -240,22 +240,35 @@ def preflight(http: httpx.Client, path: str, origin: str, method: str = "POST",
     return http.options(path, headers=sent)
 
 
-def test_cors_by_default_lets_any_origin_call_the_server(keyed):
-    """vLLM's defaults: any origin, method and header; no credentials. A preflight needs no key,
-    and a refusal behind it (401) still carries the header, so the page can read it."""
+def test_cors_allows_no_origin_by_default(keyed):
+    """Without --allowed-origins no page of another origin may call the server: a preflight is
+    refused naming the flag, and an answer carries no CORS header, so the browser hides it."""
     anonymous = client(keyed, key=None)
-    resp = preflight(anonymous, "/v1/chat/completions", "https://app.example")
-    assert resp.status_code == 200, resp.text
-    assert resp.headers["access-control-allow-origin"] == "*"
-    assert "POST" in resp.headers["access-control-allow-methods"]
-    assert resp.headers["access-control-allow-headers"] == "authorization, content-type"
-    assert "access-control-allow-credentials" not in resp.headers
-    page = {"origin": "https://app.example"}
-    resp = client(keyed).get("/v1/models", headers=page)
-    assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
-    resp = anonymous.post("/v1/completions", json={"prompt": "hi"}, headers=page)
-    assert error(resp, 401)["code"] == "invalid_api_key" and resp.headers["access-control-allow-origin"] == "*"
-    assert "access-control-allow-origin" not in client(keyed).get("/v1/models").headers  # not a browser's
+    err = error(preflight(anonymous, "/v1/chat/completions", "https://app.example"), 400)
+    assert err["code"] == "cors_refused" and "--allowed-origins" in err["message"], err
+    resp = client(keyed).get("/v1/models", headers={"origin": "https://app.example"})
+    assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
+
+
+def test_cors_any_origin_with_star(engine):
+    """'["*"]' (vLLM's default): any origin, and by default any method and header, no
+    credentials. A preflight needs no key, and a refusal behind it (401) still carries the
+    header, so the page can read it."""
+    limits = ServerLimits(allowed_origins=("*",))
+    with serve(create_app(engine, MODEL, api_key=KEY, limits=limits), limits) as port:
+        anonymous = client(port, key=None)
+        resp = preflight(anonymous, "/v1/chat/completions", "https://app.example")
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["access-control-allow-origin"] == "*"
+        assert "POST" in resp.headers["access-control-allow-methods"]
+        assert resp.headers["access-control-allow-headers"] == "authorization, content-type"
+        assert "access-control-allow-credentials" not in resp.headers
+        page = {"origin": "https://app.example"}
+        resp = client(port).get("/v1/models", headers=page)
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
+        resp = anonymous.post("/v1/completions", json={"prompt": "hi"}, headers=page)
+        assert error(resp, 401)["code"] == "invalid_api_key" and resp.headers["access-control-allow-origin"] == "*"
+        assert "access-control-allow-origin" not in client(port).get("/v1/models").headers  # not a browser's
 
 
 def test_cors_flags_narrow_origins_methods_and_headers(engine):
@@ -294,7 +307,7 @@ def test_cors_serve_flags_are_vllms_json_lists():
     assert limits.allowed_methods == ("GET", "POST") and limits.allowed_headers == ("Authorization",)
     default = limits_from_args(build_parser().parse_args(["serve", "--no-allow-credentials"]))
     assert (default.allowed_origins, default.allow_credentials, default.allowed_methods,
-            default.allowed_headers) == (("*",), False, ("*",), ("*",))
+            default.allowed_headers) == ((), False, ("*",), ("*",))
     with pytest.raises(ValueError, match="allowed_origins"):
         ServerLimits(allowed_origins="*")  # a string, not a list of origins
 

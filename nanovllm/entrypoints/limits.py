@@ -61,8 +61,10 @@ class ServerLimits:
     max_prompts: int = 64  # prompts in one /v1/completions request
     # Chat (nanovllm/chat.py)
     parse_special_tokens_in_chat: bool = False  # True: special-token text in messages becomes control tokens
-    # CORS (browsers; vLLM's flags and defaults): what a page of another origin may send and read.
-    allowed_origins: tuple[str, ...] = ("*",)  # '*': any
+    # CORS (browsers; vLLM's flags): what a page of another origin may send and read. No origin by
+    # default (vLLM's default is any): with '*', any page a browser opens could use a key-less
+    # server on loopback and read its answers.
+    allowed_origins: tuple[str, ...] = ()  # '*': any
     allow_credentials: bool = False  # cookies and HTTP authentication sent along
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)  # request headers beyond the CORS-safelisted ones
@@ -185,7 +187,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("CORS (vLLM's flags; docs/server.md)")
     c.add_argument("--allowed-origins", type=_json_cors_list("origins"), default=d.allowed_origins,
                    help='JSON list of the origins whose pages may call the server, e.g. \'["https://app.example"]\' '
-                        '(default: \'["*"]\', any)')
+                        '(default: none; \'["*"]\': any)')
     c.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=d.allow_credentials,
                    help="let those pages send cookies and HTTP authentication (default: no)")
     c.add_argument("--allowed-methods", type=_json_cors_list("methods"), default=d.allowed_methods,
