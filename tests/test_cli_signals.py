@@ -1,5 +1,6 @@
 """Ctrl-C at the command line: `nanovllm generate` interrupted mid-run ends with the shell's
-status for it (130) and no traceback; Ctrl-C at `nanovllm chat`'s prompt quits as Ctrl-D does."""
+status for it (130) and no traceback; Ctrl-C at `nanovllm chat`'s prompt quits as Ctrl-D does, at
+once (no Enter needed), and Ctrl-C mid-reply stops the reply."""
 from __future__ import annotations
 
 import os
@@ -25,39 +26,99 @@ def test_ctrl_c_during_generate_exits_130_without_a_traceback(qwen3_tiny):
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
 
 
-@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs a pseudo-terminal (pty.fork)")
-def test_ctrl_c_at_the_chat_prompt_quits_like_ctrl_d(qwen3_tiny):
-    import pty
+class _Terminal:
+    """`nanovllm chat` on a pseudo-terminal, as in a real one: Ctrl-C is the terminal's interrupt
+    character (b"\\x03"), which its line discipline turns into SIGINT for the foreground process
+    group (the process as a whole: the kernel picks the thread that takes it)."""
 
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: an interactive chat on the pseudo-terminal
-        os.execv(sys.executable, [*CLI, "chat", str(qwen3_tiny), "--device", "cpu", "--max-tokens", "4"])
-    seen = b""
-    deadline = time.monotonic() + 120
-    while b">>> " not in seen and time.monotonic() < deadline:
-        if select.select([fd], [], [], 0.2)[0]:
+    def __init__(self, *args: str):
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: an interactive chat on the pseudo-terminal
             try:
-                seen += os.read(fd, 4096)
-            except OSError:
-                break
-    assert b">>> " in seen, seen[-2000:]
-    os.write(fd, b"\x03")  # Ctrl-C
-    status = None
-    deadline = time.monotonic() + 30
-    while status is None and time.monotonic() < deadline:
-        if select.select([fd], [], [], 0.2)[0]:
+                os.execv(sys.executable, [*CLI, "chat", *args])
+            finally:
+                os._exit(127)
+        self.seen = b""
+        self.status: int | None = None
+
+    def _read(self, timeout: float) -> None:
+        if select.select([self.fd], [], [], timeout)[0]:
             try:
-                seen += os.read(fd, 4096)
-            except OSError:
-                pass
-        done, raw = os.waitpid(pid, os.WNOHANG)
-        if done:
-            status = os.waitstatus_to_exitcode(raw)
-    if status is None:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    os.close(fd)
-    assert status == 0 and b"Traceback" not in seen, seen[-3000:]
+                self.seen += os.read(self.fd, 4096)
+            except OSError:  # the child is gone
+                time.sleep(timeout)
+
+    def wait_for(self, text: bytes, after: int, timeout: float) -> int:
+        """Read until `text` shows in the output past offset `after`; the offset where it ends."""
+        deadline = time.monotonic() + timeout
+        while text not in self.seen[after:] and time.monotonic() < deadline:
+            self._read(0.2)
+        assert text in self.seen[after:], self.seen[-3000:]
+        return self.seen.index(text, after) + len(text)
+
+    def wait_for_output(self, after: int, timeout: float) -> None:
+        """Read until there is output past offset `after`."""
+        deadline = time.monotonic() + timeout
+        while len(self.seen) <= after and time.monotonic() < deadline:
+            self._read(0.2)
+        assert len(self.seen) > after, self.seen[-3000:]
+
+    def exit_status(self, timeout: float) -> int | None:
+        """The child's exit status once it exits, None if it is still running after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self.status is None and time.monotonic() < deadline:
+            self._read(0.2)
+            done, raw = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.status = os.waitstatus_to_exitcode(raw)
+        return self.status
+
+    def close(self) -> None:
+        if self.status is None:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
+needs_pty = pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin",
+                               reason="needs a pseudo-terminal (pty.fork)")
+
+
+@needs_pty
+def test_ctrl_c_at_the_chat_prompt_quits_like_ctrl_d(qwen3_tiny):
+    term = _Terminal(str(qwen3_tiny), "--device", "cpu", "--max-tokens", "4")
+    try:
+        term.wait_for(b">>> ", 0, timeout=120)
+        # input() blocks in read() by now (CPython acts on a signal that lands after it printed
+        # the prompt but before its read() only once a line is read)
+        time.sleep(0.5)
+        os.write(term.fd, b"\x03")  # Ctrl-C, and no Enter after it
+        status = term.exit_status(timeout=30)
+    finally:
+        term.close()
+    assert status == 0 and b"Traceback" not in term.seen, term.seen[-3000:]
+
+
+@needs_pty
+def test_ctrl_c_stops_a_chat_reply_then_quits_at_the_prompt(qwen3_tiny):
+    """Ctrl-C mid-reply stops the reply and gives the prompt back; Ctrl-C at that prompt then
+    quits at once, with torch's threads started by the reply there beside the main thread."""
+    term = _Terminal(str(qwen3_tiny), "--device", "cpu", "--max-tokens", "1000", "--ignore-eos")
+    try:
+        end = term.wait_for(b">>> ", 0, timeout=120)
+        os.write(term.fd, b"hello\r")
+        end = term.wait_for(b"hello\r\n", end, timeout=30)  # the terminal's echo
+        term.wait_for_output(end, timeout=60)  # the reply is streaming (1,000 tokens: many seconds)
+        os.write(term.fd, b"\x03")
+        end = term.wait_for(b" [stopped]\r\n>>> ", end, timeout=30)
+        time.sleep(0.5)  # input() blocks in read() by now (as above)
+        os.write(term.fd, b"\x03")  # no Enter after it
+        status = term.exit_status(timeout=30)
+    finally:
+        term.close()
+    assert status == 0 and b"Traceback" not in term.seen, term.seen[-3000:]
 
 
 @pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)],
