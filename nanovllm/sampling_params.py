@@ -174,6 +174,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # A grammar the output must follow (JSON schema, regex, choice, GBNF grammar, any JSON object).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: the stop string that ends the output stays in its text.
+    include_stop_str_in_output: bool = False
     stop_list: list[str] = field(init=False, repr=False)
     # Sampled (not greedy) with a top-k / top-p / min-p filter or a seed of its own: on CUDA such
     # a row takes layers/filtered_sampler.py (Sampler.wants_step_seeds reads it every step).
@@ -230,7 +232,7 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", {t: float(b) for t, b in self.logit_bias.items()} or None)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be None or a StructuredOutputsParams")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         if self.stop is None:

@@ -198,6 +198,35 @@ def test_stop_strings_and_stop_token_ids(qwen3_tiny):
     assert_free(llm)
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(qwen3_tiny):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string that ended it (what
+    the same token added after it is cut), each of n samples, streamed or not; a stream holds
+    back no characters for a stop string then (what precedes one stays in the output)."""
+    llm = engine(qwen3_tiny)
+    prompt = [20, 21, 22]
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    text = llm.generate([prompt], plain, use_tqdm=False)[0].outputs[0].text
+    stop = text[3:6]
+    expected = text[: text.index(stop) + len(stop)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop], n=2,
+                            include_stop_str_in_output=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [(c.text, c.finish_reason, c.stop_reason) for c in out.outputs] == [(expected, "stop", stop)] * 2
+    streamed = list(llm.stream(prompt, params))
+    assert [c.text for c in streamed[-1].outputs] == [expected] * 2
+    unstopped = {len(o.outputs[0].token_ids): o.outputs[0].text for o in llm.stream(prompt, plain)}
+    for o in streamed[:-1]:  # as much text as a stream without stop strings shows
+        assert o.outputs[0].text == unstopped[len(o.outputs[0].token_ids)]
+    # a stop string that ends inside a token: the rest of that token's text is cut
+    boundaries = {len(t) for t in unstopped.values()}
+    end = next(i for i in range(2, len(text)) if i not in boundaries and text.index(text[i - 2:i]) == i - 2)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[text[end - 2:end]],
+                            include_stop_str_in_output=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:end] and out.stop_reason == text[end - 2:end]
+    assert_free(llm)
+
+
 def expected_with_min_tokens(text: str, prefix: str, stop: str) -> str:
     """vLLM's rule: a stop string is searched for only once more than min_tokens tokens are out,
     and only where it reaches past the text of the first min_tokens tokens (`prefix`)."""
@@ -356,7 +385,8 @@ def test_prompt_larger_than_pool_is_rejected(qwen3_tiny):
     "kwargs, field",
     [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
      (dict(max_tokens=0), "max_tokens"), (dict(min_p=2), "min_p"), (dict(n=0), "n"),
-     (dict(stop=[1]), "stop"), (dict(logprobs=-1), "logprobs"), (dict(min_tokens=9, max_tokens=2), "min_tokens")],
+     (dict(stop=[1]), "stop"), (dict(logprobs=-1), "logprobs"), (dict(min_tokens=9, max_tokens=2), "min_tokens"),
+     (dict(include_stop_str_in_output=1), "include_stop_str_in_output")],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

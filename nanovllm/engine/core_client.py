@@ -112,6 +112,7 @@ class CoreStream:
         if self.done:
             return  # e.g. the core's answer to our own stop-string abort
         stops, min_tokens = self.params.stop_list, self.params.min_tokens
+        include = self.params.include_stop_str_in_output  # the stop string stays in the text
         self.num_cached_tokens = delta.num_cached_tokens
         for i, sample in enumerate(self.samples):
             if sample.finish_reason is not None or i >= len(delta.new_token_ids):
@@ -136,7 +137,9 @@ class CoreStream:
                     sample.cumulative_logprob += entry[token]
                 if sample.detok is not None and j < with_text:
                     sample.detok.add(token)
-                    found = truncate_at_stop(sample.detok, stops, len(sample.token_ids) > min_tokens) if stops else None
+                    found = None
+                    if stops:
+                        found = truncate_at_stop(sample.detok, stops, len(sample.token_ids) > min_tokens, include)
                     if found is not None:
                         stopped, stop_reason = True, found
                         break
@@ -144,7 +147,7 @@ class CoreStream:
                 sample.detok.flush()
                 found = None
                 if stops and reason != "abort":
-                    found = truncate_at_stop(sample.detok, stops, len(sample.token_ids) > min_tokens)
+                    found = truncate_at_stop(sample.detok, stops, len(sample.token_ids) > min_tokens, include)
                 if found is not None:
                     reason = "stop"
                     stop_reason = found if stop_reason is None else stop_reason
@@ -168,7 +171,8 @@ class CoreStream:
     # ---- loop thread: the consumer ----
     def _text(self, sample: _Sample, final: bool) -> str:
         if sample.detok is not None:
-            return streamable_text(sample.detok, self.params.stop_list, final or sample.finish_reason is not None)
+            return streamable_text(sample.detok, self.params.stop_list, final or sample.finish_reason is not None,
+                                   self.params.include_stop_str_in_output)
         if self.client.tokenizer is None or not final:
             return ""
         ids = text_token_ids(sample.token_ids, sample.finish_reason, self.params.stop_token_ids,

@@ -96,18 +96,21 @@ class IncrementalDetokenizer:
         return delta
 
 
-def streamable_text(detok: IncrementalDetokenizer, stops: list[str], whole: bool) -> str:
+def streamable_text(detok: IncrementalDetokenizer, stops: list[str], whole: bool, include_stop: bool = False) -> str:
     """detok's text as a stream may show it: unless `whole` (the sample has finished), less the
-    characters at its end that may still become the start of a stop string."""
+    characters at its end that may still become the start of a stop string (none where the stop
+    string stays in the output, include_stop: what precedes it stays too, as vLLM streams it)."""
     text = detok.text
-    if whole or not stops:
+    if whole or not stops or include_stop:
         return text
     return text[: max(0, len(text) - (max(len(s) for s in stops) - 1))]
 
 
-def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], searchable: bool = True) -> str | None:
+def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], searchable: bool = True,
+                     include_stop: bool = False) -> str | None:
     """Cut `detok.text` before the first stop string in the text not searched yet (and the
-    characters before it that a stop string could still span); the stop string found, or None. The text
+    characters before it that a stop string could still span), or right after it with
+    include_stop (vLLM's include_stop_str_in_output); the stop string found, or None. The text
     searched before had no stop string, so only a match reaching into the new text is new,
     however much text the last token added. searchable=False (the sample has not yet more than
     its min_tokens tokens: vLLM's rule) marks the new text searched without searching it."""
@@ -124,8 +127,9 @@ def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], searchable
     if found is None:
         detok.stop_checked = len(text)
         return None
-    detok.text = text[:best]
-    detok.stop_checked = best
+    end = best + len(found) if include_stop else best
+    detok.text = text[:end]
+    detok.stop_checked = end
     return found
 
 

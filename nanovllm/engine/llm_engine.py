@@ -498,7 +498,8 @@ class LLMEngine:
         if detok is not None and reason is None:  # a stop token's text is left out
             detok.add(token)
             if params.stop_list:
-                found = truncate_at_stop(detok, params.stop_list, n > params.min_tokens)
+                found = truncate_at_stop(detok, params.stop_list, n > params.min_tokens,
+                                         params.include_stop_str_in_output)
                 if found is not None:
                     reason, stop_reason = "stop", found
                     stopped_by_string = True
@@ -506,7 +507,10 @@ class LLMEngine:
             reason = "length"
         if detok is not None and reason is not None and not stopped_by_string:
             detok.flush()
-            found = truncate_at_stop(detok, params.stop_list, n > params.min_tokens) if params.stop_list else None
+            found = None
+            if params.stop_list:
+                found = truncate_at_stop(detok, params.stop_list, n > params.min_tokens,
+                                         params.include_stop_str_in_output)
             if found is not None:
                 reason = "stop"
                 if stop_reason is None:
@@ -518,7 +522,8 @@ class LLMEngine:
     def _text(self, request: Request, index: int, final: bool) -> str:
         seq, detok = request.seqs[index], request.detokenizers[index]
         if detok is not None:
-            return streamable_text(detok, request.params.stop_list, final or seq.is_finished)
+            return streamable_text(detok, request.params.stop_list, final or seq.is_finished,
+                                   request.params.include_stop_str_in_output)
         if self.tokenizer is None or not self.detokenize:  # the engine core's: token ids only
             return ""
         ids = text_token_ids(seq.completion_token_ids, seq.finish_reason, request.params.stop_token_ids,

@@ -10,8 +10,8 @@ values are checked once, by `SamplingParams`, whose ValueError names the field;
 `sampling_params()` turns that into an `OpenAIError` with `param` set.
 
 Besides OpenAI's parameters, requests take vLLM's extras: top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, skip_special_tokens (send them with the openai client's
-`extra_body`). A sampling field a request leaves unset takes the model's default where it has
+ignore_eos, min_tokens, stop_token_ids, skip_special_tokens, include_stop_str_in_output (send
+them with the openai client's `extra_body`). A sampling field a request leaves unset takes the model's default where it has
 one (`apply_generation_defaults`: vLLM's `--generation-config auto`).
 
 Structured output: `response_format` (`{"type": "json_object"}`, or `{"type": "json_schema",
@@ -176,9 +176,9 @@ class _SamplingRequest(_Request):
     skip_special_tokens: StrictBool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    include_stop_str_in_output: StrictBool = False
     # vLLM request fields this server does not honour: a 400 naming them where set (to anything
     # but their default), rather than ignored.
-    include_stop_str_in_output: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
@@ -191,8 +191,8 @@ class _SamplingRequest(_Request):
         if self.stream_options is not None and self.stream_options.continuous_usage_stats not in (None, False):
             raise bad_request("stream_options.continuous_usage_stats is not supported by this server (usage comes "
                               "with the last chunk: include_usage)", param="stream_options")
-        _refuse_set(self, ("include_stop_str_in_output", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-                           "prompt_logprobs", "return_tokens_as_token_ids"))
+        _refuse_set(self, ("allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs",
+                           "return_tokens_as_token_ids"))
 
     @property
     def structured_param(self) -> str:
@@ -278,6 +278,7 @@ class _SamplingRequest(_Request):
                 n=self.n,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=structured,
+                include_stop_str_in_output=self.include_stop_str_in_output,
             )
         except ValueError as exc:
             message = str(exc)
