@@ -174,7 +174,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # A grammar the output must follow (JSON schema, regex, choice, GBNF grammar, any JSON object).
     structured_outputs: StructuredOutputsParams | None = None
-    # vLLM's: the stop string that ends the output stays in its text.
+    # vLLM's: the stop string that ends the output stays in its text (and so does the text of a
+    # stop token that ends it: EOS or a stop_token_ids entry).
     include_stop_str_in_output: bool = False
     stop_list: list[str] = field(init=False, repr=False)
     # Sampled (not greedy) with a top-k / top-p / min-p filter or a seed of its own: on CUDA such

@@ -224,6 +224,23 @@ def test_include_stop_str_in_output_keeps_the_stop_string(qwen3_tiny):
                             include_stop_str_in_output=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert out.text == text[:end] and out.stop_reason == text[end - 2:end]
+    # vLLM's rule: the text of a stop token that ends the output stays too (a stop_token_ids
+    # entry, EOS), streamed or not
+    ids = llm.generate([prompt], plain, use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = ids[4]
+    first = ids.index(stop_id)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id],
+                            include_stop_str_in_output=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    with_token = llm.tokenizer.decode(ids[: first + 1])
+    assert (out.text, out.stop_reason) == (with_token, stop_id) and with_token != llm.tokenizer.decode(ids[:first])
+    assert list(llm.stream(prompt, params))[-1].outputs[0].text == with_token
+    eos = llm.engine.eos_token_ids[0]
+    params = SamplingParams(temperature=0, max_tokens=4, logit_bias={eos: 100.0}, skip_special_tokens=False,
+                            include_stop_str_in_output=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.text) == ([eos], llm.tokenizer.decode([eos])) and out.text
+    assert list(llm.stream(prompt, params))[-1].outputs[0].text == out.text
     assert_free(llm)
 
 

@@ -67,6 +67,25 @@ def test_include_stop_str_in_output_keeps_the_stop_string(live, offline, endpoin
     assert choice_text(without) == text[: text.index(stop)]
 
 
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text(live, offline):
+    """As vLLM: the text of the stop token that ends a choice (a stop_token_ids entry) stays in
+    the output too, streamed or not; without the flag it is left out."""
+    prompt = "Large language models"
+    ref = greedy_offline(offline, prompt, 24).outputs[0]
+    stop_id = ref.token_ids[3]
+    first = ref.token_ids.index(stop_id)
+    body = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[stop_id],
+                include_stop_str_in_output=True)
+    with_token = offline.tokenizer.decode(ref.token_ids[: first + 1])
+    assert with_token != offline.tokenizer.decode(ref.token_ids[:first])
+    r = post(live, "/v1/completions", body)
+    assert (r["choices"][0]["text"], r["choices"][0]["stop_reason"]) == (with_token, stop_id)
+    assert r["usage"]["completion_tokens"] == first + 1
+    assert streamed_texts(live, "/v1/completions", body)[0] == {0: with_token}
+    without = post(live, "/v1/completions", {**body, "include_stop_str_in_output": False})["choices"][0]["text"]
+    assert without == offline.tokenizer.decode(ref.token_ids[:first])
+
+
 def test_include_stop_str_in_output_streams_without_holding_text_back(live, offline):
     """Through the engine core: a stream holds back no characters for a possible stop string
     when the stop string stays in the output (vLLM streams so); each output shows the text of

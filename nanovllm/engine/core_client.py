@@ -112,7 +112,7 @@ class CoreStream:
         if self.done:
             return  # e.g. the core's answer to our own stop-string abort
         stops, min_tokens = self.params.stop_list, self.params.min_tokens
-        include = self.params.include_stop_str_in_output  # the stop string stays in the text
+        include = self.params.include_stop_str_in_output  # the stop string (or token) stays in the text
         self.num_cached_tokens = delta.num_cached_tokens
         for i, sample in enumerate(self.samples):
             if sample.finish_reason is not None or i >= len(delta.new_token_ids):
@@ -125,7 +125,8 @@ class CoreStream:
             with_text = len(new)  # the new tokens whose text the sample shows
             stop_reason = None
             if new and ended_by_stop_token(reason, new[-1], self.params.stop_token_ids, self.client.eos_token_ids):
-                with_text -= 1  # the token that ended the sample as a stop token keeps its id, not its text
+                if not include:  # the token that ended the sample as a stop token keeps its id, not its text
+                    with_text -= 1
                 stop_reason = stop_token_reason(new[-1], self.params.ignore_eos, self.params.stop_token_ids,
                                                 self.client.eos_token_ids)
             stopped = False
@@ -176,7 +177,7 @@ class CoreStream:
         if self.client.tokenizer is None or not final:
             return ""
         ids = text_token_ids(sample.token_ids, sample.finish_reason, self.params.stop_token_ids,
-                             self.client.eos_token_ids)
+                             self.client.eos_token_ids, self.params.include_stop_str_in_output)
         return decode_after(self.client.tokenizer, self.prompt_token_ids, ids, self.params.skip_special_tokens)
 
     def snapshot(self) -> RequestOutput:

@@ -136,14 +136,17 @@ def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], searchable
 def ended_by_stop_token(reason: str | None, token: int, stop_token_ids: list[int], eos_token_ids: list[int]) -> bool:
     """Whether a sample that ended with `reason` on `token` was ended by that token as a stop
     token (an EOS id, or one of the request's stop_token_ids). Its text is left out of the
-    output, as vLLM leaves it out; the token stays in token_ids."""
+    output, as vLLM leaves it out, unless include_stop_str_in_output; the token stays in
+    token_ids."""
     return reason == "stop" and (token in stop_token_ids or token in eos_token_ids)
 
 
 def text_token_ids(token_ids: list[int], reason: str | None, stop_token_ids: list[int],
-                   eos_token_ids: list[int]) -> list[int]:
-    """The output's ids whose text it shows: all but a stop token that ended it."""
-    if token_ids and ended_by_stop_token(reason, token_ids[-1], stop_token_ids, eos_token_ids):
+                   eos_token_ids: list[int], include_stop: bool = False) -> list[int]:
+    """The output's ids whose text it shows: all but a stop token that ended it (all of them
+    with include_stop: vLLM's include_stop_str_in_output)."""
+    if (not include_stop and token_ids
+            and ended_by_stop_token(reason, token_ids[-1], stop_token_ids, eos_token_ids)):
         return token_ids[:-1]
     return token_ids
 

@@ -495,7 +495,8 @@ class LLMEngine:
                 if detok is not None:
                     detok.flush()
                 return
-        if detok is not None and reason is None:  # a stop token's text is left out
+        # A stop token's text is left out, unless include_stop_str_in_output (as vLLM's).
+        if detok is not None and (reason is None or params.include_stop_str_in_output):
             detok.add(token)
             if params.stop_list:
                 found = truncate_at_stop(detok, params.stop_list, n > params.min_tokens,
@@ -527,7 +528,7 @@ class LLMEngine:
         if self.tokenizer is None or not self.detokenize:  # the engine core's: token ids only
             return ""
         ids = text_token_ids(seq.completion_token_ids, seq.finish_reason, request.params.stop_token_ids,
-                             self.eos_token_ids)
+                             self.eos_token_ids, request.params.include_stop_str_in_output)
         return decode_after(self.tokenizer, seq.prompt_token_ids, ids, request.params.skip_special_tokens)
 
     def _make_output(self, request: Request, final: bool = False) -> RequestOutput:
