@@ -149,6 +149,21 @@ class StructuredOutputsParams:
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """The prompt ids a request with `truncate_prompt_tokens` k (a valid value: SamplingParams
+    checks it) runs on, as vLLM's: the last k; k = -1: the last max_model_len - 1, the longest
+    prompt that leaves room for a generated token; None: all of them. ValueError naming the
+    field where k is over max_model_len, as vLLM refuses a truncation longer than the context."""
+    if k is None:
+        return ids
+    if k == -1:
+        k = max_model_len - 1
+    elif k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens: {k} is more than max_model_len ({max_model_len}); "
+                         "give a smaller one, or -1 (as many as the context allows)")
+    return list(ids[-k:]) if len(ids) > k else ids
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -177,6 +192,9 @@ class SamplingParams:
     # vLLM's: the stop string that ends the output stays in its text (and so does the text of a
     # stop token that ends it: EOS or a stop_token_ids entry).
     include_stop_str_in_output: bool = False
+    # vLLM's: the request runs on the last k tokens of its prompt (left truncation); -1: on as
+    # many as max_model_len leaves room for (truncate_prompt); None: the whole prompt.
+    truncate_prompt_tokens: int | None = None
     stop_list: list[str] = field(init=False, repr=False)
     # Sampled (not greedy) with a top-k / top-p / min-p filter or a seed of its own: on CUDA such
     # a row takes layers/filtered_sampler.py (Sampler.wants_step_seeds reads it every step).
@@ -233,6 +251,10 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", {t: float(b) for t, b in self.logit_bias.items()} or None)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be None or a StructuredOutputsParams")
+        if self.truncate_prompt_tokens is not None and (
+                not is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1
+                                                                or self.truncate_prompt_tokens == -1)):
+            raise bad("truncate_prompt_tokens", "must be None, an integer >= 1 or -1 (as many as the context allows)")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")

@@ -244,6 +244,36 @@ def test_include_stop_str_in_output_keeps_the_stop_string(qwen3_tiny):
     assert_free(llm)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_k(qwen3_tiny):
+    """vLLM's truncate_prompt_tokens: the request runs on the last k tokens of its prompt (token
+    ids, a tokenized text or a chat), which its output reports; -1 keeps as many as the context
+    leaves room for; more than max_model_len is a ValueError naming the field."""
+    llm = engine(qwen3_tiny, max_model_len=64)
+    greedy4 = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(10, 40))
+    out = llm.generate([prompt], SamplingParams(**greedy4, truncate_prompt_tokens=5), use_tqdm=False)[0]
+    alone = llm.generate([prompt[-5:]], SamplingParams(**greedy4), use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt[-5:] and out.outputs[0].token_ids == alone.outputs[0].token_ids
+    whole = llm.generate([prompt], SamplingParams(**greedy4), use_tqdm=False)[0]
+    assert whole.outputs[0].token_ids != alone.outputs[0].token_ids  # the cut changed what the model saw
+    text = "the quick brown fox jumps over the lazy dog"
+    out = llm.generate([text], SamplingParams(**greedy4, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode(text)[-3:]
+    messages = [{"role": "user", "content": text}]
+    chat = llm.chat(messages, SamplingParams(**greedy4), use_tqdm=False)[0].prompt_token_ids
+    out = llm.chat(messages, SamplingParams(**greedy4, truncate_prompt_tokens=6), use_tqdm=False)[0]
+    assert out.prompt_token_ids == chat[-6:]
+    long = list(range(10, 110))  # longer than max_model_len
+    out = llm.generate([long], SamplingParams(temperature=0, max_tokens=None, truncate_prompt_tokens=-1),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-63:] and len(out.outputs[0].token_ids) == 1
+    out = llm.generate([prompt], SamplingParams(**greedy4, truncate_prompt_tokens=64), use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt  # shorter than k: as it is
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate([prompt], SamplingParams(**greedy4, truncate_prompt_tokens=65), use_tqdm=False)
+    assert_free(llm)
+
+
 def expected_with_min_tokens(text: str, prefix: str, stop: str) -> str:
     """vLLM's rule: a stop string is searched for only once more than min_tokens tokens are out,
     and only where it reaches past the text of the first min_tokens tokens (`prefix`)."""
@@ -403,7 +433,11 @@ def test_prompt_larger_than_pool_is_rejected(qwen3_tiny):
     [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
      (dict(max_tokens=0), "max_tokens"), (dict(min_p=2), "min_p"), (dict(n=0), "n"),
      (dict(stop=[1]), "stop"), (dict(logprobs=-1), "logprobs"), (dict(min_tokens=9, max_tokens=2), "min_tokens"),
-     (dict(include_stop_str_in_output=1), "include_stop_str_in_output")],
+     (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+     (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens"),
+     (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens")],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -437,7 +437,6 @@ BAD_COMPLETIONS = [
     # vLLM's fields that this server does not honour are refused, not ignored.
     pytest.param(json.dumps({"prompt": "x", "allowed_token_ids": [5]}), "allowed_token_ids", id="allowed-token-ids"),
     pytest.param(json.dumps({"prompt": "x", "bad_words": ["a"]}), "bad_words", id="bad-words"),
-    pytest.param(json.dumps({"prompt": "x", "truncate_prompt_tokens": 2}), "truncate_prompt_tokens", id="truncate"),
     pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": 1}), "prompt_logprobs", id="prompt-logprobs"),
     pytest.param(json.dumps({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}),
                  "stream_options", id="continuous-usage-stats"),

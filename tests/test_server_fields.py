@@ -7,10 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 
 from nanovllm import SamplingParams
-from test_server import MODEL, assert_error_body, greedy_offline, live, offline  # noqa: F401 (fixtures)
+from nanovllm.engine.async_engine import AsyncEngine
+from nanovllm.entrypoints.server import create_app
+from test_server import (  # noqa: F401 (live, offline: fixtures)
+    KEY, MODEL, assert_error_body, greedy_offline, live, offline, serve_in_thread,
+)
 
 
 def streamed_texts(live, path: str, body: dict) -> tuple[dict[int, str], list[dict]]:
@@ -115,3 +120,68 @@ def test_include_stop_str_in_output_bad_value_is_400(live):
     err = assert_error_body(live.http.post("/v1/completions", json={"prompt": "x", "include_stop_str_in_output": 1}),
                             400)
     assert err["param"] == "include_stop_str_in_output"
+
+
+# ---- truncate_prompt_tokens ------------------------------------------------------------------
+SMALL_CONTEXT = 48
+
+
+@pytest.fixture(scope="module")
+def small(qwen3_tiny):
+    """A server (in-process AsyncEngine) with a 48-token context, for what the context's end
+    decides."""
+    engine = AsyncEngine.from_kwargs(str(qwen3_tiny), device="cpu", max_model_len=SMALL_CONTEXT, kvcache_block_size=4,
+                                     num_kvcache_blocks=64)
+    try:
+        with serve_in_thread(create_app(engine, MODEL, api_key=KEY)) as url:
+            yield httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+    finally:
+        engine.shutdown()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(live, offline):
+    """The request runs on the last k tokens of each prompt (a text's after tokenizing, a chat's
+    after its template): usage counts them, and the output is the offline engine's on them."""
+    text = "Paris is the capital of France and the largest city of the country"
+    ids = offline.tokenizer.encode(text)
+    assert len(ids) > 6
+    body = dict(model=MODEL, max_tokens=6, temperature=0, ignore_eos=True, truncate_prompt_tokens=4)
+    r = post(live, "/v1/completions", {**body, "prompt": text})
+    assert r["usage"]["prompt_tokens"] == 4
+    assert r["choices"][0]["text"] == greedy_offline(offline, ids[-4:], 6).outputs[0].text
+    assert r["choices"][0]["text"] != greedy_offline(offline, ids, 6).outputs[0].text
+    r = post(live, "/v1/completions", {**body, "prompt": [ids, [7, 8, 9]]})  # the short one stays whole
+    assert r["usage"]["prompt_tokens"] == 4 + 3
+    _, chunks = streamed_texts(live, "/v1/completions", {**body, "prompt": text,
+                                                         "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"]["prompt_tokens"] == 4
+    messages = [{"role": "user", "content": text}]
+    r = post(live, "/v1/chat/completions", {**body, "messages": messages, "truncate_prompt_tokens": 5})
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=5),
+                       use_tqdm=False)[0]
+    assert len(ref.prompt_token_ids) == 5 and r["usage"]["prompt_tokens"] == 5
+    assert r["choices"][0]["message"]["content"] == ref.outputs[0].text
+
+
+def test_truncate_prompt_tokens_minus_one_and_the_chat_default_max_tokens(small):
+    """-1 keeps as many tokens as the context leaves room for (max_model_len - 1, one left to
+    generate); a chat's default max_tokens is the room the truncated prompt leaves."""
+    resp = small.post("/v1/completions", json={"prompt": list(range(10, 110)), "truncate_prompt_tokens": -1,
+                                               "max_tokens": 5})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"] == {"prompt_tokens": SMALL_CONTEXT - 1, "completion_tokens": 1,
+                                    "total_tokens": SMALL_CONTEXT}
+    messages = [{"role": "user", "content": "one two three four five six seven eight nine ten " * 2}]
+    resp = small.post("/v1/chat/completions", json={"messages": messages, "truncate_prompt_tokens": 4,
+                                                    "ignore_eos": True, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": SMALL_CONTEXT - 4,
+                                    "total_tokens": SMALL_CONTEXT}
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "3", True, SMALL_CONTEXT + 1])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_truncate_prompt_tokens_is_400(small, path, value):
+    body = {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    err = assert_error_body(small.post(path, json={**body, "truncate_prompt_tokens": value, "max_tokens": 1}), 400)
+    assert err["param"] == "truncate_prompt_tokens", err

@@ -56,7 +56,8 @@ def test_params_cross_to_the_core_intact():
     from nanovllm.engine.messages import AddRequest, FrontendMessage, params_from_wire, params_to_wire
 
     p = SamplingParams(temperature=0.7, presence_penalty=1.0, frequency_penalty=-0.5, repetition_penalty=1.2,
-                       logit_bias={7: -100.0, 9: 2.5}, include_stop_str_in_output=True)
+                       logit_bias={7: -100.0, 9: 2.5}, include_stop_str_in_output=True,
+                       truncate_prompt_tokens=5)
     wire = msgspec.msgpack.encode(AddRequest("r", [1, 2], params_to_wire(p)))
     assert params_from_wire(msgspec.msgpack.Decoder(FrontendMessage).decode(wire).params) == p
 

@@ -42,7 +42,7 @@ from nanovllm.engine.detokenizer import (
 )
 from nanovllm.engine.messages import Abort, AddRequest, CoreOutput, Delta, Hello, params_to_wire
 from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, truncate_prompt
 from nanovllm.text import check_token_ids
 
 logger = logging.getLogger("nanovllm.client")
@@ -339,7 +339,7 @@ class CoreClient:
         ValueError (bad prompt or parameters), EngineOverloadedError or EngineDeadError."""
         params = params if params is not None else SamplingParams()
         self._check_alive()
-        ids = self._validate(prompt)
+        ids = self._validate(prompt, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         out = CoreStream(self, request_id, ids, params, stream, asyncio.get_running_loop())
@@ -356,12 +356,15 @@ class CoreClient:
             raise
         return out
 
-    def _validate(self, prompt: list[int]) -> list[int]:
+    def _validate(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        """The ids the request runs on (truncate_prompt_tokens applied here, so that its outputs
+        carry them); ValueError for a prompt the engine would refuse."""
         if not isinstance(prompt, (list, tuple)):
             raise ValueError("the core takes prompts as token ids; tokenize them first")
         ids = check_token_ids(prompt, self.vocab_size)
         if not ids:
             raise ValueError("the prompt is empty")
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                              "(it must leave room for at least one generated token)")

@@ -27,7 +27,7 @@ from nanovllm.layers.rotary import context_length
 from nanovllm.loaders.generation_config import read_generation_defaults
 from nanovllm.loaders.source import resolve_model
 from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, truncate_prompt
 from nanovllm.step import SchedulerOutput
 from nanovllm.text import check_token_ids
 
@@ -201,6 +201,7 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {self.vocab_size})")

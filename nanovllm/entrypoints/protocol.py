@@ -10,8 +10,8 @@ values are checked once, by `SamplingParams`, whose ValueError names the field;
 `sampling_params()` turns that into an `OpenAIError` with `param` set.
 
 Besides OpenAI's parameters, requests take vLLM's extras: top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, skip_special_tokens, include_stop_str_in_output (send
-them with the openai client's `extra_body`). A sampling field a request leaves unset takes the model's default where it has
+ignore_eos, min_tokens, stop_token_ids, skip_special_tokens, include_stop_str_in_output,
+truncate_prompt_tokens (send them with the openai client's `extra_body`). A sampling field a request leaves unset takes the model's default where it has
 one (`apply_generation_defaults`: vLLM's `--generation-config auto`).
 
 Structured output: `response_format` (`{"type": "json_object"}`, or `{"type": "json_schema",
@@ -177,11 +177,13 @@ class _SamplingRequest(_Request):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     include_stop_str_in_output: StrictBool = False
+    # vLLM's: the request runs on the last k tokens of its prompt (as tokenized, chat template
+    # included); -1: as many as max_model_len leaves room for (sampling_params.truncate_prompt).
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1, le=MAX_REQUEST_INT)
     # vLLM request fields this server does not honour: a 400 naming them where set (to anything
     # but their default), rather than ignored.
     allowed_token_ids: Any = None
     bad_words: Any = None
-    truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
     return_tokens_as_token_ids: Any = None
 
@@ -191,8 +193,14 @@ class _SamplingRequest(_Request):
         if self.stream_options is not None and self.stream_options.continuous_usage_stats not in (None, False):
             raise bad_request("stream_options.continuous_usage_stats is not supported by this server (usage comes "
                               "with the last chunk: include_usage)", param="stream_options")
-        _refuse_set(self, ("allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs",
-                           "return_tokens_as_token_ids"))
+        _refuse_set(self, ("allowed_token_ids", "bad_words", "prompt_logprobs", "return_tokens_as_token_ids"))
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        if value == 0:  # SamplingParams refuses it too; the chat endpoint uses it before them
+            raise ValueError("must be an integer >= 1, or -1 (as many as the context allows)")
+        return value
 
     @property
     def structured_param(self) -> str:
@@ -279,6 +287,7 @@ class _SamplingRequest(_Request):
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=structured,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
             )
         except ValueError as exc:
             message = str(exc)

@@ -92,7 +92,7 @@ from nanovllm.entrypoints.tokenization import (
 from nanovllm.entrypoints.tool_parsers import ParsedDelta
 from nanovllm.entrypoints.tools import ChoiceParser, ParserConfig, plan_tools
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, truncate_prompt
 
 logger = logging.getLogger("nanovllm.server")
 # Constraints (kind, spec text) that passed the server's grammar check, remembered per server.
@@ -506,6 +506,15 @@ class OpenAIServer:
                 raise bad_request(f"{where}{exc}", param=param) from None
         return out
 
+    def _truncate(self, prompts: list[list[int]], k: int | None) -> list[list[int]]:
+        """The prompts' ids as the engine runs them, with truncate_prompt_tokens k (vLLM's; the
+        engine applies it again, which changes nothing): their usage, a chat's default
+        max_tokens and an echo count these. A k over max_model_len is a 400 naming the field."""
+        try:
+            return [truncate_prompt(p, k, self.engine.max_model_len) for p in prompts]
+        except ValueError as exc:
+            raise bad_request(str(exc), param="truncate_prompt_tokens") from None
+
     # ---- checks ----
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -632,8 +641,10 @@ class OpenAIServer:
         params = body.sampling_params(max_tokens, body.logprobs, self.engine.vocab_size, self.engine.generation_defaults)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, len(prompts), params.n, body.stream)
-        streams = await self.submit(request_id, prompts, params, body.stream, "prompt", body.structured_param,
-                                    request, body.add_special_tokens)
+        prompt_ids = self._truncate(await self.tokenize(prompts, "prompt", body.add_special_tokens),
+                                    body.truncate_prompt_tokens)
+        streams = await self.submit(request_id, prompt_ids, params, body.stream, "prompt", body.structured_param,
+                                    request)
         if body.stream:
             return _EventStream(_sse_body(self._completion_events(request_id, body, params, streams, tracker), tracker),
                                 lambda: self._close_stream(streams, tracker), self.stream_write_timeout)
@@ -704,6 +715,7 @@ class OpenAIServer:
         prompt_ids, prompt_tail = await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, self._chat_prompt, messages, body.add_generation_prompt, plan.tools, template_kwargs,
             body.continue_final_message, body.add_special_tokens)
+        (prompt_ids,) = self._truncate([prompt_ids], body.truncate_prompt_tokens)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
