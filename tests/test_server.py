@@ -438,8 +438,6 @@ BAD_COMPLETIONS = [
     pytest.param(json.dumps({"prompt": "x", "allowed_token_ids": [5]}), "allowed_token_ids", id="allowed-token-ids"),
     pytest.param(json.dumps({"prompt": "x", "bad_words": ["a"]}), "bad_words", id="bad-words"),
     pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": 1}), "prompt_logprobs", id="prompt-logprobs"),
-    pytest.param(json.dumps({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}),
-                 "stream_options", id="continuous-usage-stats"),
 ]
 
 

@@ -185,3 +185,60 @@ def test_bad_truncate_prompt_tokens_is_400(small, path, value):
     body = {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     err = assert_error_body(small.post(path, json={**body, "truncate_prompt_tokens": value, "max_tokens": 1}), 400)
     assert err["param"] == "truncate_prompt_tokens", err
+
+
+# ---- stream_options.continuous_usage_stats ---------------------------------------------------
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_continuous_usage_stats_put_usage_in_every_chunk(live, endpoint, include_usage):
+    """As vLLM: every chunk of a choice carries usage, its prompt's tokens and the tokens that
+    choice has generated so far (chat's first chunk: 0); include_usage adds the last chunk with
+    the request's total, as without continuous_usage_stats."""
+    n, max_tokens = 2, 5
+    body = dict(model=MODEL, max_tokens=max_tokens, temperature=0.8, seed=1, n=n, ignore_eos=True,
+                stream_options={"include_usage": include_usage, "continuous_usage_stats": True})
+    if endpoint == "chat":
+        path = "/v1/chat/completions"
+        body.update(messages=[{"role": "user", "content": "Count with me"}], logprobs=True, top_logprobs=0)
+    else:
+        path = "/v1/completions"
+        body.update(prompt="Count with me", logprobs=0)
+    _, chunks = streamed_texts(live, path, body)
+    prompt_tokens = post(live, path, {**body, "stream": False, "stream_options": None})["usage"]["prompt_tokens"]
+    generated = {i: 0 for i in range(n)}
+    for chunk in chunks:
+        if not chunk["choices"]:
+            continue
+        (choice,) = chunk["choices"]
+        lp = choice["logprobs"]
+        generated[choice["index"]] += len(lp["tokens"] if endpoint == "completions" else lp["content"]) if lp else 0
+        assert chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": generated[choice["index"]],
+                                  "total_tokens": prompt_tokens + generated[choice["index"]]}
+        if choice["finish_reason"]:
+            assert generated[choice["index"]] == max_tokens
+    if endpoint == "chat":
+        assert [c["usage"]["completion_tokens"] for c in chunks[:n]] == [0] * n  # the role chunks
+    assert generated == {i: max_tokens for i in range(n)}
+    if include_usage:
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+            "prompt_tokens": prompt_tokens, "completion_tokens": n * max_tokens,
+            "total_tokens": prompt_tokens + n * max_tokens}
+    else:
+        assert chunks[-1]["choices"]
+    _, plain = streamed_texts(live, path, {**body, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in plain if c["choices"])  # without it, the choice chunks carry none
+
+
+def test_continuous_usage_stats_counts_each_prompt_of_a_batch(live):
+    """A batch of completions prompts: each chunk's usage is its own prompt's."""
+    body = dict(model=MODEL, prompt=[[5, 6, 7], [5, 6, 7, 8, 9, 10, 11]], max_tokens=3, temperature=0, ignore_eos=True,
+                stream_options={"continuous_usage_stats": True})
+    _, chunks = streamed_texts(live, "/v1/completions", body)
+    for chunk in chunks:
+        assert chunk["usage"]["prompt_tokens"] == (3 if chunk["choices"][0]["index"] == 0 else 7)
+    assert {c["choices"][0]["index"]: c["usage"]["completion_tokens"] for c in chunks} == {0: 3, 1: 3}
+
+
+def test_bad_continuous_usage_stats_is_400(live):
+    body = {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}
+    assert assert_error_body(live.http.post("/v1/completions", json=body), 400)["param"] == "stream_options"

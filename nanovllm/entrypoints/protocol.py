@@ -124,7 +124,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: StrictBool = False
-    continuous_usage_stats: Any = None  # vLLM's; refused (check_unsupported)
+    # vLLM's: every chunk of a choice carries usage so far (that choice's completion tokens).
+    continuous_usage_stats: StrictBool = False
 
 
 class JsonSchemaFormat(_Request):
@@ -190,9 +191,6 @@ class _SamplingRequest(_Request):
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats not in (None, False):
-            raise bad_request("stream_options.continuous_usage_stats is not supported by this server (usage comes "
-                              "with the last chunk: include_usage)", param="stream_options")
         _refuse_set(self, ("allowed_token_ids", "bad_words", "prompt_logprobs", "return_tokens_as_token_ids"))
 
     @field_validator("truncate_prompt_tokens")
@@ -237,6 +235,10 @@ class _SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def requested_max_tokens(self) -> int | None:

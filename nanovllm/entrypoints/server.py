@@ -437,6 +437,13 @@ def _check_constraint(out: RequestOutput, param: str) -> None:
                               "it matches no complete output", param=param)
 
 
+def _choice_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """A streamed chunk's usage with stream_options.continuous_usage_stats (vLLM's): its
+    choice's prompt and the tokens that choice has generated so far."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
 def _top(entry: dict[int, float], k: int, sampled: int | None = None) -> list[tuple[int, float]]:
     """The k most likely tokens of an entry (which holds the top-k alternatives plus the
     sampled token, which may rank below them); with `sampled`, that token too where it is not
@@ -690,10 +697,12 @@ class OpenAIServer:
                 if not delta and logprobs is None and finish is None:
                     continue
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
+                usage = _choice_usage(len(out.prompt_token_ids), len(c.token_ids)) if body.continuous_usage else None
                 yield _sse(CompletionResponse(
                     id=request_id, created=created, model=self.model_name,
                     choices=[CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish,
                                               stop_reason=c.stop_reason if finish is not None else None)],
+                    usage=usage,
                 ))
         if body.include_usage:
             yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
@@ -730,7 +739,8 @@ class OpenAIServer:
         grammar_param = "tools" if plan.structured_outputs is not None else body.structured_param
         streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages", grammar_param, request)
         if body.stream:
-            events = self._chat_events(request_id, body, params, parsers, streams[0], tracker, grammar_param)
+            events = self._chat_events(request_id, body, params, parsers, streams[0], tracker, grammar_param,
+                                       len(prompt_ids))
             return _EventStream(_sse_body(events, tracker), lambda: self._close_stream(streams, tracker),
                                 self.stream_write_timeout)
         finals = await self.collect_finals(streams, request, tracker, grammar_param)
@@ -775,7 +785,7 @@ class OpenAIServer:
 
     async def _chat_events(self, request_id: str, body: ChatCompletionRequest, params: SamplingParams,
                            parsers: list[ChoiceParser], stream: RequestStream,
-                           tracker: _Tracker, grammar_param: str) -> AsyncIterator[str]:
+                           tracker: _Tracker, grammar_param: str, num_prompt_tokens: int) -> AsyncIterator[str]:
         created = int(time.time())
         top = (body.top_logprobs or 0) if body.logprobs else None
 
@@ -787,7 +797,8 @@ class OpenAIServer:
         sent_tokens = [0] * params.n
         ended: set[int] = set()  # choices whose finish_reason went out (each in the chunk where it ends)
         for i in range(params.n):
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            usage = _choice_usage(num_prompt_tokens, 0) if body.continuous_usage else None
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], usage)
         async for _, out in _merge([stream]):
             tracker.update(0, out)
             _check_constraint(out, grammar_param)
@@ -810,8 +821,10 @@ class OpenAIServer:
                     logprobs = self._chat_logprobs(new_ids, (c.logprobs or [])[start_tok:], top)
                 if not parsed and logprobs is None and finish is None:
                     continue
+                usage = _choice_usage(num_prompt_tokens, len(c.token_ids)) if body.continuous_usage else None
                 yield chunk([ChatChunkChoice(index=i, delta=_delta_message(parsed), logprobs=logprobs,
-                                             finish_reason=finish, stop_reason=c.stop_reason if finish else None)])
+                                             finish_reason=finish, stop_reason=c.stop_reason if finish else None)],
+                            usage)
         if body.include_usage:
             yield chunk([], usage=self._usage(tracker.outputs))
 
