@@ -242,3 +242,46 @@ def test_continuous_usage_stats_counts_each_prompt_of_a_batch(live):
 def test_bad_continuous_usage_stats_is_400(live):
     body = {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}
     assert assert_error_body(live.http.post("/v1/completions", json=body), 400)["param"] == "stream_options"
+
+
+# ---- echo (completions) ----------------------------------------------------------------------
+def test_echo_puts_the_prompt_before_each_choice(live, offline):
+    """Each choice's text starts with its prompt's: a text as given, token ids decoded (special
+    tokens kept), a truncated prompt as kept; streamed, in the first chunk of each choice."""
+    text = "Paris is the capital of"
+    completion = greedy_offline(offline, text, 6).outputs[0].text
+    body = dict(model=MODEL, prompt=text, echo=True, max_tokens=6, temperature=0, ignore_eos=True, n=2)
+    r = post(live, "/v1/completions", body)
+    assert [c["text"] for c in r["choices"]] == [text + completion] * 2
+    assert r["usage"] == post(live, "/v1/completions", {**body, "echo": False})["usage"]
+    texts, chunks = streamed_texts(live, "/v1/completions", body)
+    assert texts == {0: text + completion, 1: text + completion}
+    firsts = {}
+    for chunk in chunks:
+        firsts.setdefault(chunk["choices"][0]["index"], chunk["choices"][0]["text"])
+    assert all(first.startswith(text) and len(first) > len(text) for first in firsts.values())
+
+    tok = offline.tokenizer
+    ids = [tok.eos_token_id] + tok.encode("The quick brown fox")
+    assert tok.decode(ids).startswith(tok.eos_token)  # the special token's text stays
+    expected = [tok.decode(p) + greedy_offline(offline, p, 6).outputs[0].text for p in (ids, ids[2:])]
+    batch = post(live, "/v1/completions", {**body, "n": 1, "prompt": [ids, ids[2:]]})["choices"]
+    assert [c["text"] for c in batch] == expected
+    texts, _ = streamed_texts(live, "/v1/completions", {**body, "n": 1, "prompt": [ids, ids[2:]]})
+    assert texts == {0: expected[0], 1: expected[1]}
+
+    cut = post(live, "/v1/completions", {**body, "n": 1, "truncate_prompt_tokens": 3})["choices"][0]["text"]
+    kept = tok.encode(text)[-3:]
+    assert cut == tok.decode(kept) + greedy_offline(offline, kept, 6).outputs[0].text
+    stop = completion[2:5]
+    stopped = post(live, "/v1/completions", {**body, "n": 1, "stop": [stop]})["choices"][0]
+    assert stopped["text"] == text + completion[: completion.index(stop)] and stopped["finish_reason"] == "stop"
+
+
+def test_echo_with_logprobs_is_400_naming_echo(live):
+    body = {"prompt": "x", "echo": True, "logprobs": 0, "max_tokens": 2}
+    err = assert_error_body(live.http.post("/v1/completions", json=body), 400)
+    assert err["param"] == "echo" and "logprobs" in err["message"]
+    err = assert_error_body(live.http.post("/v1/completions", json={"prompt": "x", "echo": "yes"}), 400)
+    assert err["param"] == "echo"
+    assert post(live, "/v1/completions", {**body, "echo": False})["choices"][0]["logprobs"]["tokens"]

@@ -64,7 +64,7 @@ _SAMPLING: dict[str, Any] = {  # both endpoints
                        {"type": "array", "items": {"type": "string", "minLength": 1}}, _NULL]},
 }
 _ACCEPTED: dict[str, dict[str, Any]] = {  # by schema component
-    "CompletionRequest": {"echo": {"enum": [False]}, "suffix": _only(""), "best_of": _NULL},
+    "CompletionRequest": {"suffix": _only(""), "best_of": _NULL},
     "ChatCompletionRequest": {"functions": _EMPTY_LIST, "function_call": _only("none"), "tools": _EMPTY_LIST,
                               "tool_choice": _only("none"), "chat_template_kwargs": _NULL},
     "ChatMessage": {"role": {"enum": ["system", "user", "assistant"]}, "function_call": _NULL, "tool_calls": _NULL,

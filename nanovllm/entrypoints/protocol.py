@@ -4,8 +4,8 @@ Requests are parsed by pydantic; anything it rejects becomes a 400 with OpenAI's
 (the server overrides FastAPI's 422). A field sent as null takes its default, as OpenAI marks
 its optional fields nullable. Unknown request fields are ignored, as OpenAI clients send
 fields this engine has no use for (`user`, `metadata`, ...); fields we know but cannot honour
-(echo, suffix, vLLM's allowed_token_ids, bad_words, continue_final_message, ...) are rejected
-with a 400 naming them rather than silently ignored. Sampling
+(suffix, echo with logprobs, vLLM's allowed_token_ids, bad_words, prompt_logprobs, ...) are
+rejected with a 400 naming them rather than silently ignored. Sampling
 values are checked once, by `SamplingParams`, whose ValueError names the field;
 `sampling_params()` turns that into an `OpenAIError` with `param` set.
 
@@ -323,8 +323,9 @@ class CompletionRequest(_SamplingRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise bad_request("echo is not supported by this server", param="echo")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported by this server: it would return the prompt "
+                              "tokens' logprobs too (prompt_logprobs), which it does not compute", param="echo")
         if self.suffix:
             raise bad_request("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:

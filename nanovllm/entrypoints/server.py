@@ -522,6 +522,21 @@ class OpenAIServer:
         except ValueError as exc:
             raise bad_request(str(exc), param="truncate_prompt_tokens") from None
 
+    async def _echo_texts(self, prompts: list[str | list[int]], tokenized: list[list[int]],
+                          kept: list[list[int]]) -> list[str]:
+        """Each prompt's text, for echo: a text prompt as given, unless truncate_prompt_tokens cut
+        it; token ids (and a cut text) decoded, special tokens kept, as vLLM decodes them."""
+        loop = asyncio.get_running_loop()
+        texts = []
+        for p, t, k in zip(prompts, tokenized, kept):
+            if isinstance(p, str) and len(k) == len(t):
+                texts.append(p)
+            elif self._tokenizer is None:
+                raise bad_request("echo needs the model's tokenizer to give a token-id prompt's text", param="echo")
+            else:
+                texts.append(await loop.run_in_executor(self._tokenize_pool, self._tokenizer.decode, k))
+        return texts
+
     # ---- checks ----
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -648,13 +663,15 @@ class OpenAIServer:
         params = body.sampling_params(max_tokens, body.logprobs, self.engine.vocab_size, self.engine.generation_defaults)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = _Tracker(self.metrics, len(prompts), params.n, body.stream)
-        prompt_ids = self._truncate(await self.tokenize(prompts, "prompt", body.add_special_tokens),
-                                    body.truncate_prompt_tokens)
+        tokenized = await self.tokenize(prompts, "prompt", body.add_special_tokens)
+        prompt_ids = self._truncate(tokenized, body.truncate_prompt_tokens)
+        echoes = await self._echo_texts(prompts, tokenized, prompt_ids) if body.echo else None
         streams = await self.submit(request_id, prompt_ids, params, body.stream, "prompt", body.structured_param,
                                     request)
         if body.stream:
-            return _EventStream(_sse_body(self._completion_events(request_id, body, params, streams, tracker), tracker),
-                                lambda: self._close_stream(streams, tracker), self.stream_write_timeout)
+            events = self._completion_events(request_id, body, params, streams, tracker, echoes)
+            return _EventStream(_sse_body(events, tracker), lambda: self._close_stream(streams, tracker),
+                                self.stream_write_timeout)
         finals = await self.collect_finals(streams, request, tracker, body.structured_param)
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
@@ -664,13 +681,17 @@ class OpenAIServer:
                 logprobs = None
                 if body.logprobs is not None:
                     logprobs = self._completion_logprobs(c.token_ids, c.logprobs or [], body.logprobs, 0)
-                choices.append(CompletionChoice(index=i * params.n + c.index, text=c.text, logprobs=logprobs,
+                text = echoes[i] + c.text if echoes is not None else c.text
+                choices.append(CompletionChoice(index=i * params.n + c.index, text=text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return JSONResponse(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                usage=self._usage(finals)).model_dump())
 
     async def _completion_events(self, request_id: str, body: CompletionRequest, params: SamplingParams,
-                                 streams: list[RequestStream], tracker: _Tracker) -> AsyncIterator[str]:
+                                 streams: list[RequestStream], tracker: _Tracker,
+                                 echoes: list[str] | None = None) -> AsyncIterator[str]:
+        """The SSE chunks of a streamed completion; `echoes` (echo: each prompt's text) comes
+        first in the first chunk of each of its choices, as vLLM sends it."""
         created = int(time.time())
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
@@ -696,6 +717,8 @@ class OpenAIServer:
                     offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
                 if not delta and logprobs is None and finish is None:
                     continue
+                if echoes is not None and index not in sent_text:
+                    delta = echoes[i] + delta
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                 usage = _choice_usage(len(out.prompt_token_ids), len(c.token_ids)) if body.continuous_usage else None
                 yield _sse(CompletionResponse(
