@@ -285,3 +285,69 @@ def test_echo_with_logprobs_is_400_naming_echo(live):
     err = assert_error_body(live.http.post("/v1/completions", json={"prompt": "x", "echo": "yes"}), 400)
     assert err["param"] == "echo"
     assert post(live, "/v1/completions", {**body, "echo": False})["choices"][0]["logprobs"]["tokens"]
+
+
+# ---- return_tokens_as_token_ids ----------------------------------------------------------------
+def as_id(token: int) -> str:
+    return f"token_id:{token}"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids_in_completion_logprobs(live, offline, stream):
+    """vLLM's form: logprobs name each token "token_id:<id>", in `tokens` and as `top_logprobs`
+    keys; the text, logprobs and text_offset (offsets in the text) stay as they were."""
+    prompt = "Continuous batching"
+    ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    body = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2, ignore_eos=True,
+                return_tokens_as_token_ids=True)
+
+    def logprobs(body: dict) -> tuple[str, dict]:
+        if not stream:
+            choice = post(live, "/v1/completions", body)["choices"][0]
+            return choice["text"], choice["logprobs"]
+        texts, chunks = streamed_texts(live, "/v1/completions", body)
+        merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for chunk in chunks:
+            for key in merged:
+                merged[key] += chunk["choices"][0]["logprobs"][key]
+        return texts[0], merged
+
+    text, lp = logprobs(body)
+    plain_text, plain = logprobs({**body, "return_tokens_as_token_ids": False})
+    assert lp["tokens"] == [as_id(t) for t in ref.token_ids]
+    assert [set(top) for top in lp["top_logprobs"]] == [{as_id(t) for t in entry} for entry in ref.logprobs]
+    assert lp["token_logprobs"] == pytest.approx(plain["token_logprobs"], abs=1e-4)
+    assert lp["text_offset"] == plain["text_offset"]
+    assert text == plain_text == ref.text
+    assert plain["tokens"] == [offline.tokenizer.decode([t]) for t in ref.token_ids]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids_in_chat_logprobs(live, offline, stream):
+    """Chat: `token` and each `top_logprobs[].token` are "token_id:<id>", and `bytes` are that
+    string's UTF-8, as vLLM gives them."""
+    messages = [{"role": "user", "content": "hello"}]
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    body = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+                ignore_eos=True, return_tokens_as_token_ids=True)
+    if stream:
+        _, chunks = streamed_texts(live, "/v1/chat/completions", body)
+        content = [item for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                   for item in c["choices"][0]["logprobs"]["content"]]
+    else:
+        content = post(live, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
+    assert [item["token"] for item in content] == [as_id(t) for t in ref.token_ids]
+    for item, entry in zip(content, ref.logprobs):
+        assert item["bytes"] == list(item["token"].encode())
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:3]
+        assert {t["token"] for t in item["top_logprobs"]} == {as_id(t) for t, _ in top}
+        assert all(t["bytes"] == list(t["token"].encode()) for t in item["top_logprobs"])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_return_tokens_as_token_ids_is_400(live, path):
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    err = assert_error_body(live.http.post(path, json={**body, "return_tokens_as_token_ids": "yes"}), 400)
+    assert err["param"] == "return_tokens_as_token_ids"

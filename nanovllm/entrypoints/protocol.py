@@ -11,7 +11,8 @@ values are checked once, by `SamplingParams`, whose ValueError names the field;
 
 Besides OpenAI's parameters, requests take vLLM's extras: top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids, skip_special_tokens, include_stop_str_in_output,
-truncate_prompt_tokens (send them with the openai client's `extra_body`). A sampling field a request leaves unset takes the model's default where it has
+truncate_prompt_tokens, return_tokens_as_token_ids (send them with the openai client's
+`extra_body`). A sampling field a request leaves unset takes the model's default where it has
 one (`apply_generation_defaults`: vLLM's `--generation-config auto`).
 
 Structured output: `response_format` (`{"type": "json_object"}`, or `{"type": "json_schema",
@@ -181,17 +182,18 @@ class _SamplingRequest(_Request):
     # vLLM's: the request runs on the last k tokens of its prompt (as tokenized, chat template
     # included); -1: as many as max_model_len leaves room for (sampling_params.truncate_prompt).
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1, le=MAX_REQUEST_INT)
+    # vLLM's: logprobs name their tokens "token_id:<id>" rather than by their text.
+    return_tokens_as_token_ids: StrictBool = False
     # vLLM request fields this server does not honour: a 400 naming them where set (to anything
     # but their default), rather than ignored.
     allowed_token_ids: Any = None
     bad_words: Any = None
     prompt_logprobs: Any = None
-    return_tokens_as_token_ids: Any = None
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        _refuse_set(self, ("allowed_token_ids", "bad_words", "prompt_logprobs", "return_tokens_as_token_ids"))
+        _refuse_set(self, ("allowed_token_ids", "bad_words", "prompt_logprobs"))
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

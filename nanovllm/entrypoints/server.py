@@ -680,7 +680,8 @@ class OpenAIServer:
             for c in out.outputs:
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = self._completion_logprobs(c.token_ids, c.logprobs or [], body.logprobs, 0)
+                    logprobs = self._completion_logprobs(c.token_ids, c.logprobs or [], body.logprobs, 0,
+                                                         body.return_tokens_as_token_ids)
                 text = echoes[i] + c.text if echoes is not None else c.text
                 choices.append(CompletionChoice(index=i * params.n + c.index, text=text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -713,8 +714,8 @@ class OpenAIServer:
                 logprobs = None
                 if body.logprobs is not None and new_ids:
                     logprobs = self._completion_logprobs(new_ids, (c.logprobs or [])[start_tok:], body.logprobs,
-                                                         offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+                                                         offsets.get(index, 0), body.return_tokens_as_token_ids)
+                    offsets[index] = offsets.get(index, 0) + sum(len(self.token_text(t)) for t in new_ids)
                 if not delta and logprobs is None and finish is None:
                     continue
                 if echoes is not None and index not in sent_text:
@@ -780,7 +781,9 @@ class OpenAIServer:
             calls = [ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
                      for t in parsed.tool_calls]
             message = ChatResponseMessage(content=content, reasoning_content=parsed.reasoning, tool_calls=calls)
-            logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], top) if top is not None else None
+            logprobs = None
+            if top is not None:
+                logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], top, body.return_tokens_as_token_ids)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=parser.finish_reason(c.finish_reason), stop_reason=c.stop_reason))
         return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
@@ -841,7 +844,8 @@ class OpenAIServer:
                     finish = parsers[i].finish_reason(c.finish_reason)
                 logprobs = None
                 if top is not None and new_ids:
-                    logprobs = self._chat_logprobs(new_ids, (c.logprobs or [])[start_tok:], top)
+                    logprobs = self._chat_logprobs(new_ids, (c.logprobs or [])[start_tok:], top,
+                                                   body.return_tokens_as_token_ids)
                 if not parsed and logprobs is None and finish is None:
                     continue
                 usage = _choice_usage(num_prompt_tokens, len(c.token_ids)) if body.continuous_usage else None
@@ -858,25 +862,32 @@ class OpenAIServer:
         completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
+    def _token_str(self, token_id: int, as_id: bool) -> str:
+        """A token as logprobs name it: its text, or with return_tokens_as_token_ids (vLLM's)
+        "token_id:<id>", which names a token whose text is not a whole character too."""
+        return f"token_id:{token_id}" if as_id else self.token_text(token_id)
+
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int,
-                             offset: int) -> CompletionLogprobs:
+                             offset: int, as_ids: bool = False) -> CompletionLogprobs:
+        """text_offset counts the tokens' text, also where as_ids names them by id."""
         result = CompletionLogprobs()
         for token, entry in zip(token_ids, logprobs):
-            text = self.token_text(token)
-            result.tokens.append(text)
+            result.tokens.append(self._token_str(token, as_ids))
             result.token_logprobs.append(entry.get(token, float("-inf")))
-            result.top_logprobs.append({self.token_text(t): lp for t, lp in _top(entry, k, token)})
+            result.top_logprobs.append({self._token_str(t, as_ids): lp for t, lp in _top(entry, k, token)})
             result.text_offset.append(offset)
-            offset += len(text)
+            offset += len(self.token_text(token))
         return result
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int) -> ChatLogprobs:
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int,
+                       as_ids: bool = False) -> ChatLogprobs:
+        """`bytes`: the UTF-8 of `token` as given ("token_id:<id>" with as_ids, as vLLM's)."""
         content = []
         for token, entry in zip(token_ids, logprobs):
-            text = self.token_text(token)
+            text = self._token_str(token, as_ids)
             tops = []
             for t, lp in _top(entry, k):
-                s = self.token_text(t)
+                s = self._token_str(t, as_ids)
                 tops.append(TopLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8"))))
             content.append(TokenLogprob(token=text, logprob=entry.get(token, float("-inf")),
                                         bytes=list(text.encode("utf-8")), top_logprobs=tops))
