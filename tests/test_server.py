@@ -438,6 +438,7 @@ BAD_COMPLETIONS = [
     pytest.param(json.dumps({"prompt": "x", "allowed_token_ids": [5]}), "allowed_token_ids", id="allowed-token-ids"),
     pytest.param(json.dumps({"prompt": "x", "bad_words": ["a"]}), "bad_words", id="bad-words"),
     pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": 1}), "prompt_logprobs", id="prompt-logprobs"),
+    pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": 0}), "prompt_logprobs", id="prompt-logprobs-0"),
 ]
 
 

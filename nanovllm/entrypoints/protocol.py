@@ -353,9 +353,10 @@ class CompletionRequest(_SamplingRequest):
 
 
 def _refuse_set(request: _Request, names: tuple[str, ...]) -> None:
-    """A 400 naming the first of these fields the request sets to anything but null or false."""
+    """A 400 naming the first of these fields the request sets to anything but null or false
+    (0 too: vLLM's prompt_logprobs 0 asks for the prompt tokens' own logprobs)."""
     for name in names:
-        if getattr(request, name) not in (None, False):
+        if getattr(request, name) is not None and getattr(request, name) is not False:
             raise bad_request(f"{name} is not supported by this server", param=name)
 
 
