@@ -278,6 +278,14 @@ def test_echo_puts_the_prompt_before_each_choice(live, offline):
     assert stopped["text"] == text + completion[: completion.index(stop)] and stopped["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("prompt", [[1511637452380852], [-1], [5, 100000], [[5, 6], [7, -3]]])
+def test_echo_of_ids_outside_the_vocabulary_is_400_naming_the_prompt(live, prompt):
+    body = {"prompt": prompt, "echo": True, "max_tokens": 2}
+    for stream in (False, True):
+        err = assert_error_body(live.http.post("/v1/completions", json={**body, "stream": stream}), 400)
+        assert err["param"] == "prompt" and "vocabulary" in err["message"], err
+
+
 def test_echo_with_logprobs_is_400_naming_echo(live):
     body = {"prompt": "x", "echo": True, "logprobs": 0, "max_tokens": 2}
     err = assert_error_body(live.http.post("/v1/completions", json=body), 400)

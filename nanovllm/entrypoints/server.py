@@ -93,6 +93,7 @@ from nanovllm.entrypoints.tool_parsers import ParsedDelta
 from nanovllm.entrypoints.tools import ChoiceParser, ParserConfig, plan_tools
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, truncate_prompt
+from nanovllm.text import check_token_ids
 
 logger = logging.getLogger("nanovllm.server")
 # Constraints (kind, spec text) that passed the server's grammar check, remembered per server.
@@ -525,16 +526,23 @@ class OpenAIServer:
     async def _echo_texts(self, prompts: list[str | list[int]], tokenized: list[list[int]],
                           kept: list[list[int]]) -> list[str]:
         """Each prompt's text, for echo: a text prompt as given, unless truncate_prompt_tokens cut
-        it; token ids (and a cut text) decoded, special tokens kept, as vLLM decodes them."""
+        it; token ids (and a cut text) decoded, special tokens kept, as vLLM decodes them. Ids
+        are checked first (a 400 naming the prompt, as the engine's check), as the tokenizer
+        fails on ones outside its range."""
         loop = asyncio.get_running_loop()
         texts = []
-        for p, t, k in zip(prompts, tokenized, kept):
+        for i, (p, t, k) in enumerate(zip(prompts, tokenized, kept)):
             if isinstance(p, str) and len(k) == len(t):
                 texts.append(p)
-            elif self._tokenizer is None:
+                continue
+            if self._tokenizer is None:
                 raise bad_request("echo needs the model's tokenizer to give a token-id prompt's text", param="echo")
-            else:
-                texts.append(await loop.run_in_executor(self._tokenize_pool, self._tokenizer.decode, k))
+            try:
+                check_token_ids(k, self.engine.vocab_size)
+            except ValueError as exc:
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                raise bad_request(f"{where}{exc}", param="prompt") from None
+            texts.append(await loop.run_in_executor(self._tokenize_pool, self._tokenizer.decode, k))
         return texts
 
     # ---- checks ----
@@ -863,8 +871,8 @@ class OpenAIServer:
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def _token_str(self, token_id: int, as_id: bool) -> str:
-        """A token as logprobs name it: its text, or with return_tokens_as_token_ids (vLLM's)
-        "token_id:<id>", which names a token whose text is not a whole character too."""
+        """A token as logprobs name it: its text, or "token_id:<id>" with vLLM's
+        return_tokens_as_token_ids (which tells apart tokens whose texts are partial characters)."""
         return f"token_id:{token_id}" if as_id else self.token_text(token_id)
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int,
