@@ -1,5 +1,6 @@
-"""vLLM's request fields that real clients send, live through the server (the engine core in its
-own process, as `nanovllm serve` runs it): include_stop_str_in_output, truncate_prompt_tokens,
+"""vLLM's request fields that real clients send, live through the server (test_server's: the
+engine core in its own process, as `nanovllm serve` runs it; and one with a 48-token context on
+an in-process AsyncEngine): include_stop_str_in_output, truncate_prompt_tokens,
 stream_options.continuous_usage_stats, echo and return_tokens_as_token_ids. What a choice says is
 compared with the offline engine on the same checkpoint; bad values are a 400 naming the field."""
 from __future__ import annotations
