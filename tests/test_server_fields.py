@@ -101,7 +101,7 @@ def test_include_stop_str_in_output_streams_without_holding_text_back(live, offl
     prompt = [20, 21, 22]
     text = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = next(text[i:i + 3] for i in range(len(text) * 3 // 4, len(text) - 2) if text.index(text[i:i + 3]) == i)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
 
     async def main():
@@ -109,7 +109,7 @@ def test_include_stop_str_in_output_streams_without_holding_text_back(live, offl
 
     outs = asyncio.run(main())
     assert outs[-1].outputs[0].text == text[: text.index(stop) + len(stop)]
-    assert len(outs) > 2
+    assert len(outs) >= 2  # outputs before the last, to check (a stream merges what arrives at once)
     for out in outs[:-1]:
         detok = IncrementalDetokenizer(offline.tokenizer, prompt)
         for token in out.outputs[0].token_ids:
