@@ -92,29 +92,47 @@ def test_include_stop_str_in_output_keeps_a_stop_tokens_text(live, offline):
     assert without == offline.tokenizer.decode(ref.token_ids[:first])
 
 
-def test_include_stop_str_in_output_streams_without_holding_text_back(live, offline):
-    """Through the engine core: a stream holds back no characters for a possible stop string
-    when the stop string stays in the output (vLLM streams so); each output shows the text of
-    all its tokens."""
+def test_include_stop_str_in_output_streams_without_holding_text_back(offline):
+    """The front-end's side of the engine core (CoreStream), fed one token at a time: a stream
+    holds back no characters for a possible stop string when the stop string stays in the output
+    (vLLM streams so): each output shows the text of all its tokens, the last ends with the
+    stop string, and the core is told to stop the sample."""
+    from nanovllm.engine.core_client import CoreStream
     from nanovllm.engine.detokenizer import IncrementalDetokenizer
+    from nanovllm.engine.messages import Abort, Delta
+
+    class Client:  # what a CoreStream asks of its CoreClient
+        def __init__(self):
+            self.tokenizer = offline.tokenizer
+            self.eos_token_ids = offline.engine.eos_token_ids
+            self._streams = {}
+            self.sent = []
+
+        def _send(self, msg):
+            self.sent.append(msg)
 
     prompt = [20, 21, 22]
-    text = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0].text
+    ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    text = ref.text
     stop = next(text[i:i + 3] for i in range(len(text) * 3 // 4, len(text) - 2) if text.index(text[i:i + 3]) == i)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
-
-    async def main():
-        return [o async for o in live.engine.generate("include-stop", prompt, params)]
-
-    outs = asyncio.run(main())
-    assert outs[-1].outputs[0].text == text[: text.index(stop) + len(stop)]
-    assert len(outs) >= 2  # outputs before the last, to check (a stream merges what arrives at once)
-    for out in outs[:-1]:
+    client = Client()
+    loop = asyncio.new_event_loop()
+    try:
+        stream = CoreStream(client, "r", prompt, params, True, loop)
         detok = IncrementalDetokenizer(offline.tokenizer, prompt)
-        for token in out.outputs[0].token_ids:
+        for token in ref.token_ids:
+            stream._apply(Delta("r", [[token]], [None], False))
+            out = stream.snapshot().outputs[0]
+            if out.finish_reason is not None:
+                break
             detok.add(token)
-        assert out.outputs[0].text == detok.text
+            assert out.text == detok.text  # nothing held back
+    finally:
+        loop.close()
+    assert (out.text, out.finish_reason, out.stop_reason) == (text[: text.index(stop) + len(stop)], "stop", stop)
+    assert [type(m) for m in client.sent] == [Abort]
 
 
 def test_include_stop_str_in_output_bad_value_is_400(live):
