@@ -551,13 +551,13 @@ class OpenAIServer:
             raise bad_request(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                               param="model", code="model_not_found")
 
-    async def submit(self, base_id: str, prompts: list[str | list[int]], params: SamplingParams, stream: bool,
+    async def submit(self, base_id: str, prompts: list[list[int]], params: SamplingParams, stream: bool,
                      param: str, grammar_param: str | None = None,
-                     request: Request | None = None, add_special_tokens: bool = True) -> list[RequestStream]:
-        """Add one engine request per prompt, all at once; all or nothing. ValueError -> 400
-        naming `param` (`grammar_param` for the engine's grammar check: structured_outputs.*).
-        `request`: the HTTP request, whose grammar check is dropped if its client leaves first."""
-        prompts = await self.tokenize(prompts, param, add_special_tokens)
+                     request: Request | None = None) -> list[RequestStream]:
+        """Add one engine request per prompt (token ids: `tokenize` first), all at once; all or
+        nothing. ValueError -> 400 naming `param` (`grammar_param` for the engine's grammar
+        check: structured_outputs.*). `request`: the HTTP request, whose grammar check is
+        dropped if its client leaves first."""
         if params.structured_outputs is not None:
             await self._check_grammar(params.structured_outputs, grammar_param, request)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
