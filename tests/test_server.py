@@ -348,7 +348,7 @@ def test_logprobs(live, offline):
         tops = [t.logprob for t in item.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
         assert item.logprob == pytest.approx(tops[0], abs=1e-5)  # greedy picks the top token
-        assert item.bytes == list(item.token.encode())
+        assert bytes(item.bytes).decode("utf-8", errors="replace") == item.token  # the raw bytes
     streamed = [c for c in live.client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs]
     assert sum(len(c.choices[0].logprobs.content) for c in streamed) == 5
 

@@ -373,6 +373,32 @@ def test_return_tokens_as_token_ids_in_chat_logprobs(live, offline, stream):
         assert all(t["bytes"] == list(t["token"].encode()) for t in item["top_logprobs"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_bytes_rebuild_the_content(live, stream):
+    """Chat logprobs' `bytes` are the tokens' raw bytes (OpenAI's): joined, the output's tokens
+    give the content's UTF-8, though this byte-level tokenizer spells the CJK and emoji of the
+    forced answer in single bytes, each token's text U+FFFD. Top alternatives' bytes read back
+    as their token text (U+FFFD for partial characters)."""
+    pytest.importorskip("xgrammar", reason="xgrammar is not installed")
+    answer = "日本語 🙂 ok"
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=40, temperature=0,
+                logprobs=True, top_logprobs=2, structured_outputs={"choice": [answer]})
+    if stream:
+        texts, chunks = streamed_texts(live, "/v1/chat/completions", body)
+        content = texts[0]
+        items = [item for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                 for item in c["choices"][0]["logprobs"]["content"]]
+    else:
+        choice = post(live, "/v1/chat/completions", body)["choices"][0]
+        content, items = choice["message"]["content"], choice["logprobs"]["content"]
+    assert content == answer
+    assert any(item["token"] == "\ufffd" for item in items)
+    assert b"".join(bytes(item["bytes"]) for item in items) == answer.encode()
+    for item in items:
+        for t in [item, *item["top_logprobs"]]:
+            assert bytes(t["bytes"]).decode("utf-8", errors="replace") == t["token"]
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_return_tokens_as_token_ids_is_400(live, path):
     body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}

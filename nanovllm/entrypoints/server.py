@@ -86,6 +86,7 @@ from nanovllm.entrypoints.protocol import (
     error_body,
 )
 from nanovllm.entrypoints.reasoning import prompt_opens_reasoning
+from nanovllm.entrypoints.token_bytes import TokenBytes
 from nanovllm.entrypoints.tokenization import (
     TokenizeCompletionRequest, detokenize, parse_detokenize, parse_tokenize, tokenize,
 )
@@ -469,6 +470,7 @@ class OpenAIServer:
         self.parsers = (parsers or ParserConfig()).for_template(getattr(engine.tokenizer, "chat_template", None))
         self.metrics = ServerMetrics(engine, model_name)
         self.token_text = _TokenText(engine.tokenizer)
+        self.token_bytes = TokenBytes(engine.tokenizer, self.token_text)
         self.max_prompt_chars = max_prompt_chars or engine.max_model_len * CHARS_PER_TOKEN_LIMIT
         self.stream_write_timeout = stream_write_timeout
         # Prompts are tokenized (chat templates rendered) on this thread, with its own copy of
@@ -887,18 +889,19 @@ class OpenAIServer:
             offset += len(self.token_text(token))
         return result
 
+    def _token_bytes(self, token_id: int, as_id: bool) -> list[int]:
+        """A token's `bytes` in chat logprobs: its raw bytes (token_bytes.py), or with as_id the
+        UTF-8 of "token_id:<id>" (vLLM's)."""
+        return list(f"token_id:{token_id}".encode()) if as_id else self.token_bytes(token_id)
+
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int,
                        as_ids: bool = False) -> ChatLogprobs:
-        """`bytes`: the UTF-8 of `token` as given ("token_id:<id>" with as_ids, as vLLM's)."""
         content = []
         for token, entry in zip(token_ids, logprobs):
-            text = self._token_str(token, as_ids)
-            tops = []
-            for t, lp in _top(entry, k):
-                s = self._token_str(t, as_ids)
-                tops.append(TopLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8"))))
-            content.append(TokenLogprob(token=text, logprob=entry.get(token, float("-inf")),
-                                        bytes=list(text.encode("utf-8")), top_logprobs=tops))
+            tops = [TopLogprob(token=self._token_str(t, as_ids), logprob=lp, bytes=self._token_bytes(t, as_ids))
+                    for t, lp in _top(entry, k)]
+            content.append(TokenLogprob(token=self._token_str(token, as_ids), logprob=entry.get(token, float("-inf")),
+                                        bytes=self._token_bytes(token, as_ids), top_logprobs=tops))
         return ChatLogprobs(content=content)
 
     # ---- other endpoints ----
