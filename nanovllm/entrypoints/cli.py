@@ -482,8 +482,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
-                           description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-                           "/metrics (see docs/server.md).")
+                           description="Serve OpenAI's /v1/completions, /v1/chat/completions and /v1/models, vLLM's "
+                           "/tokenize, /detokenize and /version, /health and /metrics (see docs/server.md).")
     if command in (None, "serve"):  # its options import the tool-call and reasoning parsers
         _add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
