@@ -78,6 +78,30 @@ def test_a_stop_string_is_found_however_much_text_one_token_adds(tokenizer_dir):
     assert truncate_at_stop(detok, ["---"]) and detok.text == "a "
 
 
+def test_a_stop_string_in_the_min_tokens_text_does_not_count_whatever_the_other_stop_strings(tokenizer_dir):
+    """Text from a sample's first min_tokens tokens is never searched for stop strings (vLLM's
+    rule): a short stop string that lies wholly in it stays uncounted where a longer stop string
+    is given beside it, as where it is given alone; one that reaches into later text counts."""
+    from nanovllm.engine.detokenizer import truncate_at_stop
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    pieces, min_tokens = [" Paris", ".", "\n", "\n", "The", " answer", "."], 2
+    for stops in (["."], [".", "XYZW"], ["XYZW", "."]):
+        detok = IncrementalDetokenizer(tok, [])
+        found = None
+        for n, piece in enumerate(pieces, 1):
+            detok.text += piece
+            found = truncate_at_stop(detok, stops, n > min_tokens)
+            if found:
+                break
+        assert (found, detok.text) == (".", " Paris.\n\nThe answer"), stops
+    detok = IncrementalDetokenizer(tok, [])
+    detok.text = "ab"
+    assert not truncate_at_stop(detok, ["bc", "XYZW"], searchable=False)
+    detok.text += "c"  # "bc" spans the unsearched text and the new
+    assert truncate_at_stop(detok, ["bc", "XYZW"]) == "bc" and detok.text == "a"
+
+
 def _byte_token_ids(tok, data: bytes) -> list[int]:
     """One byte-level token per byte (GPT-2's byte-to-character alphabet)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))

@@ -118,10 +118,9 @@ def truncate_at_stop(detok: IncrementalDetokenizer, stops: list[str], searchable
     if not searchable:
         detok.stop_checked = len(text)
         return None
-    start = max(0, detok.stop_checked - (max(len(s) for s in stops) - 1))
     best, found = -1, None
-    for s in stops:
-        i = text.find(s, start)
+    for s in stops:  # a match must reach into the text not searched yet
+        i = text.find(s, max(0, detok.stop_checked - len(s) + 1))
         if i != -1 and (best == -1 or i < best):
             best, found = i, s
     if found is None:
