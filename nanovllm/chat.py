@@ -41,7 +41,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 TEMPLATE_ROLE = {"developer": "system"}
 # vLLM's rule for function names (and OpenAI's).
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-# A tool call's arguments (in an assistant message) nest objects and arrays at most this deep.
+# A tool call's arguments (in an assistant message), and a request's chat_template_kwargs, nest
+# objects and arrays at most this deep (the template and the injection guard walk them).
 MAX_ARGUMENTS_DEPTH = 128
 # apply_chat_template's own arguments: a request's chat_template_kwargs cannot set them.
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -202,6 +203,9 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
+    if nests_deeper(kwargs, MAX_ARGUMENTS_DEPTH):
+        raise ValueError(f"chat_template_kwargs is nested too deeply (more than {MAX_ARGUMENTS_DEPTH} levels of "
+                         "objects and arrays)")
     return dict(kwargs)
 
 

@@ -384,6 +384,24 @@ def test_required_over_parameters_that_fit_alone_but_not_wrapped_names_the_tools
     assert len(engine.prompts) == before
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_chat_template_kwargs_nested_too_deeply_are_a_400_naming_them(hermes, path):
+    """A few hundred levels (a 4 KB body) used to reach the template's injection guard, which
+    walks every value, as a RecursionError (500)."""
+    engine, _, http = hermes
+    before = len(engine.prompts)
+    deep = '{"a": ' * 600 + "1" + "}" * 600
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": %s}}' % deep
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "chat_template_kwargs" and "nested too deeply" in err["message"], err
+    assert len(engine.prompts) == before
+    ok = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+          "chat_template_kwargs": {"x": {"a": {"b": [1, {"c": 2}]}}}}
+    assert http.post(path, json=ok).status_code == 200
+
+
 def test_auto_needs_the_flag(tools_tokenizer):
     with live_app(tools_tokenizer, ParserConfig()) as (engine, client, _):
         with pytest.raises(openai.BadRequestError) as info:
