@@ -314,7 +314,9 @@ def test_cors_serve_flags_are_vllms_json_lists():
 
 @pytest.mark.parametrize("flag, value", [
     ("--allowed-origins", "*"), ("--allowed-origins", '"*"'), ("--allowed-origins", '["https://a.example/"]'),
-    ("--allowed-origins", '["a.example"]'), ("--allowed-methods", '["GET POST"]'), ("--allowed-headers", "[1]"),
+    ("--allowed-origins", '["a.example"]'), ("--allowed-origins", '["HTTP://A.EXAMPLE"]'),
+    ("--allowed-origins", '["http://a.example:abc"]'), ("--allowed-origins", '["http://a.example:99999"]'),
+    ("--allowed-methods", '["GET POST"]'), ("--allowed-headers", "[1]"),
     ("--allowed-headers", '["x-a\\r\\nx-b: 1"]'), ("--allowed-headers", "{}"),
 ])
 def test_serve_refuses_bad_cors_flags_before_the_model_loads(tmp_path, capsys, flag, value):

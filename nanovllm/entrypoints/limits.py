@@ -22,7 +22,8 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # logs, and the sockets being accepted and turned away.
 FD_RESERVE = 256
 _HTTP_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a method or header name (RFC 9110 token)
-_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\x00-\x20\x7f/?#]+")  # scheme://host[:port], as browsers send
+# scheme://host[:port] as browsers send an origin: lower case, a port of 1-65535 digits' worth.
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(?:[^\x00-\x20\x7f/?#@:\[\]]+|\[[0-9a-f:.]+\])(?::(\d{1,5}))?")
 
 
 def cors_list(kind: str, values: Any) -> tuple[str, ...]:
@@ -35,8 +36,10 @@ def cors_list(kind: str, values: Any) -> tuple[str, ...]:
     for value in values:
         if value == "*" or (kind == "origins" and value == "null"):  # "null": a sandboxed page or file: URL
             continue
-        if kind == "origins" and not _ORIGIN.fullmatch(value):
-            raise ValueError(f"{value!r} is not an origin: scheme://host[:port] with no path, such as "
+        origin = _ORIGIN.fullmatch(value) if kind == "origins" else None
+        if kind == "origins" and (origin is None or (origin[1] and not 0 < int(origin[1]) < 65536)):
+            hint = ", in lower case as browsers send it" if value != value.lower() else ""
+            raise ValueError(f"{value!r} is not an origin: scheme://host[:port] with no path{hint}, such as "
                              f"'https://app.example' (or '*' for any)")
         if kind != "origins" and not _HTTP_TOKEN.fullmatch(value):
             raise ValueError(f"{value!r} is not an HTTP {kind[:-1]} name")
