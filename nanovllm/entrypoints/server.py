@@ -439,9 +439,10 @@ def _check_constraint(out: RequestOutput, param: str) -> None:
                               "it matches no complete output", param=param)
 
 
-def _choice_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    """A streamed chunk's usage with stream_options.continuous_usage_stats (vLLM's): its
-    choice's prompt and the tokens that choice has generated so far."""
+def _usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """Usage of these counts: a response's, or with stream_options.continuous_usage_stats
+    (vLLM's) a streamed chunk's (its choice's prompt and the tokens that choice has generated so
+    far)."""
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
 
@@ -731,7 +732,7 @@ class OpenAIServer:
                 if echoes is not None and index not in sent_text:
                     delta = echoes[i] + delta
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
-                usage = _choice_usage(len(out.prompt_token_ids), len(c.token_ids)) if body.continuous_usage else None
+                usage = _usage_info(len(out.prompt_token_ids), len(c.token_ids)) if body.continuous_usage else None
                 yield _sse(CompletionResponse(
                     id=request_id, created=created, model=self.model_name,
                     choices=[CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=finish,
@@ -833,7 +834,7 @@ class OpenAIServer:
         sent_tokens = [0] * params.n
         ended: set[int] = set()  # choices whose finish_reason went out (each in the chunk where it ends)
         for i in range(params.n):
-            usage = _choice_usage(num_prompt_tokens, 0) if body.continuous_usage else None
+            usage = _usage_info(num_prompt_tokens, 0) if body.continuous_usage else None
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], usage)
         async for _, out in _merge([stream]):
             tracker.update(0, out)
@@ -858,7 +859,7 @@ class OpenAIServer:
                                                    body.return_tokens_as_token_ids)
                 if not parsed and logprobs is None and finish is None:
                     continue
-                usage = _choice_usage(num_prompt_tokens, len(c.token_ids)) if body.continuous_usage else None
+                usage = _usage_info(num_prompt_tokens, len(c.token_ids)) if body.continuous_usage else None
                 yield chunk([ChatChunkChoice(index=i, delta=_delta_message(parsed), logprobs=logprobs,
                                              finish_reason=finish, stop_reason=c.stop_reason if finish else None)],
                             usage)
@@ -870,7 +871,7 @@ class OpenAIServer:
     def _usage(outputs: list[RequestOutput | None]) -> UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
         completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return _usage_info(prompt, completion)
 
     def _token_str(self, token_id: int, as_id: bool) -> str:
         """A token as logprobs name it: its text, or "token_id:<id>" with vLLM's
