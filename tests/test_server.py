@@ -461,7 +461,7 @@ def test_bad_completion_requests_are_400(live, body, param):
      ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
      ({"messages": [{"role": "assistant", "content": "The answer is"}], "continue_final_message": True},
       "continue_final_message"),  # needs add_generation_prompt false
-     ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+     ({"messages": [{"role": "user", "content": "x"}], "echo": "yes"}, "echo"),
      ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, "chat_template")],
     ids=["no-messages", "no-role", "top-logprobs-without-logprobs", "top-logprobs-too-many", "negative-max-tokens",
          "too-long", "image-part", "tools", "continue-final-message", "echo", "chat-template"],

@@ -1,7 +1,7 @@
 """vLLM's request fields that real clients send, live through the server (test_server's: the
 engine core in its own process, as `nanovllm serve` runs it; and one with a 48-token context on
 an in-process AsyncEngine): include_stop_str_in_output, truncate_prompt_tokens,
-stream_options.continuous_usage_stats, echo and return_tokens_as_token_ids. What a choice says is
+stream_options.continuous_usage_stats, echo (completions and chat) and return_tokens_as_token_ids. What a choice says is
 compared with the offline engine on the same checkpoint; bad values are a 400 naming the field."""
 from __future__ import annotations
 
@@ -312,6 +312,35 @@ def test_echo_with_logprobs_is_400_naming_echo(live):
     err = assert_error_body(live.http.post("/v1/completions", json={"prompt": "x", "echo": "yes"}), 400)
     assert err["param"] == "echo"
     assert post(live, "/v1/completions", {**body, "echo": False})["choices"][0]["logprobs"]["tokens"]
+
+
+# ---- echo (chat) --------------------------------------------------------------------------------
+def test_chat_echo_puts_the_last_message_before_the_reply_when_the_roles_match(live):
+    """vLLM's chat echo: an assistant message that the model continues (add_generation_prompt
+    false) starts the reply, streamed or not, every choice; a user's last message does not
+    (the reply is the assistant's)."""
+    prefix = "The answer is"
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."},
+                                       {"role": "assistant", "content": prefix}],
+                add_generation_prompt=False, continue_final_message=True, max_tokens=6, temperature=0,
+                ignore_eos=True, n=2)
+    plain = post(live, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    echoed = post(live, "/v1/chat/completions", {**body, "echo": True})
+    assert [c["message"]["content"] for c in echoed["choices"]] == [prefix + plain] * 2
+    texts, chunks = streamed_texts(live, "/v1/chat/completions", {**body, "echo": True})
+    assert texts == {0: prefix + plain, 1: prefix + plain}
+    contents = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    assert contents[:4] == ["", prefix, "", prefix]  # each choice's role chunk, then the echo
+
+    parts = [{"type": "text", "text": "The"}, {"type": "text", "text": "answer"}]
+    listed = {**body, "n": 1, "echo": True, "messages": [body["messages"][0], {"role": "assistant", "content": parts}]}
+    reply = post(live, "/v1/chat/completions", listed)["choices"][0]["message"]["content"]
+    assert reply.startswith("The\nanswer")
+
+    asked = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6,
+                 temperature=0, ignore_eos=True)
+    assert (post(live, "/v1/chat/completions", {**asked, "echo": True})["choices"][0]["message"]["content"]
+            == post(live, "/v1/chat/completions", asked)["choices"][0]["message"]["content"])
 
 
 # ---- return_tokens_as_token_ids ----------------------------------------------------------------

@@ -445,9 +445,11 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: StrictBool = False
     # vLLM's field: extra variables for the chat template, e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the reply starts with the last message's content when that message has the reply's
+    # role (the assistant's, or with add_generation_prompt false, the last message's own).
+    echo: StrictBool = False
     # vLLM's, refused where set (check_unsupported).
     chat_template: Any = None
-    echo: Any = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -457,12 +459,22 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("function_call is deprecated and not supported; use tool_choice", param="function_call")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        _refuse_set(self, ("chat_template", "echo"))
+        _refuse_set(self, ("chat_template",))
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt false", param="continue_final_message")
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
+
+    def echoed_text(self) -> str:
+        """What `echo` puts before each choice's content: the last message's text if its role
+        is the reply's (vLLM's rule: "assistant", or the last message's role without a
+        generation prompt), else nothing."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        reply_role = "assistant" if self.add_generation_prompt else last.role
+        return last.text() if last.role == reply_role else ""
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tool definitions as plain dicts (what chat templates take)."""

@@ -782,6 +782,7 @@ class OpenAIServer:
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
         out = finals[0]
+        echoed = body.echoed_text()
         choices = []
         for c in out.outputs:
             parser = parsers[c.index]
@@ -789,6 +790,8 @@ class OpenAIServer:
             content = parsed.content
             if content is None and not parsed.tool_calls and parsed.reasoning is None:
                 content = ""
+            if echoed:
+                content = echoed + (content or "")
             calls = [ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
                      for t in parsed.tool_calls]
             message = ChatResponseMessage(content=content, reasoning_content=parsed.reasoning, tool_calls=calls)
@@ -833,9 +836,12 @@ class OpenAIServer:
         sent_text = [0] * params.n
         sent_tokens = [0] * params.n
         ended: set[int] = set()  # choices whose finish_reason went out (each in the chunk where it ends)
+        echoed = body.echoed_text()
         for i in range(params.n):
             usage = _usage_info(num_prompt_tokens, 0) if body.continuous_usage else None
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], usage)
+            if echoed:
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=echoed))], usage)
         async for _, out in _merge([stream]):
             tracker.update(0, out)
             _check_constraint(out, grammar_param)
