@@ -293,6 +293,34 @@ def test_cors_flags_narrow_origins_methods_and_headers(engine):
         assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers  # the browser hides it
 
 
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_cors_headers_on_an_internal_error(engine, monkeypatch, caplog, path, body):
+    """A handler's bug is a 500 in OpenAI's shape with the CORS headers of every other answer
+    (a page can read it), logged once; the server goes on serving."""
+    limits = ServerLimits(allowed_origins=("https://app.example",), allow_credentials=True)
+    app = create_app(engine, MODEL, api_key=KEY, limits=limits)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app.state.server, "submit", broken)
+    page = {"origin": "https://app.example"}
+    with serve(app, limits) as port, caplog.at_level(logging.ERROR):
+        resp = client(port).post(path, json={"model": MODEL, **body}, headers=page)
+        err = error(resp, 500)
+        assert err["type"] == "server_error" and "RuntimeError" in err["message"], err
+        assert resp.headers["access-control-allow-origin"] == "https://app.example"
+        assert resp.headers["access-control-allow-credentials"] == "true"
+        monkeypatch.undo()
+        resp = client(port).post(path, json={"model": MODEL, **body}, headers=page)
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "https://app.example"
+        metrics = client(port).get("/metrics").text
+    assert f'nanovllm_http_requests_total{{code="500",endpoint="{path}"}} 1.0' in metrics
+    logged = [r for r in caplog.records if r.exc_info and r.exc_info[0] is RuntimeError]
+    assert len(logged) == 1 and logged[0].name == "nanovllm.server", caplog.records
+
+
 def test_cors_serve_flags_are_vllms_json_lists():
     from nanovllm.entrypoints.cli import build_parser
     from nanovllm.entrypoints.limits import limits_from_args

@@ -14,7 +14,8 @@ per interval per kind, so a flood cannot flood the log.
 
 `CORSGuard`, outside everything else, answers browsers' CORS preflights (before the API key is
 asked for: a browser sends none on a preflight) and adds the CORS headers to every response,
-refusals too, so that a page can read them.
+refusals too, so that a page can read them. `InternalErrorGuard`, just inside it, answers a
+handler's unexpected exception with OpenAI's 500 body, so that a 500 carries them as well.
 """
 from __future__ import annotations
 
@@ -156,6 +157,36 @@ class RequestGuard:
                               self.limits.max_body_bytes, client)
         await send_error(send, 413, f"the request body is larger than {self.limits.max_body_bytes} bytes",
                          "invalid_request_error", "request_too_large", {"connection": "close"})
+
+
+class InternalErrorGuard:
+    """An exception that escapes the app (a bug) is logged and answered with OpenAI's 500 body
+    here, inside `CORSGuard`, so that the answer carries the CORS headers of every other one.
+    Where the response has already started (a stream), the exception goes on to the server,
+    which closes the connection."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_and_note(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception as exc:
+            logger.exception("internal error while serving %s", scope.get("path", ""))
+            if started:
+                raise
+            await send_error(send, 500, f"internal server error: {type(exc).__name__}", "server_error", None)
 
 
 # What a refused preflight names (Starlette's word for it) -> the flag that allows it.

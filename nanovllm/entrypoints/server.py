@@ -56,7 +56,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanovllm import __version__
 from nanovllm.chat import chat_prompt_ids, check_template_kwargs
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
-from nanovllm.entrypoints.guard import CORSGuard, RequestGuard
+from nanovllm.entrypoints.guard import CORSGuard, InternalErrorGuard, RequestGuard
 from nanovllm.entrypoints.limits import ServerLimits
 from nanovllm.entrypoints.openapi import document_responses
 from nanovllm.entrypoints.protocol import (
@@ -1027,6 +1027,7 @@ def create_app(engine: Any, model_name: str, api_key: str | None = None, *, limi
     app.state.server = server
     app.add_middleware(RequestGuard, limits=limits, api_key=api_key)  # inside the metrics middleware
     app.add_middleware(_HTTPMetricsMiddleware, counter=server.metrics.http_requests)
+    app.add_middleware(InternalErrorGuard)  # a bug's 500, inside CORSGuard: it gets the CORS headers too
     app.add_middleware(CORSGuard, limits=limits)  # outermost: preflights go uncounted, refusals get its headers
     document_responses(app, model_name)  # the OpenAPI schema declares the real responses
 
@@ -1054,12 +1055,6 @@ def create_app(engine: Any, model_name: str, api_key: str | None = None, *, limi
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), "service_unavailable", code="engine_unavailable"), status_code=503)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error while serving %s", request.url.path)
-        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}", "server_error"),
-                            status_code=500)
 
     # The API key is checked by RequestGuard, before the body is read.
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
