@@ -209,6 +209,13 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def error_field(exc: Exception) -> str:
+    """The request field a `chat_prompt_ids` error is about: chat_template_kwargs for the
+    errors of `check_template_kwargs` (their messages start with the field's name), else
+    messages."""
+    return "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
+
+
 def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
            tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
     """The template applied to checked messages and tools (a string); ValueError if the model

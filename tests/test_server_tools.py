@@ -402,6 +402,20 @@ def test_chat_template_kwargs_nested_too_deeply_are_a_400_naming_them(hermes, pa
     assert http.post(path, json=ok).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("kwargs", [{"tokenize": True}, {"messages": [], "add_generation_prompt": False}])
+def test_chat_template_kwargs_setting_apply_chat_templates_own_arguments_are_a_400(hermes, path, kwargs):
+    engine, _, http = hermes
+    before = len(engine.prompts)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err == {"message": f"chat_template_kwargs cannot set {', '.join(sorted(kwargs))}",
+                   "type": "invalid_request_error", "param": "chat_template_kwargs", "code": None}, err
+    assert len(engine.prompts) == before
+
+
 def test_auto_needs_the_flag(tools_tokenizer):
     with live_app(tools_tokenizer, ParserConfig()) as (engine, client, _):
         with pytest.raises(openai.BadRequestError) as info:

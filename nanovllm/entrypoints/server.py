@@ -54,7 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm import __version__
-from nanovllm.chat import chat_prompt_ids, check_template_kwargs
+from nanovllm.chat import chat_prompt_ids, error_field
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from nanovllm.entrypoints.guard import CORSGuard, InternalErrorGuard, RequestGuard
 from nanovllm.entrypoints.limits import ServerLimits
@@ -749,16 +749,12 @@ class OpenAIServer:
         body.check_unsupported()
         body.check_limits(self.limits.max_n, self.limits.max_prompts)
         plan = plan_tools(body, self.parsers)
-        try:
-            template_kwargs = check_template_kwargs(body.chat_template_kwargs)
-        except (TypeError, ValueError) as exc:
-            raise bad_request(str(exc), param="chat_template_kwargs") from None
         messages = body.template_messages()
         self._check_chars(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
                           + len(json.dumps(plan.tools or "")), "messages")
         prompt_ids, prompt_tail = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, self._chat_prompt, messages, body.add_generation_prompt, plan.tools, template_kwargs,
-            body.continue_final_message, body.add_special_tokens)
+            self._tokenize_pool, self._chat_prompt, messages, body.add_generation_prompt, plan.tools,
+            body.chat_template_kwargs, body.continue_final_message, body.add_special_tokens)
         (prompt_ids,) = self._truncate([prompt_ids], body.truncate_prompt_tokens)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
@@ -804,7 +800,7 @@ class OpenAIServer:
                                                    usage=self._usage(finals)).model_dump())
 
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
-                     template_kwargs: dict[str, Any], continue_final_message: bool = False,
+                     template_kwargs: dict[str, Any] | None, continue_final_message: bool = False,
                      add_special_tokens: bool = False) -> tuple[list[int], str]:
         """Runs on the tokenizer thread: the prompt's ids, and the text of its last few tokens
         (does the template leave a think block open?). Contents are tokenized apart, so
@@ -820,7 +816,7 @@ class OpenAIServer:
                                   continue_final_message=continue_final_message,
                                   add_special_tokens=add_special_tokens)
         except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), param="messages") from None
+            raise bad_request(str(exc), param=error_field(exc)) from None
         return ids, tok.decode(ids[-4:])
 
     async def _chat_events(self, request_id: str, body: ChatCompletionRequest, params: SamplingParams,

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import StrictBool, StrictInt, ValidationError
 
-from nanovllm.chat import chat_prompt_ids, check_template_kwargs
+from nanovllm.chat import chat_prompt_ids, error_field
 from nanovllm.entrypoints.protocol import ChatMessage, _Request, _Response, bad_request
 
 
@@ -82,16 +82,12 @@ def tokenize(tokenizer: Any, req: TokenizeCompletionRequest | TokenizeChatReques
     if isinstance(req, TokenizeChatRequest):
         messages = [m.for_template() for m in req.messages]
         try:
-            template_kwargs = check_template_kwargs(req.chat_template_kwargs)
-        except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), param="chat_template_kwargs") from None
-        try:
             ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt, tools=req.tools,
-                                  template_kwargs=template_kwargs,
+                                  template_kwargs=req.chat_template_kwargs,
                                   continue_final_message=req.continue_final_message,
                                   add_special_tokens=req.add_special_tokens)
         except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), param="messages") from None
+            raise bad_request(str(exc), param=error_field(exc)) from None
     else:
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     token_strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
