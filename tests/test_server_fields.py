@@ -182,6 +182,52 @@ def test_truncate_prompt_tokens_keeps_the_last_k(live, offline):
     assert r["choices"][0]["message"]["content"] == ref.outputs[0].text
 
 
+def test_truncate_prompt_tokens_cuts_the_prompt_once(live, offline, monkeypatch):
+    """The server cuts each prompt (it counts the kept tokens) and hands the engine the kept ids
+    with nothing left to cut; a CoreClient used directly cuts a prompt itself and hands the
+    core the kept ids likewise."""
+    from nanovllm.engine.core_client import CoreClient
+    from nanovllm.engine.messages import AddRequest
+
+    def recording(client):
+        added, sent = [], []
+        add_request, send = client.add_request, client._send
+
+        async def record_add(request_id, prompt, params=None, stream=True):
+            added.append((prompt, params))
+            return await add_request(request_id, prompt, params, stream)
+
+        def record_send(message):
+            if isinstance(message, AddRequest):
+                sent.append(message)
+            send(message)
+
+        monkeypatch.setattr(client, "add_request", record_add)
+        monkeypatch.setattr(client, "_send", record_send)
+        return added, sent
+
+    text = "Paris is the capital of France and the largest city of the country"
+    ids = offline.tokenizer.encode(text)
+    added, sent = recording(live.engine)
+    r = post(live, "/v1/completions", dict(model=MODEL, prompt=text, max_tokens=2, truncate_prompt_tokens=4))
+    assert r["usage"]["prompt_tokens"] == 4
+    assert [(prompt, params.truncate_prompt_tokens) for prompt, params in added] == [(ids[-4:], None)]
+    assert [(m.prompt_token_ids, m.params["truncate_prompt_tokens"]) for m in sent] == [(ids[-4:], None)]
+
+    direct = CoreClient(live.core.addresses, live.core.info, core_alive=live.core.is_alive)
+    try:
+        _, sent = recording(direct)
+
+        async def run():
+            stream = await direct.add_request("cut", ids, SamplingParams(max_tokens=2, truncate_prompt_tokens=5))
+            return [out async for out in stream][-1]
+
+        assert asyncio.run(run()).prompt_token_ids == ids[-5:]
+        assert [(m.prompt_token_ids, m.params["truncate_prompt_tokens"]) for m in sent] == [(ids[-5:], None)]
+    finally:
+        direct.shutdown()
+
+
 def test_truncate_prompt_tokens_minus_one_and_the_chat_default_max_tokens(small):
     """-1 keeps as many tokens as the context leaves room for (max_model_len - 1, one left to
     generate); a chat's default max_tokens is the room the truncated prompt leaves."""

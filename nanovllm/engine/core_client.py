@@ -22,6 +22,7 @@ one), its socket disconnects (a ZeroMQ monitor event), or it is silent for HEART
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -344,6 +345,8 @@ class CoreClient:
             raise ValueError(f"request id {request_id!r} is already in use")
         out = CoreStream(self, request_id, ids, params, stream, asyncio.get_running_loop())
         self._streams[request_id] = out
+        if params.truncate_prompt_tokens is not None:  # applied by _validate: the core runs the ids as sent
+            params = dataclasses.replace(params, truncate_prompt_tokens=None)
         self._send(AddRequest(request_id, ids, params_to_wire(params)))
         try:
             await out._accepted

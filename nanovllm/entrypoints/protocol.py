@@ -198,7 +198,7 @@ class _SamplingRequest(_Request):
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncation(cls, value: int | None) -> int | None:
-        if value == 0:  # SamplingParams refuses it too; the chat endpoint uses it before them
+        if value == 0:  # checked here: the server applies it itself (SamplingParams never sees it)
             raise ValueError("must be an integer >= 1, or -1 (as many as the context allows)")
         return value
 
@@ -264,7 +264,9 @@ class _SamplingRequest(_Request):
         """SamplingParams for this request; invalid values raise a 400 naming the parameter.
         max_tokens: the server's default where the request gives none; model_defaults: the
         model's sampling defaults (LLMEngine.generation_defaults), which come before it;
-        structured_outputs: a constraint on the output (tool_choice required / named)."""
+        structured_outputs: a constraint on the output (tool_choice required / named).
+        truncate_prompt_tokens is left out: the server cuts the prompts itself
+        (OpenAIServer._truncate) and hands the engine the kept ids."""
         if self.stop_token_ids and any(isinstance(t, int) and not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size})", param="stop_token_ids")
         given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -291,7 +293,6 @@ class _SamplingRequest(_Request):
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=structured,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                truncate_prompt_tokens=self.truncate_prompt_tokens,
             )
         except ValueError as exc:
             message = str(exc)

@@ -518,9 +518,10 @@ class OpenAIServer:
         return out
 
     def _truncate(self, prompts: list[list[int]], k: int | None) -> list[list[int]]:
-        """The prompts' ids as the engine runs them, with truncate_prompt_tokens k (vLLM's; the
-        engine applies it again, which changes nothing): their usage, a chat's default
-        max_tokens and an echo count these. A k over max_model_len is a 400 naming the field."""
+        """The prompts' ids as the engine runs them, with truncate_prompt_tokens k (vLLM's)
+        applied here, the one place it is on a served request (its SamplingParams leave it
+        out): their usage, a chat's default max_tokens and an echo count these. A k over
+        max_model_len is a 400 naming the field."""
         try:
             return [truncate_prompt(p, k, self.engine.max_model_len) for p in prompts]
         except ValueError as exc:
