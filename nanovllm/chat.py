@@ -194,26 +194,30 @@ def check_tools(tools: Any) -> list[dict[str, Any]] | None:
     return checked or None
 
 
+class TemplateKwargsError(ValueError):
+    """chat_template_kwargs that the template cannot take (`check_template_kwargs`)."""
+
+
 def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
-    """chat_template_kwargs (vLLM's request field): extra variables for the template."""
+    """chat_template_kwargs (vLLM's request field): extra variables for the template.
+    TemplateKwargsError if they are not an object with string keys, set the template's own
+    arguments or nest too deeply."""
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise TypeError("chat_template_kwargs must be an object with string keys")
+        raise TemplateKwargsError("chat_template_kwargs must be an object with string keys")
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
-        raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
+        raise TemplateKwargsError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
     if nests_deeper(kwargs, MAX_ARGUMENTS_DEPTH):
-        raise ValueError(f"chat_template_kwargs is nested too deeply (more than {MAX_ARGUMENTS_DEPTH} levels of "
-                         "objects and arrays)")
+        raise TemplateKwargsError(f"chat_template_kwargs is nested too deeply (more than {MAX_ARGUMENTS_DEPTH} "
+                                  "levels of objects and arrays)")
     return dict(kwargs)
 
 
 def error_field(exc: Exception) -> str:
-    """The request field a `chat_prompt_ids` error is about: chat_template_kwargs for the
-    errors of `check_template_kwargs` (their messages start with the field's name), else
-    messages."""
-    return "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
+    """The request field a `chat_prompt_ids` error is about: chat_template_kwargs or messages."""
+    return "chat_template_kwargs" if isinstance(exc, TemplateKwargsError) else "messages"
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
