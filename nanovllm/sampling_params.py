@@ -195,6 +195,13 @@ class SamplingParams:
     # vLLM's: the request runs on the last k tokens of its prompt (left truncation); -1: on as
     # many as max_model_len leaves room for (truncate_prompt); None: the whole prompt.
     truncate_prompt_tokens: int | None = None
+    # vLLM's: only these token ids may be sampled (a non-empty list; ids outside the vocabulary
+    # are refused when the request is added).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words that may not be generated. The engine tokenizes each (LLMEngine.add_request:
+    # as written and after a space), and at every step bans the last token of a word whose other
+    # tokens end the output so far (Sequence.bad_word_bans).
+    bad_words: list[str] | None = None
     stop_list: list[str] = field(init=False, repr=False)
     # Sampled (not greedy) with a top-k / top-p / min-p filter or a seed of its own: on CUDA such
     # a row takes layers/filtered_sampler.py (Sampler.wants_step_seeds reads it every step).
@@ -255,6 +262,16 @@ class SamplingParams:
                 not is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1
                                                                 or self.truncate_prompt_tokens == -1)):
             raise bad("truncate_prompt_tokens", "must be None, an integer >= 1 or -1 (as many as the context allows)")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids or not all(
+                    is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be None or a non-empty list of token ids (non-negative integers)")
+            object.__setattr__(self, "allowed_token_ids", list(self.allowed_token_ids))
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise bad("bad_words", "must be None or a list of strings that are not empty or only spaces")
+            object.__setattr__(self, "bad_words", list(self.bad_words) or None)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
@@ -295,6 +312,14 @@ class SamplingParams:
         sampling: such a request never takes the fused temperature kernels; a lone stream of one
         without a grammar takes the fast path's filtered graphs and decode bursts."""
         return self.penalized or self.logit_bias is not None or self.structured_outputs is not None
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether allowed_token_ids or bad_words keep tokens from being sampled. The runner's
+        sampler masks them at every step (layers/penalties.TokenBans), so such a request takes
+        no path that samples without it: no decode bursts, neither the fast path's graphs nor
+        the runner's greedy shortcut (Sampler.greedy)."""
+        return self.allowed_token_ids is not None or self.bad_words is not None
 
     @property
     def plain_temperature(self) -> bool:
