@@ -1,4 +1,4 @@
-"""Logit biases and vLLM's three penalties, applied to a step's logits on their device.
+"""Logit biases, vLLM's three penalties and token bans, applied to a step's logits on their device.
 
 Definitions (vLLM's, which OpenAI's presence/frequency penalties match):
 - logit_bias: token id -> b in [-100, 100], added to the raw logit first.
@@ -6,6 +6,8 @@ Definitions (vLLM's, which OpenAI's presence/frequency penalties match):
   by r, any other multiplied by r (r > 1 discourages repeats).
 - frequency_penalty f and presence_penalty p, over the output only:
   logit -= f * count + p * (count > 0).
+- bans (TokenBans), after those: a row's banned tokens (min_tokens' stop ids, the tokens that
+  would complete a bad word) and, where it has allowed_token_ids, every token but those, at -inf.
 Temperature and the top-k / top-p / min-p filters come after (layers/sampler.py).
 
 Only the rows that carry a penalty are touched (gathered, edited, scattered back), so a batch
@@ -103,3 +105,49 @@ class Penalties:
             logits.copy_(x)
         else:
             logits[self.rows] = x
+
+
+@dataclass
+class TokenBans:
+    """The tokens a step's rows may not sample, as index tensors on the logits' device: (row,
+    token) of every banned token ([N] each), and (row, token) of every allowed token ([M] each)
+    of the rows with allowed_token_ids (`restricted`, [R]), whose other tokens are all banned."""
+
+    banned_rows: torch.Tensor  # int64
+    banned_tokens: torch.Tensor  # int64
+    allowed_rows: torch.Tensor  # int64
+    allowed_tokens: torch.Tensor  # int64
+    restricted: torch.Tensor  # int64
+
+    @classmethod
+    def from_rows(cls, banned: Sequence[list[int] | None], allowed: Sequence[list[int] | None],
+                  device: torch.device) -> TokenBans | None:
+        """Each row's banned token ids and allowed token ids (None: none / every token), in one
+        host-to-device copy; None when no row bans or restricts anything."""
+        banned_pairs = [(i, t) for i, ids in enumerate(banned) if ids for t in ids]
+        allowed_pairs = [(i, t) for i, ids in enumerate(allowed) if ids is not None for t in ids]
+        if not banned_pairs and not allowed_pairs:
+            return None
+        restricted = [i for i, ids in enumerate(allowed) if ids is not None]
+        flat = [r for r, _ in banned_pairs] + [t for _, t in banned_pairs]
+        flat += [r for r, _ in allowed_pairs] + [t for _, t in allowed_pairs] + restricted
+        values = to_device(torch.tensor(flat, dtype=torch.int64), device)
+        n, m = len(banned_pairs), len(allowed_pairs)
+        return cls(values[:n], values[n : 2 * n], values[2 * n : 2 * n + m], values[2 * n + m : 2 * n + 2 * m],
+                   values[2 * n + 2 * m :])
+
+    def apply_(self, logits: torch.Tensor) -> None:
+        """The banned logits of logits [B, V] fp32 to -inf, in place: a restricted row is set to
+        -inf whole and its allowed tokens' logits are put back (no [R, V] temporary)."""
+        if self.allowed_rows.numel():
+            kept = logits[self.allowed_rows, self.allowed_tokens]
+            logits.index_fill_(0, self.restricted, float("-inf"))
+            logits[self.allowed_rows, self.allowed_tokens] = kept
+        if self.banned_rows.numel():
+            logits[self.banned_rows, self.banned_tokens] = float("-inf")
+
+    def applied(self, logits: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of logits [B, V] with the bans applied (logits are left as they are)."""
+        out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        self.apply_(out)
+        return out

@@ -2,7 +2,7 @@
 
 Pipeline per row (all in fp32, whatever the logits' dtype):
   raw logits --> logprobs (optional)
-             --> + logit_bias --> penalties (layers/penalties.py; only rows that ask)
+             --> + logit_bias --> penalties --> bans (layers/penalties.py; only rows that ask)
              --> grammar mask (structured/bitmask.py; only rows with structured_outputs)
              --> greedy argmax, or
                  / temperature --> top-k --> top-p --> softmax --> min-p --> exponential race
@@ -16,7 +16,7 @@ Design decisions:
   draws the V exponentials of a row one after another (the costliest part of a sampled step
   there), a row instead inverts its cumulative distribution at one uniform draw
   (`_inverse_cdf_draw`): also exactly Categorical(p), for the price of a cumulative sum.
-- Logprobs are log_softmax of the *raw* logits, before biases, penalties, temperature and
+- Logprobs are log_softmax of the *raw* logits, before biases, penalties, bans, temperature and
   filters. That is what vLLM returns by default, and it makes them a property of the model
   rather than of the sampling knobs. Requested logprobs cost one extra full-vocabulary pass; none is done when no row asks.
 - Per-row generators. A request with a seed owns a `torch.Generator` (`make_generator`) and its
@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanovllm.layers.penalties import LogitBias, Penalties
+from nanovllm.layers.penalties import LogitBias, Penalties, TokenBans
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # xgrammar is imported only once a request has a grammar
@@ -116,6 +116,8 @@ class SamplingTensors:
     # [B] int64 Philox keys: the batch takes filtered_sampler's kernels (from_params(step_seeds=)).
     step_seeds: torch.Tensor | None = None
     token_mask: TokenBitmask | None = None  # None unless some row has a grammar
+    # None unless some row has banned ids (min_tokens, bad_words) or allowed_token_ids.
+    bans: TokenBans | None = None
 
     @property
     def num_rows(self) -> int:
@@ -314,6 +316,8 @@ class Sampler(nn.Module):
         if logits.device.type in self.fused_devices and self.fast_path_ok(st):
             from nanovllm.layers.fused_sampler import gumbel_argmax
 
+            if st.bans is not None:  # no logprobs read the raw logits (fast_path_ok)
+                logits = st.bans.applied(logits)
             mask = None if st.token_mask is None else (st.token_mask.words, st.token_mask.row_of)
             temperature = st.temperature  # None where every row is greedy (then masked: fast_path_ok)
             if temperature is None:  # no noise is drawn: fixed zeros serve every step
@@ -324,13 +328,15 @@ class Sampler(nn.Module):
         # May alias the caller's tensor when it is already fp32: nothing below writes into it.
         converted = logits.dtype != torch.float32
         logits = raw = logits.float()
-        if st.logit_bias is not None or st.penalties is not None or st.token_mask is not None:
+        if st.logit_bias is not None or st.penalties is not None or st.bans is not None or st.token_mask is not None:
             # Edited in place: a copy, unless raw is one already and no logprobs read it.
             logits = raw if converted and st.max_num_logprobs is None else raw.clone()
             if st.logit_bias is not None:
                 st.logit_bias.apply_(logits)
             if st.penalties is not None:
                 st.penalties.apply_(logits)
+            if st.bans is not None:
+                st.bans.apply_(logits)
             if st.token_mask is not None:
                 st.token_mask.apply_(logits)
 

@@ -23,7 +23,7 @@ from nanovllm.attention.backend import bind_kv_cache, get_backend
 from nanovllm.attention.metadata import AttentionMetadata, split_decodes
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
-from nanovllm.layers.host_copy import to_device
+from nanovllm.layers.penalties import TokenBans
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator, step_seed
 from nanovllm.loaders.dummy import init_dummy_weights
 from nanovllm.loaders.source import ModelSource
@@ -605,12 +605,14 @@ class ModelRunner:
     def sample(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
         """Sample one token per row of `logits` under each row's parameters (and seed); a
         penalized row's token is added to its sequence's counts (runner/penalty_state.py); a row
-        with a grammar samples only what its bitmask allows (structured/bitmask.py). A batch of
-        greedy rows and nothing else takes Sampler.greedy (no per-row tensors are built)."""
+        with a grammar samples only what its bitmask allows (structured/bitmask.py), a row with
+        banned ids or allowed_token_ids only what they allow (layers/penalties.TokenBans). A
+        batch of greedy rows and nothing else takes Sampler.greedy (no per-row tensors are
+        built)."""
         masks = [(i, s.token_bitmask) for i, s in enumerate(rows) if s.token_bitmask is not None]
-        if all(s.params.takes_argmax and s.params.logit_bias is None and not s.banned_token_ids for s in rows):
+        if all(s.params.takes_argmax and s.params.logit_bias is None and not s.banned_token_ids
+               and not s.params.restricts_tokens for s in rows):
             return self.sampler.greedy(logits, self._token_bitmask(len(rows), masks) if masks else None)
-        logits = _with_bans(rows, logits)
         params = [s.params for s in rows]
         step_seeds = None
         if self.sampler.wants_step_seeds(params, self.device):
@@ -631,6 +633,8 @@ class ModelRunner:
             slots, *token_stats = self.penalty_state.gather(rows)
         st = SamplingTensors.from_params(params, generators, logits.shape[-1], self.device, token_stats=token_stats,
                                          step_seeds=step_seeds)
+        st.bans = TokenBans.from_rows([s.banned_token_ids for s in rows], [p.allowed_token_ids for p in params],
+                                      self.device)
         if masks:  # xgrammar is imported only once a request has a grammar
             st.token_mask = self._token_bitmask(len(rows), masks)
         sampled = self.sampler(logits, st)
@@ -656,13 +660,3 @@ class DeferredSample:
             sampled = self._runner.sample_rows(self._rows, self._logits)
         return PendingOutput(self._rows, sampled, self._runner.readback)
 
-
-def _with_bans(rows: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
-    """logits with the rows' banned tokens (min_tokens) at -inf (fp32 then), or as they are."""
-    banned = [(i, t) for i, s in enumerate(rows) if s.banned_token_ids for t in s.banned_token_ids]
-    if banned:
-        r, c = zip(*banned)
-        logits = logits.float()
-        index = to_device(torch.tensor([r, c], dtype=torch.int64), logits.device)
-        logits[index[0], index[1]] = float("-inf")
-    return logits
