@@ -36,10 +36,10 @@ class ScheduledSeq:
     sample: bool  # True when this step reaches the end of the sequence: sample one token
     params: SamplingParams
     seed: int | None
-    banned_token_ids: list[int] | None  # not samplable yet (min_tokens)
-    # A decode burst (no grammar, banned ids or logprobs; one token in): K steps back to back, the K/V
-    # of token_ids[0] and of the first K-1 tokens sampled, and K tokens sampled. 1: an ordinary
-    # step.
+    banned_token_ids: list[int] | None  # not samplable at this step (min_tokens, bad_words)
+    # A decode burst (no grammar, banned or allowed ids, bad words or logprobs; one token in): K
+    # steps back to back, the K/V of token_ids[0] and of the first K-1 tokens sampled, and K
+    # tokens sampled. 1: an ordinary step.
     num_steps: int = 1
     # A penalized request's first sampling step (SamplingParams.penalized): its prompt, from
     # which the runner starts the sequence's token counts; it adds each sampled token on the

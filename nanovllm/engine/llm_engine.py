@@ -138,6 +138,9 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                  pin_memory=self.executor.device_type == "cuda", check_in_pool=grammars_checked)
         self.requests: dict[str, Request] = {}
+        # Sequences with a bad word of several tokens: the tokens they may sample next depend on
+        # their last tokens (Sequence.bad_word_bans), so a step of theirs in flight is taken first.
+        self._bans_follow_output: set[int] = set()
         self.closed = False  # shut down: no new requests
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -208,6 +211,10 @@ class LLMEngine:
         bad_bias = sorted(t for t in params.logit_bias or () if t >= self.vocab_size)
         if bad_bias:
             raise ValueError(f"logit_bias keys {bad_bias} are outside the vocabulary [0, {self.vocab_size})")
+        outside = sorted({t for t in params.allowed_token_ids or () if t >= self.vocab_size})
+        if outside:
+            raise ValueError(f"allowed_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
+        bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
@@ -237,9 +244,12 @@ class LLMEngine:
                 seed=None if params.seed is None else params.seed + i,
                 min_tokens_banned_ids=banned,
                 max_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
+                bad_words_token_ids=bad_words,
             )
             for i in range(params.n)
         ]
+        if any(len(word) > 1 for word in bad_words):
+            self._bans_follow_output.update(seq.seq_id for seq in seqs)
         need_detok = (stream or params.stop_list) and self.tokenizer is not None and self.detokenize
         request = Request(
             request_id=request_id,
@@ -267,6 +277,28 @@ class LLMEngine:
             for seq in seqs:
                 self.grammars.start(seq.seq_id, grammar.result())
                 self.scheduler.add(seq)
+
+    def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """The token sequences that `bad_words` ban, as vLLM's: each word, its leading spaces
+        stripped, tokenized without special tokens, and after one space too where that starts
+        with another token and has as many (a word inside the text, not at its start). A
+        ValueError naming bad_words where the model has no tokenizer or a token is outside
+        the vocabulary."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words: this model has no tokenizer to tokenize them with")
+        sequences = []
+        for word in bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words: {word!r} has no tokens")
+            sequences.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        outside = sorted({t for ids in sequences for t in ids if not 0 <= t < self.vocab_size})
+        if outside:
+            raise ValueError(f"bad_words: their tokens {outside} are outside the vocabulary [0, {self.vocab_size})")
+        return sequences
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar has compiled join the scheduler with one matcher per sample;
@@ -351,8 +383,7 @@ class LLMEngine:
         if self.grammars.waiting:
             outputs += self._admit_compiled()
         deferred = self.async_scheduling and self.executor.defers_sampling
-        if self._in_flight is not None and not deferred and self.grammars.samples_constrained(self._in_flight.sched):
-            # A grammar's next mask needs the token in flight: take it before scheduling.
+        if self._in_flight is not None and self._needs_in_flight(deferred):
             outputs += self._take_in_flight()
         sched = self.scheduler.schedule(self.executor.decode_burst)
         decode_tokens = sched.num_decode_tokens
@@ -393,6 +424,17 @@ class LLMEngine:
             self.num_prompt_steps += 1
             self.prompt_step_seconds += self.last_step.seconds
         return outputs
+
+    def _needs_in_flight(self, deferred: bool) -> bool:
+        """Whether the next step must be scheduled with the tokens of the step in flight on the
+        host: a grammar's next mask needs its row's token (unless the sampling is deferred,
+        which fills the masks after the forward is launched), and so do the bans of a bad word
+        of several tokens (Sequence.bad_word_bans)."""
+        sched = self._in_flight.sched
+        if not deferred and self.grammars.samples_constrained(sched):
+            return True
+        follow = self._bans_follow_output
+        return bool(follow) and any(item.sample and item.seq_id in follow for item in sched.seqs)
 
     def _take_in_flight(self) -> list[RequestOutput]:
         """Wait for the step in flight, if any, and process its tokens (checked first)."""
@@ -580,6 +622,8 @@ class LLMEngine:
         del self.requests[request.request_id]
         for seq in request.seqs:
             self.seqs.pop(seq.seq_id, None)
+        if self._bans_follow_output:
+            self._bans_follow_output.difference_update(seq.seq_id for seq in request.seqs)
         self.grammars.drop(seq.seq_id for seq in request.seqs)
         return output
 

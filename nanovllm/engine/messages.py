@@ -17,7 +17,8 @@ from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 # SamplingParams' constructor fields (its derived stop_list is rebuilt by the constructor).
 _PARAM_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids",
                  "ignore_eos", "logprobs", "n", "skip_special_tokens", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "include_stop_str_in_output", "truncate_prompt_tokens")
+                 "repetition_penalty", "logit_bias", "include_stop_str_in_output", "truncate_prompt_tokens",
+                 "allowed_token_ids", "bad_words")
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):

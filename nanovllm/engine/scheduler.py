@@ -21,7 +21,7 @@ is gathered on the device) before the sampled ids reach the host; `resolve` late
 real ids in. A synchronous engine calls both back to back.
 
 Multi-step decode (`schedule(decode_burst=K)`): a sequence decoding alone, without a grammar,
-banned ids or logprobs, with nothing waiting, is given K decode steps at once
+banned ids, allowed_token_ids, bad_words or logprobs, with nothing waiting, is given K decode steps at once
 (`ScheduledSeq.num_steps`; fewer near its max_tokens: `step.burst_sizes`), which the runner runs
 back to back on the device, each step's token feeding the next. Its blocks are allocated for
 the K positions up front; the K tokens come back together, and the engine drops those after a
@@ -91,23 +91,27 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     @staticmethod
     def _banned_ids(seq: Sequence) -> list[int] | None:
-        """The ids seq may not sample yet (its stop ids until min_tokens are out), or None."""
+        """The ids seq may not sample next (its stop ids until min_tokens are out, the tokens that
+        would complete a bad word: Sequence.bad_word_bans), or None."""
+        banned = []
         if seq.min_tokens_banned_ids and seq.num_completion_tokens < seq.params.min_tokens:
-            return seq.min_tokens_banned_ids
-        return None
+            banned = seq.min_tokens_banned_ids
+        if seq.bad_words_token_ids:
+            banned = banned + seq.bad_word_bans()
+        return banned or None
 
     def _burst_steps(self, decode_burst: int) -> int:
         """How many steps the lone running sequence may decode at once where it decodes alone
-        (nothing waiting) and needs no grammar, banned ids or logprobs (any temperature,
-        filter, seed, penalty or logit bias): the longest of burst_sizes that it has room for
-        under max_tokens; 1 otherwise."""
+        (nothing waiting) and needs no grammar, banned ids, allowed_token_ids, bad_words or
+        logprobs (any temperature, filter, seed, penalty or logit bias): the longest of
+        burst_sizes that it has room for under max_tokens; 1 otherwise."""
         if decode_burst <= 1 or self.waiting or len(self.running) != 1:
             return 1
         seq = self.running[0]
         p = seq.params
         eligible = (
             seq.num_tokens - seq.num_computed_tokens == 1
-            and p.structured_outputs is None and p.logprobs is None
+            and p.structured_outputs is None and p.logprobs is None and not p.restricts_tokens
             and decode_burst <= self.max_num_batched_tokens
             and self._banned_ids(seq) is None
         )

@@ -32,6 +32,8 @@ class Sequence:
     min_tokens_banned_ids: list[int] = field(default_factory=list)
     # Generation ends after this many tokens (params.max_tokens capped by max_model_len).
     max_tokens: int = 2**31 - 1
+    # params.bad_words as token sequences (LLMEngine.add_request tokenizes them): see bad_word_bans.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
@@ -75,6 +77,19 @@ class Sequence:
         """Record a generated token's (sampled logprob, top-k logprobs)."""
         self.logprobs.append(entry)
         self.cumulative_logprob += entry[0]
+
+    def bad_word_bans(self) -> list[int]:
+        """The last token of each bad word whose other tokens end the output so far: the tokens
+        this sequence may not sample next (vLLM's rule: only generated tokens count, and a word
+        of one token is always banned). The output's last tokens must be known on the host (no
+        placeholder: the engine takes a step in flight first, LLMEngine._needs_in_flight)."""
+        generated = self.num_completion_tokens
+        bans = []
+        for word in self.bad_words_token_ids:
+            before = len(word) - 1
+            if before == 0 or (before <= generated and self.token_ids[-before:] == word[:-1]):
+                bans.append(word[-1])
+        return bans
 
     @property
     def last_token_id(self) -> int:

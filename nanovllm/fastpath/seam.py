@@ -13,7 +13,8 @@ defaults) takes the top-k graphs instead, where the kernel's int8 LM head stores
 only the rows that can be in the top k are recomputed exactly and listed for the sampler's
 pick (head_refine.py). A seeded stream's noise is keyed by
 sampler.step_seed, as in the runner's sampler, so its tokens depend on its logits alone.
-Grammars, banned ids and logprobs take the runner's own path, as does everything else.
+Grammars, banned or allowed ids (min_tokens, bad_words, allowed_token_ids) and logprobs take
+the runner's own path, as does everything else.
 
 Interface (ModelRunner is the only caller):
 - `FastPath.build(runner)`: the fast path for this runner's model, or None where it is turned
@@ -355,10 +356,11 @@ class FastPath:
 
     def _graph_picks_token(self, item: ScheduledSeq) -> bool:
         """Whether the token the lone-sequence graphs leave in SingleDecodeInputs is this step's
-        token: a sampling step without logprobs, banned ids or logit edits that is greedy, or at a
-        plain temperature (no filter) where the kernel samples (`lone_sampling`)."""
+        token: a sampling step without logprobs, banned or allowed ids or logit edits that is
+        greedy, or at a plain temperature (no filter) where the kernel samples (`lone_sampling`)."""
         p = item.params
-        if not item.sample or p.logprobs is not None or item.banned_token_ids or p.edits_logits:
+        if (not item.sample or p.logprobs is not None or item.banned_token_ids or p.restricts_tokens
+                or p.edits_logits):
             return False
         return p.greedy or (p.plain_temperature and self.lone_sampling)
 
@@ -378,12 +380,13 @@ class FastPath:
 
     def _graph_filters(self, item: ScheduledSeq, picks: bool | None = None) -> bool:
         """Whether this step takes the filtered graphs: a sampling step without logprobs, banned
-        ids or a grammar that has penalties or a logit bias (greedy too: the filtered sampler's
-        argmax), or whose token the kernel's own head does not pick (top-k, top-p or min-p; or
-        any temperature where the kernel has no fused head). picks: `_graph_picks_token(item)`,
-        where the caller has it."""
+        or allowed ids or a grammar that has penalties or a logit bias (greedy too: the filtered
+        sampler's argmax), or whose token the kernel's own head does not pick (top-k, top-p or
+        min-p; or any temperature where the kernel has no fused head). picks:
+        `_graph_picks_token(item)`, where the caller has it."""
         p = item.params
-        if not self.graphs.has_filtered or not item.sample or p.logprobs is not None or item.banned_token_ids:
+        if (not self.graphs.has_filtered or not item.sample or p.logprobs is not None or item.banned_token_ids
+                or p.restricts_tokens):
             return False
         if p.edits_logits:
             return p.structured_outputs is None and (self.penalties_match or not p.penalized)
