@@ -434,9 +434,15 @@ BAD_COMPLETIONS = [
     pytest.param(json.dumps({"prompt": [1, 2, 100000]}), "prompt", id="token-outside-vocab"),
     pytest.param(json.dumps({"prompt": [5] * 600}), "prompt", id="prompt-too-long"),
     pytest.param(json.dumps({"prompt": ["ok", [5] * 600], "stream": True}), "prompt", id="batch-one-too-long-stream"),
+    pytest.param(json.dumps({"prompt": "x", "allowed_token_ids": []}), "allowed_token_ids",
+                 id="allowed-token-ids-empty"),
+    pytest.param(json.dumps({"prompt": "x", "allowed_token_ids": [5, 100000]}), "allowed_token_ids",
+                 id="allowed-token-id-outside-vocab"),
+    pytest.param(json.dumps({"prompt": "x", "allowed_token_ids": ["5"]}), "allowed_token_ids",
+                 id="allowed-token-id-string"),
+    pytest.param(json.dumps({"prompt": "x", "bad_words": "fox"}), "bad_words", id="bad-words-not-a-list"),
+    pytest.param(json.dumps({"prompt": "x", "bad_words": ["fox", " "]}), "bad_words", id="bad-words-blank"),
     # vLLM's fields that this server does not honour are refused, not ignored.
-    pytest.param(json.dumps({"prompt": "x", "allowed_token_ids": [5]}), "allowed_token_ids", id="allowed-token-ids"),
-    pytest.param(json.dumps({"prompt": "x", "bad_words": ["a"]}), "bad_words", id="bad-words"),
     pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": 1}), "prompt_logprobs", id="prompt-logprobs"),
     pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": 0}), "prompt_logprobs", id="prompt-logprobs-0"),
 ]

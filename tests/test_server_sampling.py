@@ -1,5 +1,6 @@
-"""The server's sampling fields: penalties and logit_bias reach the engine, and a field the
-request leaves unset takes the model's generation_config.json (vLLM's --generation-config auto)."""
+"""The server's sampling fields: penalties, logit_bias, allowed_token_ids and bad_words reach
+the engine, and a field the request leaves unset takes the model's generation_config.json (vLLM's
+--generation-config auto)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ from nanovllm.entrypoints.protocol import (
     OpenAIError,
     apply_generation_defaults,
 )
+from test_server import greedy_offline, live, offline  # noqa: F401 (live, offline: fixtures)
 
 MODEL_DEFAULTS = dict(temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.05, max_tokens=33)
 
@@ -52,12 +54,71 @@ def test_bad_logit_bias_is_a_400_naming_it(fields, param):
     assert err.value.status == 400 and err.value.param == param
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_sampling_params():
+    p = completion(allowed_token_ids=[5, 7], bad_words=["fox", " lazy dog"]).sampling_params(16, None, 384, {})
+    assert (p.allowed_token_ids, p.bad_words) == ([5, 7], ["fox", " lazy dog"])
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "allowed_token_ids": [383], "bad_words": ["a"]})
+    p = chat.sampling_params(16, None, 384, {})
+    assert (p.allowed_token_ids, p.bad_words) == ([383], ["a"])
+    p = completion(allowed_token_ids=None, bad_words=[]).sampling_params(16, None, 384, {})
+    assert (p.allowed_token_ids, p.bad_words) == (None, None)
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[5, 384]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (dict(bad_words=["fox", "  "]), "bad_words"),
+    (dict(bad_words=[""]), "bad_words"),
+])
+def test_bad_allowed_token_ids_or_bad_words_are_a_400_naming_them(fields, param):
+    for request in (completion(**fields),
+                    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **fields})):
+        with pytest.raises(OpenAIError) as err:
+            request.sampling_params(16, None, 384, {})
+        assert err.value.status == 400 and err.value.param == param
+
+
+def test_live_server_honours_allowed_token_ids_and_bad_words(live, offline):
+    """Through the engine core (decode bursts on): the token ids of each endpoint's choice are
+    the offline engine's under the same fields, which change the plain greedy output."""
+    prompt = [11, 12, 13, 14]
+    plain = greedy_offline(offline, prompt, 12).outputs[0].token_ids
+    allowed = [t for t in range(3, 384) if t not in plain][:3]
+    word = next(text for i in range(len(plain) - 1) if (text := offline.tokenizer.decode(plain[i : i + 2])).strip()
+                and plain[i : i + 2] in offline.engine.bad_words_token_ids([text]))
+    base = dict(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, return_tokens_as_token_ids=True)
+
+    def served(**fields) -> list[int]:
+        resp = live.http.post("/v1/completions", json={"prompt": prompt, **base, **fields})
+        assert resp.status_code == 200, resp.text
+        return [int(t.removeprefix("token_id:")) for t in resp.json()["choices"][0]["logprobs"]["tokens"]]
+
+    def expected(**fields) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **fields)
+        return offline.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert served(allowed_token_ids=allowed) == expected(allowed_token_ids=allowed) != plain
+    assert served(bad_words=[word]) == expected(bad_words=[word]) != plain
+    messages = [{"role": "user", "content": "Paris is"}]
+    resp = live.http.post("/v1/chat/completions", json={"messages": messages, "temperature": 0, "max_tokens": 6,
+                                                        "ignore_eos": True, "logprobs": True,
+                                                        "return_tokens_as_token_ids": True,
+                                                        "allowed_token_ids": allowed, "bad_words": [word]})
+    assert resp.status_code == 200, resp.text
+    tokens = [int(c["token"].removeprefix("token_id:")) for c in resp.json()["choices"][0]["logprobs"]["content"]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed, bad_words=[word])
+    assert tokens == offline.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert set(tokens) <= set(allowed)
+
+
 def test_params_cross_to_the_core_intact():
     from nanovllm.engine.messages import AddRequest, FrontendMessage, params_from_wire, params_to_wire
 
     p = SamplingParams(temperature=0.7, presence_penalty=1.0, frequency_penalty=-0.5, repetition_penalty=1.2,
                        logit_bias={7: -100.0, 9: 2.5}, include_stop_str_in_output=True,
-                       truncate_prompt_tokens=5)
+                       truncate_prompt_tokens=5, allowed_token_ids=[3, 4], bad_words=["fox", "lazy dog"])
     wire = msgspec.msgpack.encode(AddRequest("r", [1, 2], params_to_wire(p)))
     assert params_from_wire(msgspec.msgpack.Decoder(FrontendMessage).decode(wire).params) == p
 

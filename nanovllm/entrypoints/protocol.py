@@ -184,16 +184,18 @@ class _SamplingRequest(_Request):
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1, le=MAX_REQUEST_INT)
     # vLLM's: logprobs name their tokens "token_id:<id>" rather than by their text.
     return_tokens_as_token_ids: StrictBool = False
-    # vLLM request fields this server does not honour: a 400 naming them where set (to anything
-    # but their default), rather than ignored.
-    allowed_token_ids: Any = None
-    bad_words: Any = None
+    # vLLM's: only these token ids may be sampled; and words that may not be generated
+    # (SamplingParams.allowed_token_ids, bad_words).
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    # A vLLM request field this server does not honour: a 400 naming it where set (to anything
+    # but its default), rather than ignored.
     prompt_logprobs: Any = None
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        _refuse_set(self, ("allowed_token_ids", "bad_words", "prompt_logprobs"))
+        _refuse_set(self, ("prompt_logprobs",))
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -269,6 +271,8 @@ class _SamplingRequest(_Request):
         (OpenAIServer._truncate) and hands the engine the kept ids."""
         if self.stop_token_ids and any(isinstance(t, int) and not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size})", param="stop_token_ids")
+        if self.allowed_token_ids and any(not 0 <= t < vocab_size for t in self.allowed_token_ids):
+            raise bad_request(f"allowed_token_ids must be token ids in [0, {vocab_size})", param="allowed_token_ids")
         given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      repetition_penalty=self.repetition_penalty, max_tokens=self.requested_max_tokens)
@@ -283,6 +287,8 @@ class _SamplingRequest(_Request):
             return SamplingParams(
                 **fields,
                 logit_bias=self._logit_bias(vocab_size),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
                 seed=self.seed,
                 min_tokens=self.min_tokens,
                 stop=self.stop,
