@@ -21,9 +21,9 @@ is gathered on the device) before the sampled ids reach the host; `resolve` late
 real ids in. A synchronous engine calls both back to back.
 
 Multi-step decode (`schedule(decode_burst=K)`): a sequence decoding alone, without a grammar,
-banned ids, allowed_token_ids, bad_words or logprobs, with nothing waiting, is given K decode steps at once
-(`ScheduledSeq.num_steps`; fewer near its max_tokens: `step.burst_sizes`), which the runner runs
-back to back on the device, each step's token feeding the next. Its blocks are allocated for
+banned ids, allowed_token_ids, bad_words or logprobs, with nothing waiting, is given K decode
+steps at once (`ScheduledSeq.num_steps`; fewer near its max_tokens: `step.burst_sizes`), which
+the runner runs back to back on the device, each step's token feeding the next. Its blocks are allocated for
 the K positions up front; the K tokens come back together, and the engine drops those after a
 stop (`finish(..., num_tokens=)`). Why: a lone stream's step is short, and the host-device round
 trip between steps (input copy, launch, output copy) is a real share of it; a burst pays that
