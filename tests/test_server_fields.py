@@ -228,6 +228,20 @@ def test_truncate_prompt_tokens_cuts_the_prompt_once(live, offline, monkeypatch)
         direct.shutdown()
 
 
+@pytest.mark.parametrize("message, param", [("bad_words: their tokens [70000] are outside the vocabulary", "bad_words"),
+                                            ("allowed_token_ids [70000] are outside the vocabulary", "allowed_token_ids"),
+                                            ("the prompt has 9000 tokens but max_model_len is 64", "prompt")])
+def test_an_engine_refusal_names_the_field_its_message_is_about(live, monkeypatch, message, param):
+    """The engine core checks some fields against the model (bad words' tokens, the
+    vocabulary): its ValueError becomes a 400 naming the field it is about."""
+    async def refuse(*args, **kwargs):
+        raise ValueError(message)
+
+    monkeypatch.setattr(live.engine, "add_request", refuse)
+    err = assert_error_body(live.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 400)
+    assert err["param"] == param and err["message"] == message
+
+
 def test_truncate_prompt_tokens_minus_one_and_the_chat_default_max_tokens(small):
     """-1 keeps as many tokens as the context leaves room for (max_model_len - 1, one left to
     generate); a chat's default max_tokens is the room the truncated prompt leaves."""

@@ -559,9 +559,9 @@ class OpenAIServer:
                      param: str, grammar_param: str | None = None,
                      request: Request | None = None) -> list[RequestStream]:
         """Add one engine request per prompt (token ids: `tokenize` first), all at once; all or
-        nothing. ValueError -> 400 naming `param` (`grammar_param` for the engine's grammar
-        check: structured_outputs.*). `request`: the HTTP request, whose grammar check is
-        dropped if its client leaves first."""
+        nothing. ValueError -> 400 naming `param`, or the sampling field the engine's message
+        starts with (`grammar_param` for its grammar check: structured_outputs.*). `request`:
+        the HTTP request, whose grammar check is dropped if its client leaves first."""
         if params.structured_outputs is not None:
             await self._check_grammar(params.structured_outputs, grammar_param, request)
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
@@ -576,8 +576,7 @@ class OpenAIServer:
             i, exc = failed[0]
             if isinstance(exc, ValueError):
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
-                about = grammar_param if str(exc).startswith("structured_outputs") else param
-                raise bad_request(f"{where}{exc}", param=about) from None
+                raise bad_request(f"{where}{exc}", param=_engine_error_field(str(exc), param, grammar_param)) from None
             raise exc
         return streams
 
@@ -984,6 +983,18 @@ class GracefulServer(uvicorn.Server):
             await super().shutdown(sockets=sockets)
         finally:
             timer.cancel()
+
+
+# The SamplingParams fields whose errors the engine names first in its message.
+_ENGINE_CHECKED_FIELDS = ("bad_words", "allowed_token_ids", "logit_bias")
+
+
+def _engine_error_field(message: str, param: str, grammar_param: str | None) -> str | None:
+    """The request field an engine's ValueError is about: the grammar's field for a
+    structured_outputs error, a sampling field its message starts with, else `param`."""
+    if message.startswith("structured_outputs"):
+        return grammar_param
+    return next((name for name in _ENGINE_CHECKED_FIELDS if message.startswith(name)), param)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
