@@ -448,3 +448,35 @@ def test_seeded_penalized_stream_alone_equals_its_tokens_in_a_batch(checkpoint_f
     unpenalized = llm.generate([ps[0]], SamplingParams(**params, seed=11, max_tokens=40, ignore_eos=True),
                                use_tqdm=False)[0].outputs[0].token_ids
     assert unpenalized != outs[None][0]
+
+
+def test_lone_stream_with_allowed_ids_or_bad_words_keeps_them_with_the_persistent_kernel(checkpoint_factory):
+    """The persistent kernel's graphs pick a lone greedy stream's token themselves; a stream
+    with allowed_token_ids or bad_words must take the runner's sampler instead: its tokens
+    equal eager mode's, stay within the allowed ids, and never complete a bad word."""
+    path = checkpoint_factory("qwen3")
+    kw = dict(device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3)
+    outs = {}
+    for mode in ("eager", "persistent"):
+        llm = LLM(str(path), enforce_eager=mode == "eager", persistent_decode=mode == "persistent", **kw)
+        if mode == "persistent":
+            llm.engine.executor.runner.finish_background_compile()
+        prompt = prompts(llm.engine.vocab_size, [19], seed=3)[0]
+        plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+        allowed = sorted(set(range(3, 40)) - set(plain))[:5]
+        # A two-token word that the output holds, as the engine tokenizes it.
+        word = next(text for i in range(len(plain) - 1) if (text := llm.tokenizer.decode(plain[i:i + 2])).strip()
+                    and plain[i:i + 2] in llm.engine.bad_words_token_ids([text]))
+        restricted = llm.generate([prompt], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                            allowed_token_ids=allowed)], use_tqdm=False)
+        banned = llm.generate([prompt], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                        bad_words=[word])], use_tqdm=False)
+        outs[mode] = (plain, restricted[0].outputs[0].token_ids, banned[0].outputs[0].token_ids, allowed,
+                      llm.engine.bad_words_token_ids([word]))
+    assert outs["persistent"][:3] == outs["eager"][:3]
+    plain, restricted, banned, allowed, words = outs["persistent"]
+    assert set(restricted) <= set(allowed)
+    for word_ids in words:
+        assert all(banned[i:i + len(word_ids)] != word_ids for i in range(len(banned)))
+    assert banned != plain
