@@ -35,6 +35,15 @@ def ranked_logprobs(entry: dict[int, float], top_k: int) -> dict[int, Logprob]:
     return {token: Logprob(lp, rank + 1 if rank < top_k else None) for rank, (token, lp) in enumerate(order)}
 
 
+def prompt_logprob_entry(token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+    """One prompt token's RequestOutput.prompt_logprobs entry, vLLM's: the token's own Logprob
+    (its rank among the whole vocabulary), then the k likeliest tokens' (ranks 1..k)."""
+    entry = {token: Logprob(logprob, rank)}
+    for i, (t, lp) in enumerate(top):
+        entry.setdefault(t, Logprob(lp, i + 1))
+    return entry
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -64,6 +73,10 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token_id:
+    # Logprob} of that token and the k likeliest at its position (prompt_logprob_entry); None
+    # when not asked.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def __getitem__(self, key: str) -> Any:
         if key == "text":

@@ -177,6 +177,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: the logprob of each prompt token after the first (under the tokens before it) and
+    # the k most likely tokens at its position (RequestOutput.prompt_logprobs); None: off.
+    prompt_logprobs: int | None = None
     n: int = 1
     # Not user-facing in vLLM's constructor order but handy: skip special tokens when detokenizing.
     skip_special_tokens: bool = True
@@ -240,6 +243,8 @@ class SamplingParams:
             raise bad("seed", "must be None or an integer in [0, 2**63 - 1 - n]")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be None or an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "must be None or an integer in [0, 20]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_number(value) or not -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY:

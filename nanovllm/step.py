@@ -15,6 +15,10 @@ from nanovllm.sampling_params import SamplingParams
 # (async scheduling: step N+1 is scheduled while step N is still running).
 PLACEHOLDER_TOKEN = -1
 
+# One scored prompt token (SamplingParams.prompt_logprobs): (its logprob, its rank: 1 + how many
+# tokens score strictly higher, [(token id, logprob)] of the k likeliest, descending).
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
+
 
 def burst_sizes(decode_burst: int) -> list[int]:
     """The decode bursts a lone sequence takes: decode_burst steps, and where fewer tokens are
@@ -48,6 +52,17 @@ class ScheduledSeq:
     # A sampling row with a grammar (SamplingParams.structured_outputs): the host bitmask of the
     # tokens it allows next (int32 [1, ceil(vocab / 32)], a torch tensor, set by the engine).
     token_bitmask: object | None = None
+    # A prompt chunk of a request with SamplingParams.prompt_logprobs: the prompt tokens whose
+    # logprobs this step computes, from prompt index prompt_logprobs_from on; the i-th is scored
+    # by the logits of the chunk's token at position prompt_logprobs_from - 1 + i.
+    prompt_logprob_ids: list[int] | None = None
+    prompt_logprobs_from: int = 0
+
+    @property
+    def prompt_logprob_rows(self) -> range:
+        """The rows of this step's tokens whose logits score prompt_logprob_ids."""
+        first = self.prompt_logprobs_from - 1 - self.start_pos
+        return range(first, first + len(self.prompt_logprob_ids or ()))
 
 
 @dataclass

@@ -12,12 +12,17 @@ from typing import Protocol
 
 import torch
 
+from nanovllm.step import PromptLogprob
+
 
 @dataclass
 class RunnerOutput:
     token_ids: list[int]  # one per sampling row, in scheduler order (a burst's row: its steps' ids)
     # Per sampling row: None, or (sampled logprob, {token_id: logprob} of the top k).
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    # seq id -> (prompt index of its first entry, one PromptLogprob per prompt token this step
+    # scored: ScheduledSeq.prompt_logprob_ids), for the rows that asked (prompt_logprobs).
+    prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]] | None = None
 
 
 class StepResult(Protocol):
@@ -61,8 +66,10 @@ class PendingOutput:
     step before it waits for this one. readback None: the tensors are on the host already (CPU).
     """
 
-    def __init__(self, rows, sampled, readback: ReadbackSlots | None) -> None:
+    def __init__(self, rows, sampled, readback: ReadbackSlots | None,
+                 prompt_logprobs: ScoredPrompts | None = None) -> None:
         self.rows = rows
+        self.prompt_logprobs = prompt_logprobs
         self.has_logprobs = sampled.sampled_logprobs is not None
         tensors = [sampled.token_ids]
         if self.has_logprobs:
@@ -85,8 +92,9 @@ class PendingOutput:
             if not self._readback.owned_by(self._slot, self):
                 raise RuntimeError("a step's sampled ids were read after their readback slot was reused")
         token_ids = self.host[0].tolist()
+        prompt_logprobs = self.prompt_logprobs.result() if self.prompt_logprobs is not None else None
         if not self.has_logprobs:
-            return RunnerOutput(token_ids)
+            return RunnerOutput(token_ids, prompt_logprobs=prompt_logprobs)
         sampled_lp = self.host[1].tolist()
         top_ids = self.host[2].tolist() if self.host[2] is not None else None
         top_lp = self.host[3].tolist() if self.host[3] is not None else None
@@ -98,7 +106,36 @@ class PendingOutput:
                 continue
             top = dict(zip(top_ids[i][:k], top_lp[i][:k])) if (k and top_ids is not None) else {}
             logprobs.append((sampled_lp[i], top))
-        return RunnerOutput(token_ids, logprobs)
+        return RunnerOutput(token_ids, logprobs, prompt_logprobs)
+
+
+class ScoredPrompts:
+    """The prompt logprobs a step computed (ModelRunner._score_prompts), on the device until
+    `result()`: per asking row (seq id, prompt index of its first entry, how many entries, its
+    k), and for all their entries together the prompt token's logprob [R] and rank [R] and the
+    top k ids and logprobs [R, k] (k the step's largest; each row keeps its own k)."""
+
+    def __init__(self, rows: list[tuple[int, int, int, int]], token_logprobs: torch.Tensor, ranks: torch.Tensor,
+                 top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> None:
+        self.rows = rows
+        self.tensors = (token_logprobs, ranks, top_ids, top_logprobs)
+
+    def result(self) -> dict[int, tuple[int, list[PromptLogprob]]]:
+        token_lps, ranks, top_ids, top_lps = (t.tolist() for t in self.tensors)
+        scored, at = {}, 0
+        for seq_id, first, count, k in self.rows:
+            scored[seq_id] = (first, [(token_lps[i], ranks[i], list(zip(top_ids[i][:k], top_lps[i][:k])))
+                                      for i in range(at, at + count)])
+            at += count
+        return scored
+
+
+def launched(rows, sampled, readback: ReadbackSlots | None, prompt_logprobs: ScoredPrompts | None) -> StepResult:
+    """The result of a launched step: its sampled ids on their way to the host (sampled None:
+    nothing sampled) and the prompt logprobs it computed, if any."""
+    if sampled is not None:
+        return PendingOutput(rows, sampled, readback, prompt_logprobs)
+    return Done(RunnerOutput([], prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs.result()))
 
 
 class Done:

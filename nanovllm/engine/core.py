@@ -44,6 +44,7 @@ from nanovllm.engine.messages import (
     Hello,
     Stats,
     params_from_wire,
+    prompt_logprobs_to_wire,
 )
 
 logger = logging.getLogger("nanovllm.core")
@@ -398,7 +399,7 @@ class EngineCore:
                 logprobs = [[list(entry.items()) for entry in c.logprobs] for c in samples]
             self._reply(replies, ident).deltas.append(
                 Delta(rid, [c.token_ids for c in samples], [c.finish_reason for c in samples], output.finished,
-                      logprobs, output.num_cached_tokens))
+                      logprobs, output.num_cached_tokens, prompt_logprobs_to_wire(output.prompt_logprobs)))
             if output.finished:
                 del self.owner[rid]
 

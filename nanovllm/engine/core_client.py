@@ -41,7 +41,9 @@ from nanovllm.engine.detokenizer import (
     IncrementalDetokenizer, decode_after, ended_by_stop_token, stop_token_reason, streamable_text, text_token_ids,
     truncate_at_stop,
 )
-from nanovllm.engine.messages import Abort, AddRequest, CoreOutput, Delta, Hello, params_to_wire
+from nanovllm.engine.messages import (
+    Abort, AddRequest, CoreOutput, Delta, Hello, params_to_wire, prompt_logprobs_from_wire,
+)
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams, truncate_prompt
 from nanovllm.text import check_token_ids
@@ -87,6 +89,7 @@ class CoreStream:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs = None  # RequestOutput.prompt_logprobs: the core sends them once
         self.done = False  # every sample finished (state complete)
         self.finished = False  # the consumer has been given the final output
         self.error: BaseException | None = None
@@ -115,6 +118,8 @@ class CoreStream:
         stops, min_tokens = self.params.stop_list, self.params.min_tokens
         include = self.params.include_stop_str_in_output  # the stop string (or token) stays in the text
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs_from_wire(delta.prompt_logprobs)
         for i, sample in enumerate(self.samples):
             if sample.finish_reason is not None or i >= len(delta.new_token_ids):
                 continue
@@ -192,7 +197,7 @@ class CoreStream:
                                             stop_reason=s.stop_reason))
         return RequestOutput(
             request_id=self.request_id, prompt=None, prompt_token_ids=self.prompt_token_ids, outputs=outputs,
-            finished=final, num_cached_tokens=self.num_cached_tokens,
+            finished=final, num_cached_tokens=self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs,
             metrics={"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
                      "finished_time": time.monotonic() if final else None},
         )

@@ -26,7 +26,7 @@ from nanovllm.executor.executor import make_executor
 from nanovllm.layers.rotary import context_length
 from nanovllm.loaders.generation_config import read_generation_defaults
 from nanovllm.loaders.source import resolve_model
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, prompt_logprob_entry
 from nanovllm.sampling_params import SamplingParams, truncate_prompt
 from nanovllm.step import SchedulerOutput
 from nanovllm.text import check_token_ids
@@ -68,6 +68,7 @@ class Request:
     delta: bool = False
     sent_tokens: list[int] = field(default_factory=list)
     sent_text: list[int] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False  # delta: the prompt logprobs went out (once, whole)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -245,6 +246,8 @@ class LLMEngine:
                 min_tokens_banned_ids=banned,
                 max_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
                 bad_words_token_ids=bad_words,
+                # the samples share their prompt: the first one scores it
+                prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
             )
             for i in range(params.n)
         ]
@@ -493,6 +496,8 @@ class LLMEngine:
         """Resolve a finished step: tokens in (but those of the `void` sequences), stop rules,
         outputs for the requests it touched."""
         grew = self.scheduler.resolve(sched, self.seqs, result.token_ids, void)
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(result.prompt_logprobs)
         touched: dict[str, Request] = {}
         now = time.monotonic()
         sample_row = {item.seq_id: i for i, item in enumerate(s for s in sched.seqs if s.sample)} if result.logprobs else None
@@ -520,6 +525,13 @@ class LLMEngine:
             elif request.stream:
                 outputs.append(self._make_output(request))
         return outputs
+
+    def _record_prompt_logprobs(self, scored: dict) -> None:
+        """A step's prompt logprobs (RunnerOutput.prompt_logprobs) onto their sequences."""
+        for seq_id, (first, entries) in scored.items():
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.prompt_logprobs is not None:
+                seq.add_prompt_logprobs(first, entries)
 
     def _check_stop(self, request: Request, seq: Sequence, index: int) -> None:
         params = request.params
@@ -607,6 +619,7 @@ class LLMEngine:
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=self._prompt_logprobs(request, final),
             outputs=completions,
             finished=final,
             num_cached_tokens=max([s.num_cached_tokens for s in request.seqs]),
@@ -616,6 +629,20 @@ class LLMEngine:
                 "finished_time": time.monotonic() if final else None,
             },
         )
+
+    @staticmethod
+    def _prompt_logprobs(request: Request, final: bool) -> list[dict[int, Logprob] | None] | None:
+        """The request's RequestOutput.prompt_logprobs (those recorded so far); a delta output
+        carries them once, in the first output where they are whole (or the last)."""
+        recorded = request.seqs[0].prompt_logprobs
+        if recorded is None:
+            return None
+        if request.delta:
+            if request.sent_prompt_logprobs or (request.seqs[0].scores_prompt and not final):
+                return None
+            request.sent_prompt_logprobs = True
+        ids = request.prompt_token_ids
+        return [None] + [prompt_logprob_entry(ids[j], *entry) for j, entry in enumerate(recorded[1:], 1)]
 
     def _finish_request(self, request: Request) -> RequestOutput:
         output = self._make_output(request, final=True)

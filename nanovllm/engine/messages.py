@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import msgspec
 
+from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # SamplingParams' constructor fields (its derived stop_list is rebuilt by the constructor).
 _PARAM_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids",
-                 "ignore_eos", "logprobs", "n", "skip_special_tokens", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "include_stop_str_in_output", "truncate_prompt_tokens",
-                 "allowed_token_ids", "bad_words")
+                 "ignore_eos", "logprobs", "prompt_logprobs", "n", "skip_special_tokens", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "logit_bias", "include_stop_str_in_output",
+                 "truncate_prompt_tokens", "allowed_token_ids", "bad_words")
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
@@ -44,6 +45,9 @@ class Delta(msgspec.Struct, array_like=True):
     # per sample, per new token: [token id, logprob] pairs (the top k and the sampled token)
     logprobs: list[list[list[tuple[int, float]]]] | None = None
     num_cached_tokens: int = 0
+    # RequestOutput.prompt_logprobs, in the request's first Delta only: per prompt token None
+    # (the first) or its [token id, logprob, rank] triples (the prompt token's first, then the top k)
+    prompt_logprobs: list[list[tuple[int, float, int | None]] | None] | None = None
 
 
 class Stats(msgspec.Struct, array_like=True):
@@ -72,6 +76,19 @@ class CoreOutput(msgspec.Struct, array_like=True):
 
 
 FrontendMessage = AddRequest | Abort | Hello
+
+
+def prompt_logprobs_to_wire(prompt_logprobs: list[dict | None] | None) -> list | None:
+    """RequestOutput.prompt_logprobs as Delta.prompt_logprobs' [token id, logprob, rank] triples."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else [(t, float(lp), lp.rank) for t, lp in entry.items()] for entry in prompt_logprobs]
+
+
+def prompt_logprobs_from_wire(wire: list | None) -> list[dict[int, Logprob] | None] | None:
+    if wire is None:
+        return None
+    return [None if entry is None else {t: Logprob(lp, rank) for t, lp, rank in entry} for entry in wire]
 
 
 def params_to_wire(params: SamplingParams) -> dict:

@@ -162,7 +162,7 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                hits = bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+                hits = bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 and not seq.scores_prompt else []
                 num_computed = len(hits) * bm.block_size if hits else seq.num_computed_tokens
                 num_new = min(seq.num_tokens - num_computed, budget)
                 if not bm.allocate(seq, num_new, hits):
@@ -194,6 +194,8 @@ class Scheduler:
                 penalty_prompt_ids=seq.prompt_token_ids
                 if sample and seq.params.penalized and seq.num_completion_tokens == 0 else None,
             )
+            if seq.scores_prompt:
+                item.prompt_logprobs_from, item.prompt_logprob_ids = self._prompt_tokens_scored(seq, start, num_new)
             (decodes if num_new == 1 else prefills).append(item)
         decodes.sort(key=attrgetter("start_pos"), reverse=True)  # stable: ties keep their order
         finished, self._finished_since_last_step = self._finished_since_last_step, []
@@ -203,6 +205,15 @@ class Scheduler:
             num_batched_tokens=self.max_num_batched_tokens - budget,
             finished_seq_ids=finished,
         )
+
+    @staticmethod
+    def _prompt_tokens_scored(seq: Sequence, start: int, num_new: int) -> tuple[int, list[int] | None]:
+        """(first prompt index, the prompt tokens) whose logprobs a step computing seq's tokens
+        start .. start + num_new - 1 gives: the token after each of them, where it is a prompt
+        token not recorded yet; None where there is none."""
+        first = max(len(seq.prompt_logprobs), start + 1)
+        end = min(start + num_new + 1, seq.num_prompt_tokens)
+        return first, (seq.prompt_token_ids[first:end] if first < end else None)
 
     def advance(self, output: SchedulerOutput, seqs: dict[int, Sequence]) -> None:
         """The step was launched: count its tokens as computed, and give every sampling

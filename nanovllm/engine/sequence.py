@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.step import PLACEHOLDER_TOKEN
+from nanovllm.step import PLACEHOLDER_TOKEN, PromptLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +48,9 @@ class Sequence:
     # Per generated token: (sampled logprob, {token_id: logprob} of the top k); only if asked.
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     cumulative_logprob: float = 0.0  # the sum of the sampled logprobs above
+    # SamplingParams.prompt_logprobs (the request's first sample only): per prompt token, None
+    # for the first, then a PromptLogprob (step_result.py) as its chunks are computed; None: not asked.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -90,6 +93,19 @@ class Sequence:
             if before == 0 or (before <= generated and self.token_ids[-before:] == word[:-1]):
                 bans.append(word[-1])
         return bans
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether some of this sequence's prompt tokens still await their logprobs: its prompt
+        is then computed whole (no prefix-cache hits, whose positions have no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def add_prompt_logprobs(self, first: int, entries: list[PromptLogprob]) -> None:
+        """Record the entries of prompt tokens first, first + 1, ...: those not recorded yet (a
+        prompt computed again after a preemption scores its tokens again)."""
+        recorded = len(self.prompt_logprobs)
+        if first <= recorded:
+            self.prompt_logprobs += entries[recorded - first :]
 
     @property
     def last_token_id(self) -> int:

@@ -160,12 +160,13 @@ def start_heartbeat(host: str, port: int, rank: int) -> None:
 
 
 # ---- the step message ------------------------------------------------------------------------
-StepPayload = tuple[int, int, list[tuple[int, list[int], int, list[int], bool]]]
+StepPayload = tuple[int, int, list[tuple[int, list[int], int, list[int], bool, list[int] | None, int]]]
 
 
 def encode_step(out: SchedulerOutput) -> StepPayload:
     """What a non-sampling rank needs from a step: tuples of builtins, which pickle fast."""
-    seqs = [(s.seq_id, s.token_ids, s.start_pos, s.block_table, s.sample) for s in out.seqs]
+    seqs = [(s.seq_id, s.token_ids, s.start_pos, s.block_table, s.sample, s.prompt_logprob_ids, s.prompt_logprobs_from)
+            for s in out.seqs]
     return out.num_decodes, out.num_batched_tokens, seqs
 
 
@@ -173,7 +174,8 @@ def decode_step(payload: StepPayload) -> SchedulerOutput:
     """Rebuild a SchedulerOutput on a worker (no sampling params: workers never sample)."""
     num_decodes, num_tokens, seqs = payload
     return SchedulerOutput(
-        seqs=[ScheduledSeq(i, t, p, b, s, None, None, None) for i, t, p, b, s in seqs],  # type: ignore[arg-type]
+        seqs=[ScheduledSeq(i, t, p, b, s, None, None, None, prompt_logprob_ids=ids, prompt_logprobs_from=first)  # type: ignore[arg-type]
+              for i, t, p, b, s, ids, first in seqs],
         num_decodes=num_decodes,
         num_batched_tokens=num_tokens,
     )

@@ -217,7 +217,10 @@ class FastPath:
             self._adopt()
         elif self._dry_pass is not None and out.num_decodes:
             self._start_background_compile()  # the first decode step: every first token is out
-        lone = self.graphs.has_single and len(out.seqs) == 1 and out.num_decodes == 1
+        # A prompt's one-token chunk that scores the next prompt token (prompt_logprobs) needs
+        # that position's every logit: the runner computes it.
+        lone = (self.graphs.has_single and len(out.seqs) == 1 and out.num_decodes == 1
+                and not out.seqs[0].prompt_logprob_ids)
         item = out.seqs[0] if lone else None
         route = self._route(item) if item is not None else None
         if route is not None and route.filtered:

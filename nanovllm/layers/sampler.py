@@ -207,6 +207,17 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [B, k] float32, descending
 
 
+def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Each row's token_ids entry under the log_softmax of its raw logits (fp32, as the sampled
+    tokens' logprobs): (its logprob [R], its rank [R]: 1 + how many tokens score strictly
+    higher, the top k ids [R, k] and logprobs [R, k], descending)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > token_logprobs.unsqueeze(1)).sum(dim=1) + 1
+    top_logprobs, top_ids = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=-1)
+    return token_logprobs, ranks, top_ids, top_logprobs
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1) (the first index of each row's maximum; a NaN counts as the maximum).
     On the CPU through numpy, whose vectorised argmax scans a vocabulary-sized row some ten

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from nanovllm.attention.metadata import AttentionMetadata, split_decodes
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import tp_size
 from nanovllm.layers.penalties import TokenBans
-from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator, step_seed
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors, make_generator, score_tokens, step_seed
 from nanovllm.loaders.dummy import init_dummy_weights
 from nanovllm.loaders.source import ModelSource
 from nanovllm.models.registry import get_model_class
@@ -32,7 +32,7 @@ from nanovllm.precompile import compile_in_background, precompiling
 from nanovllm.runner.device import int4_dense_copies, resolve_device, resolve_dtype, resolve_quantization
 from nanovllm.runner.host_staging import HostStaging
 from nanovllm.runner.penalty_state import PenaltyState
-from nanovllm.step_result import Done, PendingOutput, ReadbackSlots, RunnerOutput, StepResult
+from nanovllm.step_result import Done, PendingOutput, ReadbackSlots, RunnerOutput, ScoredPrompts, StepResult, launched
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.step import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
 
@@ -44,6 +44,17 @@ logger = logging.getLogger("nanovllm")
 CPU_DECODE_BURST = 8
 # The host arrays a step copies to the device, by dtype (ModelRunner._to_device_packed).
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+# Prompt logprobs are computed over this many positions' logits at a time: a long prompt's
+# [positions, vocab] fp32 logits would not fit otherwise.
+PROMPT_LOGPROB_ROWS = 256
+
+
+class Forward(NamedTuple):
+    """What an ordinary step's forward pass gives rank 0: its sampling rows, their logits (None:
+    nothing samples) and the prompt logprobs it computed (None: no row asked)."""
+    rows: list[ScheduledSeq]
+    logits: torch.Tensor | None
+    prompt_logprobs: ScoredPrompts | None
 
 
 class ModelRunner:
@@ -497,10 +508,11 @@ class ModelRunner:
             return taken
         if out.num_decodes == 1 and out.seqs[0].num_steps > 1:
             return self.run_steps(out.seqs[0], lambda step: self._launch(SchedulerOutput([step], 1, 1)))
-        launched = self._launch(out)
-        if launched is None:
+        forward = self._forward(out)
+        if forward is None:
             return Done(RunnerOutput([]))
-        return PendingOutput(*launched, self.readback)
+        sampled = self.sample_rows(forward.rows, forward.logits) if forward.logits is not None else None
+        return launched(forward.rows, sampled, self.readback, forward.prompt_logprobs)
 
     @torch.inference_mode()
     def launch_forward(self, out: SchedulerOutput) -> DeferredSample:
@@ -512,8 +524,7 @@ class ModelRunner:
             raise ValueError("launch_forward: a decode burst samples inside its launch")
         self._release_finished(out)
         forward = None if out.is_empty else self._forward(out)
-        rows, logits = forward if forward is not None else ([], None)
-        return DeferredSample(self, rows, logits)
+        return DeferredSample(self, forward if forward is not None else Forward([], None, None))
 
     def _release_finished(self, out: SchedulerOutput) -> None:
         """Drop what the runner kept for the sequences that finished before this step (their
@@ -526,10 +537,9 @@ class ModelRunner:
         """Launch one ordinary step; returns (sampling rows, SamplerOutput), or None where this
         rank samples nothing."""
         forward = self._forward(out)
-        if forward is None:
+        if forward is None or forward.logits is None:
             return None
-        rows, logits = forward
-        return rows, self.sample_rows(rows, logits)
+        return forward.rows, self.sample_rows(forward.rows, forward.logits)
 
     def sample_rows(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> SamplerOutput:
         """`sample`, and its tokens become the next step's inputs (prev_tokens)."""
@@ -538,9 +548,9 @@ class ModelRunner:
         self.prev_rows = {s.seq_id: i for i, s in enumerate(rows)}
         return sampled
 
-    def _forward(self, out: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor] | None:
-        """The forward pass and LM head of one ordinary step: (sampling rows, their logits), or
-        None where this rank samples nothing."""
+    def _forward(self, out: SchedulerOutput) -> Forward | None:
+        """The forward pass and LM head of one ordinary step, and the prompt logprobs its rows
+        ask for; None where this rank samples nothing (a non-zero rank)."""
         input_ids, positions, meta, logits_indices = self.prepare(out)
         compute_logits = self.model.compute_logits
         if self.cpu_decode is not None and self.cpu_decode.takes(len(out.seqs), out.num_decodes, len(input_ids)):
@@ -556,15 +566,40 @@ class ModelRunner:
             hidden = self.graph_runner.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        if len(logits_indices) == 0:
-            return None
+        prompt_logprobs = self._score_prompts(out.seqs, hidden, compute_logits)
+        logits = None
         if len(logits_indices) == hidden.shape[0]:  # every token samples (decodes): no gather
             logits = compute_logits(hidden)
-        else:
+        elif len(logits_indices):
             logits = compute_logits(hidden[self._to_device(logits_indices)])
         if self.rank != 0:
             return None
-        return [s for s in out.seqs if s.sample], logits
+        return Forward([s for s in out.seqs if s.sample], logits, prompt_logprobs)
+
+    def _score_prompts(self, seqs: list[ScheduledSeq], hidden: torch.Tensor,
+                       compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> ScoredPrompts | None:
+        """The logprobs of the prompt tokens the step's rows score (ScheduledSeq.prompt_logprob_ids),
+        from the logits of the positions before them, PROMPT_LOGPROB_ROWS positions at a time.
+        Every rank runs the LM head (tensor parallelism gathers its logits); rank 0 scores."""
+        asking = [(i, s) for i, s in enumerate(seqs) if s.prompt_logprob_ids]
+        if not asking:
+            return None
+        starts = np.cumsum([0] + [len(s.token_ids) for s in seqs])
+        rows = np.concatenate([starts[i] + np.asarray(s.prompt_logprob_rows, dtype=np.int64) for i, s in asking])
+        targets = np.fromiter((t for _, s in asking for t in s.prompt_logprob_ids), dtype=np.int64, count=len(rows))
+        rows_dev, targets_dev = self._to_device_packed([rows, targets])
+        scoring = self.rank == 0
+        k = max(s.params.prompt_logprobs for _, s in asking) if scoring else 0
+        pieces = []
+        for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            logits = compute_logits(hidden[rows_dev[lo : lo + PROMPT_LOGPROB_ROWS]])
+            if scoring:
+                pieces.append(score_tokens(logits, targets_dev[lo : lo + PROMPT_LOGPROB_ROWS], k))
+        if not scoring:
+            return None
+        asked = [(s.seq_id, s.prompt_logprobs_from, len(s.prompt_logprob_ids), s.params.prompt_logprobs)
+                 for _, s in asking]
+        return ScoredPrompts(asked, *(torch.cat(parts) for parts in zip(*pieces)))
 
     @property
     def decode_burst(self) -> int:
@@ -648,15 +683,15 @@ class DeferredSample:
     (ModelRunner.launch_forward): `sample()` launches it and returns the step's result (logits
     None: the step samples nothing)."""
 
-    def __init__(self, runner: ModelRunner, rows: list[ScheduledSeq], logits: torch.Tensor | None) -> None:
+    def __init__(self, runner: ModelRunner, forward: Forward) -> None:
         self._runner = runner
-        self._rows = rows
-        self._logits = logits
+        self._forward = forward
 
     def sample(self) -> StepResult:
-        if self._logits is None:
-            return Done(RunnerOutput([]))
-        with torch.inference_mode():
-            sampled = self._runner.sample_rows(self._rows, self._logits)
-        return PendingOutput(self._rows, sampled, self._runner.readback)
+        rows, logits, prompt_logprobs = self._forward
+        sampled = None
+        if logits is not None:
+            with torch.inference_mode():
+                sampled = self._runner.sample_rows(rows, logits)
+        return launched(rows, sampled, self._runner.readback, prompt_logprobs)
 
