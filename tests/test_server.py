@@ -442,9 +442,12 @@ BAD_COMPLETIONS = [
                  id="allowed-token-id-string"),
     pytest.param(json.dumps({"prompt": "x", "bad_words": "fox"}), "bad_words", id="bad-words-not-a-list"),
     pytest.param(json.dumps({"prompt": "x", "bad_words": ["fox", " "]}), "bad_words", id="bad-words-blank"),
-    # vLLM's fields that this server does not honour are refused, not ignored.
-    pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": 1}), "prompt_logprobs", id="prompt-logprobs"),
-    pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": 0}), "prompt_logprobs", id="prompt-logprobs-0"),
+    pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": -1}), "prompt_logprobs", id="prompt-logprobs-negative"),
+    pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": 21}), "prompt_logprobs", id="prompt-logprobs-too-many"),
+    pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": True}), "prompt_logprobs", id="prompt-logprobs-bool"),
+    pytest.param(json.dumps({"prompt": "x", "prompt_logprobs": 1, "stream": True}), "prompt_logprobs",
+                 id="prompt-logprobs-stream"),
+    pytest.param(json.dumps({"prompt": "x", "max_tokens": 0}), "max_tokens", id="max-tokens-0-without-echo"),
 ]
 
 

@@ -1,7 +1,8 @@
 """vLLM's request fields that real clients send, live through the server (test_server's: the
 engine core in its own process, as `nanovllm serve` runs it; and one with a 48-token context on
 an in-process AsyncEngine): include_stop_str_in_output, truncate_prompt_tokens,
-stream_options.continuous_usage_stats, echo (completions and chat) and return_tokens_as_token_ids. What a choice says is
+stream_options.continuous_usage_stats, echo (completions and chat, with logprobs too), prompt_logprobs and
+return_tokens_as_token_ids. What a choice says is
 compared with the offline engine on the same checkpoint; bad values are a 400 naming the field."""
 from __future__ import annotations
 
@@ -365,13 +366,104 @@ def test_echo_of_ids_outside_the_vocabulary_is_400_naming_the_prompt(live, promp
         assert err["param"] == "prompt" and "vocabulary" in err["message"], err
 
 
-def test_echo_with_logprobs_is_400_naming_echo(live):
-    body = {"prompt": "x", "echo": True, "logprobs": 0, "max_tokens": 2}
-    err = assert_error_body(live.http.post("/v1/completions", json=body), 400)
-    assert err["param"] == "echo" and "logprobs" in err["message"]
+def completion_logprobs_of(offline, prompt_ids: list[int], logprobs: int, max_tokens: int) -> tuple[list, list]:
+    """The offline engine's prompt logprobs and generated tokens of a greedy request, for echo."""
+    out = offline.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=max(1, max_tokens), ignore_eos=True,
+                                                        logprobs=logprobs, prompt_logprobs=logprobs),
+                           use_tqdm=False)[0]
+    return out.prompt_logprobs, out.outputs[0]
+
+
+def assert_echoed_logprobs(lp: dict, offline, prompt_ids: list[int], text: str, k: int, max_tokens: int) -> None:
+    """A choice's echo + logprobs: the prompt tokens' logprobs first (the first token's null),
+    equal to the offline engine's prompt_logprobs, then the generated tokens'; text_offset
+    walks the echoed text."""
+    prompt_lps, sample = completion_logprobs_of(offline, prompt_ids, k, max_tokens)
+    ids = prompt_ids + (sample.token_ids if max_tokens else [])
+    entries = prompt_lps + (sample.logprobs if max_tokens else [])
+    tok = offline.tokenizer
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for j in range(1, len(ids)):
+        assert lp["token_logprobs"][j] == pytest.approx(float(entries[j][ids[j]]), abs=1e-4)
+        top = sorted(entries[j].items(), key=lambda kv: -kv[1])[:k]
+        if ids[j] not in dict(top):
+            top.append((ids[j], entries[j][ids[j]]))
+        expected = {tok.decode([t]): float(v) for t, v in top}  # texts may repeat: the later one stays
+        assert lp["top_logprobs"][j] == pytest.approx(expected, abs=1e-4)
+    offsets = [0]
+    for token in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert lp["text_offset"] == offsets
+    assert "".join(lp["tokens"]) == text
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4, 0])
+def test_echo_with_logprobs_scores_the_prompt(live, offline, max_tokens):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs and max_tokens 1 or 0 (0:
+    the prompt alone). Streamed, the first chunk of each choice carries the prompt's entries."""
+    text = "Paris is the capital of France"
+    prompt_ids = offline.tokenizer.encode(text)
+    body = dict(model=MODEL, prompt=text, echo=True, logprobs=2, max_tokens=max_tokens, temperature=0,
+                ignore_eos=True)
+    r = post(live, "/v1/completions", body)
+    choice = r["choices"][0]
+    assert "prompt_logprobs" not in choice  # echo's scores come in logprobs; prompt_logprobs only where asked
+    assert_echoed_logprobs(choice["logprobs"], offline, prompt_ids, choice["text"], 2, max_tokens)
+    assert choice["text"].startswith(text) and (max_tokens or choice["text"] == text)
+    assert r["usage"]["completion_tokens"] == max_tokens
+    texts, chunks = streamed_texts(live, "/v1/completions", body)
+    assert texts == {0: choice["text"]}
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            for key in streamed:
+                streamed[key] += (c["logprobs"] or {}).get(key, [])
+    assert streamed["tokens"] == choice["logprobs"]["tokens"]
+    assert_echoed_logprobs(streamed, offline, prompt_ids, choice["text"], 2, max_tokens)
+
+
+def test_prompt_logprobs_field_as_vllm_returns_it(live, offline):
+    text = "The quick brown fox jumps"
+    prompt_ids = offline.tokenizer.encode(text)
+    r = post(live, "/v1/completions", dict(model=MODEL, prompt=text, prompt_logprobs=3, max_tokens=2, n=2))
+    expected, _ = completion_logprobs_of(offline, prompt_ids, 3, 2)
+    for choice in r["choices"]:
+        got = choice["prompt_logprobs"]
+        assert len(got) == len(prompt_ids) and got[0] is None
+        for j in range(1, len(prompt_ids)):
+            assert list(got[j]) == [str(t) for t in expected[j]]  # the prompt token's entry first
+            for t, lp in expected[j].items():
+                assert got[j][str(t)] == {"logprob": pytest.approx(float(lp), abs=1e-4), "rank": lp.rank,
+                                          "decoded_token": offline.tokenizer.decode([t])}
+        assert choice["logprobs"] is None
+    as_ids = post(live, "/v1/completions", dict(model=MODEL, prompt=text, prompt_logprobs=0, max_tokens=1,
+                                                return_tokens_as_token_ids=True))["choices"][0]["prompt_logprobs"]
+    assert [list(e.values())[0]["decoded_token"] for e in as_ids[1:]] == [f"token_id:{t}" for t in prompt_ids[1:]]
+    plain = post(live, "/v1/completions", dict(model=MODEL, prompt=text, max_tokens=1))
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+def test_chat_prompt_logprobs_at_the_response_level(live, offline):
+    messages = [{"role": "user", "content": "hello there"}]
+    r = post(live, "/v1/chat/completions", dict(model=MODEL, messages=messages, prompt_logprobs=1, max_tokens=2))
+    ours = offline.chat(messages, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    prompt_ids, expected = ours.prompt_token_ids, ours.prompt_logprobs
+    got = r["prompt_logprobs"]
+    assert len(got) == len(prompt_ids) and got[0] is None
+    for j in range(1, len(prompt_ids)):
+        assert {int(t): v["logprob"] for t, v in got[j].items()} == pytest.approx(
+            {t: float(lp) for t, lp in expected[j].items()}, abs=1e-4)
+    assert "prompt_logprobs" not in post(live, "/v1/chat/completions", dict(model=MODEL, messages=messages,
+                                                                           max_tokens=1))
+    err = assert_error_body(live.http.post("/v1/chat/completions", json=dict(
+        messages=messages, prompt_logprobs=1, stream=True)), 400)
+    assert err["param"] == "prompt_logprobs"
+
+
+def test_bad_echo_is_400_naming_echo(live):
     err = assert_error_body(live.http.post("/v1/completions", json={"prompt": "x", "echo": "yes"}), 400)
     assert err["param"] == "echo"
-    assert post(live, "/v1/completions", {**body, "echo": False})["choices"][0]["logprobs"]["tokens"]
 
 
 # ---- echo (chat) --------------------------------------------------------------------------------

@@ -4,15 +4,15 @@ Requests are parsed by pydantic; anything it rejects becomes a 400 with OpenAI's
 (the server overrides FastAPI's 422). A field sent as null takes its default, as OpenAI marks
 its optional fields nullable. Unknown request fields are ignored, as OpenAI clients send
 fields this engine has no use for (`user`, `metadata`, ...); fields we know but cannot honour
-(suffix, echo with logprobs, vLLM's allowed_token_ids, bad_words, prompt_logprobs, ...) are
-rejected with a 400 naming them rather than silently ignored. Sampling
+(suffix, vLLM's allowed_token_ids, bad_words, ...) are rejected with a 400 naming them rather
+than silently ignored. Sampling
 values are checked once, by `SamplingParams`, whose ValueError names the field;
 `sampling_params()` turns that into an `OpenAIError` with `param` set.
 
 Besides OpenAI's parameters, requests take vLLM's extras: top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids, skip_special_tokens, include_stop_str_in_output,
-truncate_prompt_tokens, return_tokens_as_token_ids (send them with the openai client's
-`extra_body`). A sampling field a request leaves unset takes the model's default where it has
+truncate_prompt_tokens, return_tokens_as_token_ids, prompt_logprobs (send them with the openai
+client's `extra_body`). A sampling field a request leaves unset takes the model's default where it has
 one (`apply_generation_defaults`: vLLM's `--generation-config auto`).
 
 Structured output: `response_format` (`{"type": "json_object"}`, or `{"type": "json_schema",
@@ -188,14 +188,15 @@ class _SamplingRequest(_Request):
     # (SamplingParams.allowed_token_ids, bad_words).
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
-    # A vLLM request field this server does not honour: a 400 naming it where set (to anything
-    # but its default), rather than ignored.
-    prompt_logprobs: Any = None
+    # vLLM's: each prompt token's logprob and the k likeliest at its position (SamplingParams
+    # checks the value; not with stream, as vLLM).
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        _refuse_set(self, ("prompt_logprobs",))
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -248,6 +249,11 @@ class _SamplingRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs of this request."""
+        return self.prompt_logprobs
+
     def _logit_bias(self, vocab_size: int) -> dict[int, float] | None:
         """logit_bias with int keys; a key that is not a token id of this model is a 400."""
         if not self.logit_bias:
@@ -299,6 +305,7 @@ class _SamplingRequest(_Request):
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=structured,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                prompt_logprobs=self.wanted_prompt_logprobs,
             )
         except ValueError as exc:
             message = str(exc)
@@ -322,7 +329,11 @@ def apply_generation_defaults(request: dict[str, Any], model: dict[str, Any], se
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    # 0 with echo (OpenAI's and vLLM's): the response is the prompt alone (with its logprobs).
+    max_tokens: StrictInt | None = Field(None, ge=0, le=MAX_REQUEST_INT)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    # The prompt's text before each choice's; with logprobs, the prompt tokens' logprobs before
+    # the generated ones' (the first token's null), as vLLM.
     echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -332,13 +343,29 @@ class CompletionRequest(_SamplingRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported by this server: it would return the prompt "
-                              "tokens' logprobs too (prompt_logprobs), which it does not compute", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt alone)", param="max_tokens")
         if self.suffix:
             raise bad_request("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported by this server (only best_of == n)", param="best_of")
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: each choice is its prompt alone (one token is generated, and
+        left out, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """prompt_logprobs, else with echo the logprobs asked for (the prompt's, echoed)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def check_limits(self, max_n: int, max_prompts: int) -> None:
         super().check_limits(max_n, max_prompts)
@@ -507,9 +534,29 @@ class UsageInfo(_Response):
 
 class CompletionLogprobs(_Response):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # null (and top_logprobs null) for an echoed prompt's first token, which nothing scores
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(_Response):
+    """A token's entry in vLLM's prompt_logprobs: rank 1 is the position's likeliest token."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, null for the first, then token id (a string, as JSON
+# keys are) -> PromptLogprob of the prompt token and the k likeliest.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def _omit_if_none(data: dict[str, Any], *names: str) -> dict[str, Any]:
+    for name in names:
+        if data.get(name, 0) is None:
+            del data[name]
+    return data
 
 
 class CompletionChoice(_Response):
@@ -519,6 +566,11 @@ class CompletionChoice(_Response):
     finish_reason: str | None = None
     # vLLM's: the stop string or stop token id that ended the choice ("stop"); None otherwise
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # only where asked (prompt_logprobs)
+
+    @model_serializer(mode="wrap")
+    def _omit_unasked(self, handler: Any) -> dict[str, Any]:
+        return _omit_if_none(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(_Response):
@@ -588,6 +640,11 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, of the templated prompt; only where asked
+
+    @model_serializer(mode="wrap")
+    def _omit_unasked(self, handler: Any) -> dict[str, Any]:
+        return _omit_if_none(handler(self), "prompt_logprobs")
 
 
 class DeltaFunctionCall(_Response):

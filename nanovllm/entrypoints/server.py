@@ -40,6 +40,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -78,6 +79,8 @@ from nanovllm.entrypoints.protocol import (
     ModelCard,
     ModelList,
     OpenAIError,
+    PromptLogprob,
+    PromptLogprobs,
     TokenLogprob,
     ToolCallOut,
     TopLogprob,
@@ -447,6 +450,14 @@ def _usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
                      total_tokens=prompt_tokens + completion_tokens)
 
 
+def _without_generation(out: RequestOutput) -> RequestOutput:
+    """out with its samples' generated tokens left out (echo with max_tokens 0: the one token
+    generated is not the client's)."""
+    samples = [replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                       cumulative_logprob=None if c.cumulative_logprob is None else 0.0) for c in out.outputs]
+    return replace(out, outputs=samples)
+
+
 def _top(entry: dict[int, float], k: int, sampled: int | None = None) -> list[tuple[int, float]]:
     """The k most likely tokens of an entry (which holds the top-k alternatives plus the
     sampled token, which may rank below them); with `sampled`, that token too where it is not
@@ -686,18 +697,33 @@ class OpenAIServer:
         finals = await self.collect_finals(streams, request, tracker, body.structured_param)
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
+        if body.echo_only:
+            finals = [_without_generation(out) for out in finals]
         choices = []
         for i, out in enumerate(finals):
+            prompt_logprobs = None
+            if body.prompt_logprobs is not None:
+                prompt_logprobs = self._prompt_logprobs(out, body.return_tokens_as_token_ids)
             for c in out.outputs:
+                token_ids, entries, text = c.token_ids, c.logprobs or [], c.text
+                if echoes is not None:
+                    token_ids, entries, text = self._with_prompt(out, token_ids, entries, echoes[i] + text)
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = self._completion_logprobs(c.token_ids, c.logprobs or [], body.logprobs, 0,
+                    logprobs = self._completion_logprobs(token_ids, entries, body.logprobs, 0,
                                                          body.return_tokens_as_token_ids)
-                text = echoes[i] + c.text if echoes is not None else c.text
                 choices.append(CompletionChoice(index=i * params.n + c.index, text=text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=prompt_logprobs))
         return JSONResponse(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                usage=self._usage(finals)).model_dump())
+
+    @staticmethod
+    def _with_prompt(out: RequestOutput, token_ids: list[int], entries: list, text: str) -> tuple[list, list, str]:
+        """An echoed choice's token ids and logprob entries, the prompt's first (its first
+        token's entry None), and its text (the echo's already)."""
+        prompt_entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return list(out.prompt_token_ids) + list(token_ids), list(prompt_entries) + list(entries), text
 
     async def _completion_events(self, request_id: str, body: CompletionRequest, params: SamplingParams,
                                  streams: list[RequestStream], tracker: _Tracker,
@@ -712,6 +738,8 @@ class OpenAIServer:
         async for i, out in _merge(streams):
             tracker.update(i, out)
             _check_constraint(out, body.structured_param)
+            if body.echo_only:
+                out = _without_generation(out)
             for c in out.outputs:
                 index = i * params.n + c.index
                 if index in ended:
@@ -719,18 +747,19 @@ class OpenAIServer:
                 start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
                 delta = c.text[start_text:]
                 new_ids = c.token_ids[start_tok:]
+                new_entries = (c.logprobs or [])[start_tok:]
                 finish = c.finish_reason
                 if finish is not None:
                     ended.add(index)
+                if not delta and not (body.logprobs is not None and new_ids) and finish is None:
+                    continue
+                if echoes is not None and index not in sent_text:  # the prompt before the choice's first tokens
+                    new_ids, new_entries, delta = self._with_prompt(out, new_ids, new_entries, echoes[i] + delta)
                 logprobs = None
                 if body.logprobs is not None and new_ids:
-                    logprobs = self._completion_logprobs(new_ids, (c.logprobs or [])[start_tok:], body.logprobs,
+                    logprobs = self._completion_logprobs(new_ids, new_entries, body.logprobs,
                                                          offsets.get(index, 0), body.return_tokens_as_token_ids)
                     offsets[index] = offsets.get(index, 0) + sum(len(self.token_text(t)) for t in new_ids)
-                if not delta and logprobs is None and finish is None:
-                    continue
-                if echoes is not None and index not in sent_text:
-                    delta = echoes[i] + delta
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                 usage = _usage_info(len(out.prompt_token_ids), len(c.token_ids)) if body.continuous_usage else None
                 yield _sse(CompletionResponse(
@@ -796,8 +825,12 @@ class OpenAIServer:
                 logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], top, body.return_tokens_as_token_ids)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=parser.finish_reason(c.finish_reason), stop_reason=c.stop_reason))
+        prompt_logprobs = None
+        if body.prompt_logprobs is not None:
+            prompt_logprobs = self._prompt_logprobs(out, body.return_tokens_as_token_ids)
         return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                                   usage=self._usage(finals)).model_dump())
+                                                   usage=self._usage(finals), prompt_logprobs=prompt_logprobs
+                                                   ).model_dump())
 
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
                      template_kwargs: dict[str, Any] | None, continue_final_message: bool = False,
@@ -880,17 +913,32 @@ class OpenAIServer:
         return_tokens_as_token_ids (which tells apart tokens whose texts are partial characters)."""
         return f"token_id:{token_id}" if as_id else self.token_text(token_id)
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int,
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None], k: int,
                              offset: int, as_ids: bool = False) -> CompletionLogprobs:
-        """text_offset counts the tokens' text, also where as_ids names them by id."""
+        """text_offset counts the tokens' text, also where as_ids names them by id. An entry None
+        (an echoed prompt's first token) gives null logprobs."""
         result = CompletionLogprobs()
         for token, entry in zip(token_ids, logprobs):
             result.tokens.append(self._token_str(token, as_ids))
-            result.token_logprobs.append(entry.get(token, float("-inf")))
-            result.top_logprobs.append({self._token_str(t, as_ids): lp for t, lp in _top(entry, k, token)})
+            if entry is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                result.token_logprobs.append(entry.get(token, float("-inf")))
+                result.top_logprobs.append({self._token_str(t, as_ids): lp for t, lp in _top(entry, k, token)})
             result.text_offset.append(offset)
             offset += len(self.token_text(token))
         return result
+
+    def _prompt_logprobs(self, out: RequestOutput, as_ids: bool) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs of a response: per prompt token None (the first) or token id ->
+        (logprob, rank, decoded_token); a logprob of -inf reads -9999.0, as vLLM clamps it."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if entry is None else {
+            str(t): PromptLogprob(logprob=max(float(lp), -9999.0), rank=getattr(lp, "rank", None),
+                                  decoded_token=self._token_str(t, as_ids))
+            for t, lp in entry.items()} for entry in out.prompt_logprobs]
 
     def _token_bytes(self, token_id: int, as_id: bool) -> list[int]:
         """A token's `bytes` in chat logprobs: its raw bytes (token_bytes.py), or with as_id the
