@@ -165,3 +165,28 @@ def test_prompt_logprobs_cross_the_engine_core_wire():
     back = prompt_logprobs_from_wire(prompt_logprobs_to_wire(entries))
     assert back == entries
     assert [(t, lp.rank) for t, lp in back[1].items()] == [(7, 9), (3, 1), (4, 2)]
+
+
+def test_scored_in_slices_of_positions(qwen3_tiny, hf_logprobs, monkeypatch):
+    """A prompt longer than a slice of positions is scored a slice at a time, the slices in order."""
+    from nanovllm.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", 5)
+    llm = engine(qwen3_tiny)
+    prompts = random_prompts(llm.engine.vocab_size, [23, 12], seed=13)
+    outs = generate(llm, prompts, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
+    for out, prompt in zip(outs, prompts):
+        assert_matches(out.prompt_logprobs, prompt, hf_logprobs(prompt), 2)
+
+
+def test_tensor_parallel(qwen3_tiny, hf_logprobs):
+    """TP=2 (gloo): every rank runs the LM head over the scored positions, rank 0 scores them."""
+    llm = engine(qwen3_tiny, tensor_parallel_size=2, max_num_batched_tokens=16, kvcache_block_size=4)
+    try:
+        prompts = random_prompts(llm.engine.vocab_size, [40, 6], seed=14)
+        outs = generate(llm, prompts, [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3),
+                                       SamplingParams(temperature=0, max_tokens=3)])
+        assert_matches(outs[0].prompt_logprobs, prompts[0], hf_logprobs(prompts[0]), 3)
+        assert outs[1].prompt_logprobs is None
+    finally:
+        llm.shutdown()
