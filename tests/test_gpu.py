@@ -480,3 +480,34 @@ def test_lone_stream_with_allowed_ids_or_bad_words_keeps_them_with_the_persisten
     for word_ids in words:
         assert all(banned[i:i + len(word_ids)] != word_ids for i in range(len(banned)))
     assert banned != plain
+
+
+def test_prompt_logprobs_on_the_gpu_match_transformers(checkpoint_factory):
+    """Prompt logprobs on CUDA (graphs on, the persistent kernel adopted, the prompt in chunks,
+    beside a plain request): each prompt token's logprob and the top 3 at its position equal
+    transformers' log_softmax of the same model's logits, and the plain request's tokens are
+    those it gets alone."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint_factory("qwen3")
+    llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3,
+              max_num_batched_tokens=64)
+    llm.engine.executor.runner.finish_background_compile()
+    prompt, other = prompts(llm.engine.vocab_size, [150, 9], seed=11)
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate([other], plain, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate([prompt, other], [SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3), plain],
+                        use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == alone
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt], device="cuda")).logits[0].float(), -1).cpu()
+    scored = outs[0].prompt_logprobs
+    assert len(scored) == len(prompt) and scored[0] is None
+    for j in range(1, len(prompt)):
+        row, token = ref[j - 1], prompt[j]
+        assert scored[j][token] == pytest.approx(row[token].item(), abs=2e-3)
+        top = torch.topk(row, 3)
+        for t, lp in zip(top.indices.tolist(), top.values.tolist()):
+            if lp - 2e-3 > row[top.indices[-1]].item() + 2e-3 or t in scored[j]:  # clear of a near-tie at the cut
+                assert scored[j][t] == pytest.approx(lp, abs=2e-3)
