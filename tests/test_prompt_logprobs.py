@@ -167,12 +167,15 @@ def test_prompt_logprobs_cross_the_engine_core_wire():
     assert [(t, lp.rank) for t, lp in back[1].items()] == [(7, 9), (3, 1), (4, 2)]
 
 
-def test_scored_in_slices_of_positions(qwen3_tiny, hf_logprobs, monkeypatch):
-    """A prompt longer than a slice of positions is scored a slice at a time, the slices in order."""
+@pytest.mark.parametrize("bound", ["slice", "max_num_seqs"])
+def test_scored_in_slices_of_positions(qwen3_tiny, hf_logprobs, monkeypatch, bound):
+    """A prompt longer than a slice of positions (PROMPT_LOGPROB_ROWS, at most max_num_seqs) is
+    scored a slice at a time, the slices in order."""
     from nanovllm.runner import model_runner
 
-    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", 5)
-    llm = engine(qwen3_tiny)
+    if bound == "slice":
+        monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", 5)
+    llm = engine(qwen3_tiny, **({"max_num_seqs": 3} if bound == "max_num_seqs" else {}))
     prompts = random_prompts(llm.engine.vocab_size, [23, 12], seed=13)
     outs = generate(llm, prompts, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
     for out, prompt in zip(outs, prompts):

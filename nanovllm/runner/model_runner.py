@@ -44,8 +44,9 @@ logger = logging.getLogger("nanovllm")
 CPU_DECODE_BURST = 8
 # The host arrays a step copies to the device, by dtype (ModelRunner._to_device_packed).
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
-# Prompt logprobs are computed over this many positions' logits at a time: a long prompt's
-# [positions, vocab] fp32 logits would not fit otherwise.
+# Prompt logprobs are computed over at most this many positions' logits at a time, and no more
+# than max_num_seqs (the rows whose logits and sampler temporaries start-up's profiling step
+# measured): a long prompt's [positions, vocab] fp32 logits would not fit otherwise.
 PROMPT_LOGPROB_ROWS = 256
 
 
@@ -579,7 +580,8 @@ class ModelRunner:
     def _score_prompts(self, seqs: list[ScheduledSeq], hidden: torch.Tensor,
                        compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> ScoredPrompts | None:
         """The logprobs of the prompt tokens the step's rows score (ScheduledSeq.prompt_logprob_ids),
-        from the logits of the positions before them, PROMPT_LOGPROB_ROWS positions at a time.
+        from the logits of the positions before them, a slice of positions at a time
+        (PROMPT_LOGPROB_ROWS, at most max_num_seqs).
         Every rank runs the LM head (tensor parallelism gathers its logits); rank 0 scores."""
         asking = [(i, s) for i, s in enumerate(seqs) if s.prompt_logprob_ids]
         if not asking:
@@ -591,10 +593,11 @@ class ModelRunner:
         scoring = self.rank == 0
         k = max(s.params.prompt_logprobs for _, s in asking) if scoring else 0
         pieces = []
-        for lo in range(0, len(rows), PROMPT_LOGPROB_ROWS):
-            logits = compute_logits(hidden[rows_dev[lo : lo + PROMPT_LOGPROB_ROWS]])
+        per_slice = min(PROMPT_LOGPROB_ROWS, self.config.max_num_seqs)
+        for lo in range(0, len(rows), per_slice):
+            logits = compute_logits(hidden[rows_dev[lo : lo + per_slice]])
             if scoring:
-                pieces.append(score_tokens(logits, targets_dev[lo : lo + PROMPT_LOGPROB_ROWS], k))
+                pieces.append(score_tokens(logits, targets_dev[lo : lo + per_slice], k))
         if not scoring:
             return None
         asked = [(s.seq_id, s.prompt_logprobs_from, len(s.prompt_logprob_ids), s.params.prompt_logprobs)
