@@ -28,6 +28,7 @@ ValueError/TypeError naming the field, instead of the template's jinja2 errors.
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 from collections.abc import Sequence
@@ -194,6 +195,10 @@ def check_tools(tools: Any) -> list[dict[str, Any]] | None:
     return checked or None
 
 
+class ChatTemplateError(ValueError):
+    """The chat template failed to render the messages (a template error, or one it raised)."""
+
+
 class TemplateKwargsError(ValueError):
     """chat_template_kwargs that the template cannot take (`check_template_kwargs`)."""
 
@@ -221,18 +226,35 @@ def error_field(exc: Exception) -> str:
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-           tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
-    """The template applied to checked messages and tools (a string); ValueError if the model
-    has none or the template rejects them."""
+           tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+           chat_template: str | None = None) -> str:
+    """The template (chat_template, else the tokenizer's) applied to checked messages and tools
+    (a string); ValueError if there is none or the template rejects them."""
     from jinja2 import TemplateError
 
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so no chat template")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
+    given = {} if chat_template is None else {"chat_template": chat_template}
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+                                             add_generation_prompt=add_generation_prompt, **given,
+                                             **(template_kwargs or {}))
     except (TemplateError, KeyError, TypeError) as exc:
-        raise ValueError(f"the chat template rejected the messages: {exc}") from None
+        raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as vLLM's --chat-template takes it: the path of a file holding
+    it, or the template's text itself (anything with a brace or a line break in it).
+    ValueError for a path to no file."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"chat template {value!r}: no such file (a template given inline holds Jinja's braces)")
 
 
 class _Placeholders:
@@ -276,21 +298,22 @@ def _special_token_texts(tokenizer: Any) -> list[str]:
 def chat_prompt_ids(
     tokenizer: Any, messages: Any, add_generation_prompt: bool = True, parse_special_tokens: bool = False,
     tools: Any = None, template_kwargs: Any = None, continue_final_message: bool = False,
-    add_special_tokens: bool = False,
+    add_special_tokens: bool = False, chat_template: str | None = None,
 ) -> list[int]:
     """Prompt token ids for `messages` (and `tools`, `template_kwargs`: see the module
     docstring). The template holds any BOS, so nothing is added around it unless
     add_special_tokens (vLLM's): then what the tokenizer adds to a text of its own (a BOS) goes
     before it, as vLLM hands the flag to the tokenizer.
     continue_final_message (vLLM's, Hugging Face's): the prompt ends with the final message's
-    text, without what the template closes it with, so that the model goes on with it."""
+    text, without what the template closes it with, so that the model goes on with it.
+    chat_template: a Jinja template to render instead of the tokenizer's."""
     ids = _chat_ids(tokenizer, messages, add_generation_prompt, parse_special_tokens, tools, template_kwargs,
-                    continue_final_message)
+                    continue_final_message, chat_template)
     return tokenizer.encode("", add_special_tokens=True) + ids if add_special_tokens else ids
 
 
 def _chat_ids(tokenizer: Any, messages: Any, add_generation_prompt: bool, parse_special_tokens: bool, tools: Any,
-              template_kwargs: Any, continue_final_message: bool) -> list[int]:
+              template_kwargs: Any, continue_final_message: bool, chat_template: str | None) -> list[int]:
     """chat_prompt_ids without the tokenizer's own special tokens: the template's ids."""
     messages = check_messages(messages)
     tools = check_tools(tools)
@@ -298,7 +321,7 @@ def _chat_ids(tokenizer: Any, messages: Any, add_generation_prompt: bool, parse_
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     if parse_special_tokens:
-        text = render(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+        text = render(tokenizer, messages, add_generation_prompt, tools, template_kwargs, chat_template)
         if continue_final_message:
             text = _cut_after(text, messages[-1]["content"])
         return tokenizer.encode(text, add_special_tokens=False)
@@ -315,7 +338,7 @@ def _chat_ids(tokenizer: Any, messages: Any, add_generation_prompt: bool, parse_
             m["tool_calls"] = holders.guard(m["tool_calls"], as_json=True)
         held.append(m)
     text = render(tokenizer, held, add_generation_prompt, holders.guard(tools, as_json=True),
-                  holders.guard(template_kwargs, as_json=False))
+                  holders.guard(template_kwargs, as_json=False), chat_template)
     if continue_final_message:
         text = _cut_after(text, held[-1]["content"])
     ids: list[int] = []

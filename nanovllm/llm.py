@@ -244,6 +244,7 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them. Special-token text inside a
         message stays text unless parse_special_tokens (nanovllm/chat.py). `tools` (OpenAI's
@@ -251,14 +252,15 @@ class LLM:
         the chat template, and so does add_generation_prompt (vLLM's: False leaves out the
         opening of the assistant's turn); continue_final_message (vLLM's; with
         add_generation_prompt=False) ends the prompt inside the final message, which the reply
-        goes on with. The replies are returned as text."""
+        goes on with. chat_template (vLLM's): a Jinja template to use instead of the model's.
+        The replies are returned as text."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a non-empty list of messages or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [
             chat_prompt_ids(self.engine.tokenizer, conv, add_generation_prompt, parse_special_tokens=parse_special_tokens,
                             tools=tools, template_kwargs=chat_template_kwargs,
-                            continue_final_message=continue_final_message)
+                            continue_final_message=continue_final_message, chat_template=chat_template)
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

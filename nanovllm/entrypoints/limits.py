@@ -64,6 +64,10 @@ class ServerLimits:
     max_prompts: int = 64  # prompts in one /v1/completions request
     # Chat (nanovllm/chat.py)
     parse_special_tokens_in_chat: bool = False  # True: special-token text in messages becomes control tokens
+    chat_template: str | None = None  # the template's text (--chat-template), in place of the model's
+    # A request's own chat_template (vLLM's field) is rendered only when this is set: a template is
+    # code that runs in the server (in Jinja's sandbox).
+    trust_request_chat_template: bool = False
     # CORS (browsers; vLLM's flags): what a page of another origin may send and read. No origin by
     # default (vLLM's default is any): with '*', any page a browser opens could use a key-less
     # server on loopback and read its answers.
@@ -187,6 +191,10 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="most prompts in one /v1/completions request (default: %(default)s)")
     g.add_argument("--parse-special-tokens-in-chat", action="store_true",
                    help="let special-token text in chat messages become control tokens (as vLLM and llama.cpp do)")
+    g.add_argument("--chat-template", type=_chat_template_arg, default=None,
+                   help="the chat template to use instead of the model's: a file, or the template itself")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's own chat_template (vLLM's field; refused with a 400 otherwise)")
     c = parser.add_argument_group("CORS (vLLM's flags; docs/server.md)")
     c.add_argument("--allowed-origins", type=_json_cors_list("origins"), default=d.allowed_origins,
                    help='JSON list of the origins whose pages may call the server, e.g. \'["https://app.example"]\' '
@@ -197,6 +205,16 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                    help='JSON list of the HTTP methods they may use (default: \'["*"]\', any)')
     c.add_argument("--allowed-headers", type=_json_cors_list("headers"), default=d.allowed_headers,
                    help='JSON list of the request headers they may send (default: \'["*"]\', any)')
+
+
+def _chat_template_arg(value: str) -> str:
+    """argparse type: --chat-template's template text (chat.load_chat_template)."""
+    from nanovllm.chat import load_chat_template
+
+    try:
+        return load_chat_template(value)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _json_cors_list(kind: str):
@@ -224,6 +242,8 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
         max_body_bytes=args.max_body_bytes, timeout_body=args.timeout_body, allowed_hosts=hosts,
         max_n=args.max_n, max_prompts=args.max_prompts_per_request,
         parse_special_tokens_in_chat=args.parse_special_tokens_in_chat,
+        chat_template=args.chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
         allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
     )

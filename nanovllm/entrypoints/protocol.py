@@ -386,14 +386,6 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-def _refuse_set(request: _Request, names: tuple[str, ...]) -> None:
-    """A 400 naming the first of these fields the request sets to anything but null or false
-    (0 too: vLLM's prompt_logprobs 0 asks for the prompt tokens' own logprobs)."""
-    for name in names:
-        if getattr(request, name) is not None and getattr(request, name) is not False:
-            raise bad_request(f"{name} is not supported by this server", param=name)
-
-
 class ContentPart(_Request):
     type: str
     text: str | None = None
@@ -482,8 +474,8 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM's: the reply starts with the last message's content when that message has the reply's
     # role (the assistant's, or with add_generation_prompt false, the last message's own).
     echo: StrictBool = False
-    # vLLM's, refused where set (check_unsupported).
-    chat_template: Any = None
+    # vLLM's: a Jinja template to render instead of the server's (with --trust-request-chat-template).
+    chat_template: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -493,7 +485,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("function_call is deprecated and not supported; use tool_choice", param="function_call")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        _refuse_set(self, ("chat_template",))
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt false", param="continue_final_message")
 

@@ -55,7 +55,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm import __version__
-from nanovllm.chat import chat_prompt_ids, error_field
+from nanovllm.chat import ChatTemplateError, chat_prompt_ids, error_field
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from nanovllm.entrypoints.guard import CORSGuard, InternalErrorGuard, RequestGuard
 from nanovllm.entrypoints.limits import ServerLimits
@@ -479,7 +479,8 @@ class OpenAIServer:
         self.model_name = model_name
         self.created = int(time.time())  # the model card's `created`: when this server started
         self.limits = limits
-        self.parsers = (parsers or ParserConfig()).for_template(getattr(engine.tokenizer, "chat_template", None))
+        template = limits.chat_template or getattr(engine.tokenizer, "chat_template", None)
+        self.parsers = (parsers or ParserConfig()).for_template(template)
         self.metrics = ServerMetrics(engine, model_name)
         self.token_text = _TokenText(engine.tokenizer)
         self.token_bytes = TokenBytes(engine.tokenizer, self.token_text)
@@ -489,6 +490,8 @@ class OpenAIServer:
         # the tokenizer (HF tokenizers are not thread-safe), so a long prompt stalls neither
         # the event loop nor the engine.
         self._tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        if self._tokenizer is not None and limits.chat_template is not None:  # --chat-template
+            self._tokenizer.chat_template = limits.chat_template
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenize")
         # Grammar checks (_check_grammar) apart: one that takes seconds holds up no tokenizing.
         self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="nanovllm-grammar-check")
@@ -783,7 +786,7 @@ class OpenAIServer:
                           + len(json.dumps(plan.tools or "")), "messages")
         prompt_ids, prompt_tail = await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, self._chat_prompt, messages, body.add_generation_prompt, plan.tools,
-            body.chat_template_kwargs, body.continue_final_message, body.add_special_tokens)
+            body.chat_template_kwargs, body.continue_final_message, body.add_special_tokens, self._request_template(body))
         (prompt_ids,) = self._truncate([prompt_ids], body.truncate_prompt_tokens)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # OpenAI's default: whatever room the context leaves
@@ -832,24 +835,35 @@ class OpenAIServer:
                                                    usage=self._usage(finals), prompt_logprobs=prompt_logprobs
                                                    ).model_dump())
 
+    def _request_template(self, body: ChatCompletionRequest) -> str | None:
+        """The request's own chat_template, where the server trusts requests with one (a
+        template is code the server runs); else a 400 naming the field."""
+        if body.chat_template is not None and not self.limits.trust_request_chat_template:
+            raise bad_request("a request's chat_template is rendered only by a server started with "
+                              "--trust-request-chat-template", param="chat_template")
+        return body.chat_template
+
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
                      template_kwargs: dict[str, Any] | None, continue_final_message: bool = False,
-                     add_special_tokens: bool = False) -> tuple[list[int], str]:
+                     add_special_tokens: bool = False, chat_template: str | None = None) -> tuple[list[int], str]:
         """Runs on the tokenizer thread: the prompt's ids, and the text of its last few tokens
         (does the template leave a think block open?). Contents are tokenized apart, so
         special-token text in them stays text, and add_special_tokens (vLLM's) puts the
-        tokenizer's own BOS before the template's text (nanovllm/chat.py)."""
+        tokenizer's own BOS before the template's text (nanovllm/chat.py). chat_template: the
+        request's own (checked against --trust-request-chat-template by the caller)."""
         tok = self._tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+        if tok is None or not (chat_template or getattr(tok, "chat_template", None)):
+            raise bad_request("this model has no chat template; use /v1/completions, or start the server with "
+                              "--chat-template", param="messages")
         try:
             ids = chat_prompt_ids(tok, messages, add_generation_prompt,
                                   parse_special_tokens=self.limits.parse_special_tokens_in_chat,
                                   tools=tools, template_kwargs=template_kwargs,
                                   continue_final_message=continue_final_message,
-                                  add_special_tokens=add_special_tokens)
+                                  add_special_tokens=add_special_tokens, chat_template=chat_template)
         except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), param=error_field(exc)) from None
+            about = "chat_template" if chat_template is not None and isinstance(exc, ChatTemplateError) else None
+            raise bad_request(str(exc), param=about or error_field(exc)) from None
         return ids, tok.decode(ids[-4:])
 
     async def _chat_events(self, request_id: str, body: ChatCompletionRequest, params: SamplingParams,
