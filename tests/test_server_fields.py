@@ -421,6 +421,8 @@ def test_echo_with_logprobs_scores_the_prompt(live, offline, max_tokens):
                 streamed[key] += (c["logprobs"] or {}).get(key, [])
     assert streamed["tokens"] == choice["logprobs"]["tokens"]
     assert_echoed_logprobs(streamed, offline, prompt_ids, choice["text"], 2, max_tokens)
+    _, chunks = streamed_texts(live, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"]["completion_tokens"] == max_tokens == r["usage"]["completion_tokens"]
 
 
 def test_prompt_logprobs_field_as_vllm_returns_it(live, offline):

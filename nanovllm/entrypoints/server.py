@@ -772,8 +772,11 @@ class OpenAIServer:
                     usage=usage,
                 ))
         if body.include_usage:
+            finals = tracker.outputs
+            if body.echo_only:  # the token generated to end the request is not the client's
+                finals = [out if out is None else _without_generation(out) for out in finals]
             yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
-                                          usage=self._usage(tracker.outputs)))
+                                          usage=self._usage(finals)))
 
     # ---- /v1/chat/completions ----
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
