@@ -271,7 +271,8 @@ class SamplingParams:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids or not all(
                     is_int(t) and t >= 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "must be None or a non-empty list of token ids (non-negative integers)")
-            object.__setattr__(self, "allowed_token_ids", list(self.allowed_token_ids))
+            # each id once, in the order given (a step's bans are built from the list)
+            object.__setattr__(self, "allowed_token_ids", list(dict.fromkeys(self.allowed_token_ids)))
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(
                     isinstance(w, str) and w.strip() for w in self.bad_words):

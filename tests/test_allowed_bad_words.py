@@ -209,7 +209,7 @@ def test_bad_values_are_refused_naming_the_field(kw, field):
 
 
 def test_values_are_normalized():
-    p = SamplingParams(allowed_token_ids=(3, 4), bad_words=("a",))
+    p = SamplingParams(allowed_token_ids=(3, 4, 3, 3), bad_words=("a",))
     assert (p.allowed_token_ids, p.bad_words) == ([3, 4], ["a"])
     assert SamplingParams(bad_words=[]).bad_words is None
     assert SamplingParams(bad_words=[]).restricts_tokens is False
@@ -272,3 +272,37 @@ def test_the_fast_path_leaves_either_field_to_the_runner():
             assert fast._graph_picks_token(step(**kw)) or fast._graph_filters(step(**kw)), kw
             assert not fast._graph_picks_token(step(**kw, **restrict)), (kw, restrict)
             assert not fast._graph_filters(step(**kw, **restrict)), (kw, restrict)
+
+
+@pytest.mark.parametrize("ban", ["bad-words", "min-tokens"])
+def test_allowed_ids_that_the_bans_leave_none_of_are_refused(qwen3_tiny, ban):
+    """Every allowed id banned (a bad word of one token; a stop token within min_tokens): the
+    request is refused naming allowed_token_ids, not run on logits that are all -inf."""
+    llm = engine(qwen3_tiny)
+    if ban == "bad-words":  # a token whose text is a bad word of that one token
+        token, word = next((t, text) for t in range(3, 384) if (text := llm.tokenizer.decode([t])).strip()
+                           and llm.engine.bad_words_token_ids([text])[0] == [t])
+        kw = dict(bad_words=[word])
+    else:
+        token, kw = 7, dict(stop_token_ids=[7], min_tokens=2)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate([PROMPT], greedy(4, allowed_token_ids=[token], **kw), use_tqdm=False)
+    assert not llm.engine.requests
+    assert token_ids(llm, [PROMPT], greedy(2, allowed_token_ids=[token, 383], **kw)) == [[383, 383]]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_with_no_allowed_token_ends_in_error(qwen3_tiny, async_scheduling):
+    """A grammar none of whose tokens are allowed: the sample ends with finish_reason "error"
+    (the server's 400), not "abort" (which the server reports as its own shutdown), and its
+    blocks are freed."""
+    llm = engine(qwen3_tiny, async_scheduling=async_scheduling)
+    grammar = StructuredOutputsParams(choice=["Paris", "Berlin"])
+    spelled = set(llm.tokenizer.encode("Paris", add_special_tokens=False) + llm.tokenizer.encode(
+        "Berlin", add_special_tokens=False))
+    allowed = [t for t in range(3, 40) if t not in spelled][:2]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, structured_outputs=grammar,
+                                                allowed_token_ids=allowed), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "error" and out.token_ids == []
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -174,3 +174,22 @@ def test_live_server_applies_model_defaults_and_penalties(qwen3_tiny, tmp_path):
             assert tokens(**pen) == expected(temperature=0.0, max_tokens=6, **pen) != expected(temperature=0.0, max_tokens=6)
             forced = tokens(temperature=1.0, logit_bias={"42": 100})
             assert forced == [offline.tokenizer.decode([42])] * 6
+
+
+def test_live_server_refuses_bans_that_leave_nothing_and_too_many_bad_words(live):
+    """A grammar none of whose tokens are allowed is a 400 naming the grammar's field (not a
+    503: the server is fine); allowed ids that a min_tokens ban covers, a 400 naming
+    allowed_token_ids; more than MAX_BAD_WORDS bad words, a 400 naming bad_words."""
+    from nanovllm.entrypoints.protocol import MAX_BAD_WORDS
+
+    body = {"prompt": [11, 12, 13, 14], "max_tokens": 5, "temperature": 0}
+    resp = live.http.post("/v1/completions", json={**body, "allowed_token_ids": [5, 6],
+                                                   "structured_outputs": {"choice": ["Paris", "Berlin"]}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "structured_outputs", resp.text
+    resp = live.http.post("/v1/completions", json={**body, "allowed_token_ids": [7], "stop_token_ids": [7],
+                                                   "min_tokens": 2})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "allowed_token_ids", resp.text
+    resp = live.http.post("/v1/completions", json={**body, "bad_words": ["w"] * (MAX_BAD_WORDS + 1)})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "bad_words", resp.text
+    assert live.http.post("/v1/completions", json={**body, "bad_words": ["w"] * MAX_BAD_WORDS}).status_code == 200
+    assert live.http.get("/health").status_code == 200

@@ -253,13 +253,13 @@ class Grammars:
             view = self._row_views[item.seq_id] = self._masks[row : row + 1]
         item.token_bitmask = view
 
-    def accept(self, seq_id: int, token: int) -> str | None:
+    def accept(self, seq_id: int, token: int, restricted: bool = False) -> str | None:
         """Advance seq_id's matcher by token (unless `check` did already): "stop" when it was a
-        stop token the grammar accepts; "error" if the grammar refuses the token because it
-        allows no token at all here (a grammar that matches no complete output: the mask the
-        token was sampled under was empty); "abort" if it refuses it otherwise (never expected:
-        the mask allowed it, or the check did); None otherwise. The caller drops a refused
-        token."""
+        stop token the grammar accepts; "error" if the grammar refuses the token because no
+        token was left to sample: the grammar allows none here (it matches no complete
+        output), or, where the row was `restricted` (allowed_token_ids, bad_words, a min_tokens
+        ban), none of those it allows; "abort" if it refuses it otherwise (never expected: the
+        mask allowed it, or the check did); None otherwise. The caller drops a refused token."""
         matcher = self.matchers.get(seq_id)
         if matcher is None:
             return None
@@ -268,7 +268,7 @@ class Grammars:
             logger.error("sequence %d: token %d appended where its grammar took %d; it is aborted", seq_id, token, ahead)
             return "abort"
         if ahead is None and not matcher.accept(token):
-            if matcher.allows_nothing():
+            if restricted or matcher.allows_nothing():
                 return "error"
             logger.error("sequence %d sampled token %d that its grammar does not allow; it is aborted", seq_id, token)
             return "abort"

@@ -216,6 +216,7 @@ class LLMEngine:
         if outside:
             raise ValueError(f"allowed_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
         bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
+        self._check_allowed_left(params, bad_words)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
@@ -280,6 +281,20 @@ class LLMEngine:
             for seq in seqs:
                 self.grammars.start(seq.seq_id, grammar.result())
                 self.scheduler.add(seq)
+
+    def _check_allowed_left(self, params: SamplingParams, bad_words: list[list[int]]) -> None:
+        """ValueError naming allowed_token_ids where the bans leave none of them to sample: each
+        is a bad word of one token, or, for the first min_tokens tokens, a stop token."""
+        if not params.allowed_token_ids:
+            return
+        banned = {word[0] for word in bad_words if len(word) == 1}
+        if banned.issuperset(params.allowed_token_ids):
+            raise ValueError("allowed_token_ids: bad_words ban every one of them")
+        if params.min_tokens:
+            banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if banned.issuperset(params.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids: every one of them is a stop token or a bad word, which the first "
+                                 f"min_tokens={params.min_tokens} tokens may not be")
 
     def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
         """The token sequences that `bad_words` ban, as vLLM's: each word, its leading spaces
@@ -544,7 +559,9 @@ class LLMEngine:
             stop_reason = stop_token_reason(token, params.ignore_eos, params.stop_token_ids, self.eos_token_ids)
         detok = request.detokenizers[request.seqs.index(seq)] if request.detokenizers[0] is not None else None
         if reason is None and self.grammars.matchers:
-            reason = self.grammars.accept(seq.seq_id, token)
+            restricted = (params.allowed_token_ids is not None or bool(seq.bad_words_token_ids)
+                          or (bool(seq.min_tokens_banned_ids) and n <= params.min_tokens))
+            reason = self.grammars.accept(seq.seq_id, token, restricted)
             if reason in ("error", "abort"):  # the grammar refused the token: it is dropped
                 self.scheduler.finish(seq, reason, num_tokens=index)
                 if detok is not None:

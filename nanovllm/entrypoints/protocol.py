@@ -61,6 +61,9 @@ from nanovllm.text import check_text
 # The largest integer a request field may hold: what the engine core's messages carry (msgpack's
 # int64). Larger counts mean nothing more (max_tokens is cut to the context), but would not cross.
 MAX_REQUEST_INT = 2**63 - 1
+# The most bad_words a request may give: each is tokenized (twice) as the engine core admits the
+# request, and each step of its sequences checks every one against the output's tail.
+MAX_BAD_WORDS = 1024
 
 
 class OpenAIError(Exception):
@@ -187,7 +190,7 @@ class _SamplingRequest(_Request):
     # vLLM's: only these token ids may be sampled; and words that may not be generated
     # (SamplingParams.allowed_token_ids, bad_words).
     allowed_token_ids: list[StrictInt] | None = None
-    bad_words: list[str] | None = None
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     # vLLM's: each prompt token's logprob and the k likeliest at its position (SamplingParams
     # checks the value; not with stream, as vLLM).
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)

@@ -438,8 +438,9 @@ def _check_constraint(out: RequestOutput, param: str) -> None:
     grammar allows no token at all (finish reason "error": it matches no complete output)."""
     for c in out.outputs:
         if c.finish_reason == "error":
-            raise bad_request(f"the output constraint allows no token after {len(c.token_ids)} tokens of output: "
-                              "it matches no complete output", param=param)
+            raise bad_request(f"the output constraint allows no token after {len(c.token_ids)} tokens of output "
+                              "(with the request's allowed_token_ids, bad_words and min_tokens, where given): it "
+                              "matches no complete output", param=param)
 
 
 def _usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
