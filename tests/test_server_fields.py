@@ -491,6 +491,15 @@ def test_chat_echo_puts_the_last_message_before_the_reply_when_the_roles_match(l
     reply = post(live, "/v1/chat/completions", listed)["choices"][0]["message"]["content"]
     assert reply.startswith("The\nanswer")
 
+    assert {c["message"]["role"] for c in echoed["choices"]} == {"assistant"}
+    user_goes_on = post(live, "/v1/chat/completions", {**body, "n": 1, "messages": body["messages"][:1],
+                                                       "continue_final_message": True, "echo": True})
+    assert user_goes_on["choices"][0]["message"]["role"] == "user"  # vLLM's: the reply goes on with it
+    assert user_goes_on["choices"][0]["message"]["content"].startswith("Name a colour.")
+    _, chunks = streamed_texts(live, "/v1/chat/completions", {**body, "n": 1, "messages": body["messages"][:1],
+                                                               "continue_final_message": True})
+    assert chunks[0]["choices"][0]["delta"]["role"] == "user"
+
     asked = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6,
                  temperature=0, ignore_eos=True)
     assert (post(live, "/v1/chat/completions", {**asked, "echo": True})["choices"][0]["message"]["content"]

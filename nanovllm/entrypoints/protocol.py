@@ -494,15 +494,17 @@ class ChatCompletionRequest(_SamplingRequest):
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
+    @property
+    def reply_role(self) -> str:
+        """The role of the reply (vLLM's rule): the assistant's after a generation prompt, else
+        the last message's, which the reply goes on with."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
     def echoed_text(self) -> str:
         """What `echo` puts before each choice's content: the last message's text if its role
-        is the reply's (vLLM's rule: "assistant", or the last message's role without a
-        generation prompt), else nothing."""
-        if not self.echo:
-            return ""
+        is the reply's, else nothing."""
         last = self.messages[-1]
-        reply_role = "assistant" if self.add_generation_prompt else last.role
-        return last.text() if last.role == reply_role else ""
+        return last.text() if self.echo and last.role == self.reply_role else ""
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tool definitions as plain dicts (what chat templates take)."""

@@ -826,7 +826,8 @@ class OpenAIServer:
                 content = echoed + (content or "")
             calls = [ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
                      for t in parsed.tool_calls]
-            message = ChatResponseMessage(content=content, reasoning_content=parsed.reasoning, tool_calls=calls)
+            message = ChatResponseMessage(role=body.reply_role, content=content, reasoning_content=parsed.reasoning,
+                                          tool_calls=calls)
             logprobs = None
             if top is not None:
                 logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [], top, body.return_tokens_as_token_ids)
@@ -886,7 +887,7 @@ class OpenAIServer:
         echoed = body.echoed_text()
         for i in range(params.n):
             usage = _usage_info(num_prompt_tokens, 0) if body.continuous_usage else None
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], usage)
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role=body.reply_role, content=""))], usage)
             if echoed:
                 yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=echoed))], usage)
         async for _, out in _merge([stream]):
