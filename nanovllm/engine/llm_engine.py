@@ -216,7 +216,10 @@ class LLMEngine:
         if outside:
             raise ValueError(f"allowed_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
         bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
-        self._check_allowed_left(params, bad_words)
+        banned = []  # what the first min_tokens tokens may not be
+        if params.min_tokens:
+            banned = sorted(set((self.eos_token_ids if not params.ignore_eos else []) + params.stop_token_ids))
+        self._check_allowed_left(params, bad_words, banned)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
@@ -233,9 +236,6 @@ class LLMEngine:
             if grammar.done() and grammar.exception() is not None:  # a cached failed compile
                 del self.grammars.waiting[request_id]
                 raise ValueError(f"structured_outputs.{params.structured_outputs.kind}: {grammar.exception()}")
-        banned = []
-        if params.min_tokens:
-            banned = sorted(set((self.eos_token_ids if not params.ignore_eos else []) + params.stop_token_ids))
         room = self.max_model_len - len(ids)  # the most tokens the context leaves
         seqs = [
             Sequence(
@@ -282,16 +282,18 @@ class LLMEngine:
                 self.grammars.start(seq.seq_id, grammar.result())
                 self.scheduler.add(seq)
 
-    def _check_allowed_left(self, params: SamplingParams, bad_words: list[list[int]]) -> None:
+    @staticmethod
+    def _check_allowed_left(params: SamplingParams, bad_words: list[list[int]], min_tokens_banned: list[int]) -> None:
         """ValueError naming allowed_token_ids where the bans leave none of them to sample: each
-        is a bad word of one token, or, for the first min_tokens tokens, a stop token."""
+        is a bad word of one token, or, for the first min_tokens tokens, one of
+        min_tokens_banned (the stop tokens)."""
         if not params.allowed_token_ids:
             return
         banned = {word[0] for word in bad_words if len(word) == 1}
         if banned.issuperset(params.allowed_token_ids):
             raise ValueError("allowed_token_ids: bad_words ban every one of them")
-        if params.min_tokens:
-            banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if min_tokens_banned:
+            banned.update(min_tokens_banned)
             if banned.issuperset(params.allowed_token_ids):
                 raise ValueError(f"allowed_token_ids: every one of them is a stop token or a bad word, which the first "
                                  f"min_tokens={params.min_tokens} tokens may not be")
@@ -559,8 +561,7 @@ class LLMEngine:
             stop_reason = stop_token_reason(token, params.ignore_eos, params.stop_token_ids, self.eos_token_ids)
         detok = request.detokenizers[request.seqs.index(seq)] if request.detokenizers[0] is not None else None
         if reason is None and self.grammars.matchers:
-            restricted = (params.allowed_token_ids is not None or bool(seq.bad_words_token_ids)
-                          or (bool(seq.min_tokens_banned_ids) and n <= params.min_tokens))
+            restricted = params.restricts_tokens or (bool(seq.min_tokens_banned_ids) and n <= params.min_tokens)
             reason = self.grammars.accept(seq.seq_id, token, restricted)
             if reason in ("error", "abort"):  # the grammar refused the token: it is dropped
                 self.scheduler.finish(seq, reason, num_tokens=index)
