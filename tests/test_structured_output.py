@@ -511,6 +511,49 @@ def test_each_refusal_doubles_the_wide_masks_a_sequence_needs_before_it_samples_
     g.shutdown()
 
 
+def test_each_masked_row_gets_its_own_sequences_mask_as_the_masked_rows_change(tokenizer_dir):
+    """Step after step, with the step's masked rows changing in number and order (a new
+    sequence each step, the batch's order reversed every other step), each row's mask allows
+    exactly what its own sequence's grammar allows next."""
+    from transformers import AutoTokenizer
+
+    from nanovllm.engine.grammars import Grammars
+    from nanovllm.step import ScheduledSeq, SchedulerOutput
+    from nanovllm.structured.matcher import allowed_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    vocab = len(tokenizer)
+    g = Grammars(tokenizer, vocab, [tokenizer.eos_token_id])
+    letters = "abcdefgh"
+    specs = {letter: StructuredOutputsParams(regex=f"{letter}+!") for letter in letters}
+    for letter, spec in specs.items():
+        g.submit(letter, spec)
+    compiled = {}
+    while len(compiled) < len(specs):
+        compiled.update(g.compiled())
+    single = {letter: next(t for t in range(vocab) if tokenizer.decode([t]) == letter) for letter in letters}
+    started = []
+    for step in range(12):
+        if step < len(letters):
+            g.start(step, compiled[letters[step]])
+            started.append(step)
+        order = started[::-1] if step % 2 else started
+        # greedy and sampled rows alike: a narrow grammar keeps every row masked
+        items = [ScheduledSeq(s, [1], 5, [0], True, SamplingParams(temperature=s % 2, structured_outputs=specs[letters[s]]),
+                              None, None) for s in order]
+        done, unchecked = g.refresh(SchedulerOutput(items, len(items), len(items)), check_after=True)
+        assert not done and not unchecked
+        for item in items:
+            letter = letters[item.seq_id]
+            allowed = {tokenizer.decode([t]) for t in allowed_token_ids(item.token_bitmask).tolist()}
+            assert letter in allowed, (step, letter)
+            assert all(text == "!" or set(text) <= {letter, "!"} for text in allowed), (step, letter, allowed)
+        for item in items:
+            assert g.accept(item.seq_id, single[letters[item.seq_id]]) is None
+    g.drop(started)
+    g.shutdown()
+
+
 @pytest.mark.parametrize("schema", [
     {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]},
     {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]},

@@ -6,8 +6,8 @@ grammar compiles in a thread pool (structured/compiler.py); until then its seque
 of the scheduler, and other requests run. Once a sequence runs, every token the engine appends
 advances its matcher (`accept`); before a step samples, `refresh` fills the masks of the step's
 constrained rows in one call on several threads (xgrammar's BatchGrammarMatcher) into a table
-of one row per sequence, and names the sequences whose grammar is complete and allows only a
-stop token next (the engine ends them, "stop"). Preemption (recompute) keeps the output
+whose rows are the step's masked rows in turn, and names the sequences whose grammar is
+complete and allows only a stop token next (the engine ends them, "stop"). Preemption (recompute) keeps the output
 tokens, so the matcher stays where it is.
 
 Checked after sampling: filling a mask costs tens of microseconds a row on a large vocabulary,
@@ -25,10 +25,11 @@ needs before it samples unmasked again (up to MAX_WIDE_MASKS_TO_UNMASK): a model
 the grammar keeps refusing (a random one; a poor fit of model and schema) ends up masked
 nearly always, and one whose argmax the grammar mostly allows is rarely masked.
 
-On CUDA the table is in pinned memory: the runner copies it to the device without a host copy
-first (structured/bitmask.py, BitmaskStaging). The copy runs later, on the device's stream;
-that is safe because a row is refilled only once the tokens of the steps that read it have come
-back (its matcher needs them), and those steps' copies ran before their sampling did.
+On CUDA the table is in pinned memory: the runner copies its first rows, as many as the step
+masks, to the device without a host copy first (structured/bitmask.py, BitmaskStaging). The
+copy runs later, on the device's stream; that is safe because the table is refilled only once
+the tokens of the step before have come back (the matchers need them), and that step's copy
+ran before its sampling did.
 """
 from __future__ import annotations
 
@@ -78,12 +79,10 @@ class Grammars:
         self._batch = None  # xgrammar's BatchGrammarMatcher, with the first matcher
         self.waiting: dict[str, Future] = {}  # request id -> its grammar's compile
         self.matchers: dict[int, SequenceMatcher] = {}  # seq id -> its matcher
-        # The mask table: row self._rows[seq id] holds that sequence's next-token mask.
+        # The mask table: row i holds the next-token mask of the step's i-th masked row.
         self._masks: torch.Tensor | None = None
         self._mask_words: np.ndarray | None = None  # the same table as uint32 words
-        self._rows: dict[int, int] = {}
-        self._row_views: dict[int, torch.Tensor] = {}  # seq id -> its row of the table, as [1, W]
-        self._free_rows: list[int] = []
+        self._row_views: list[torch.Tensor] = []  # row i of the table, as [1, W]
         # seq id -> a token its matcher was advanced by in `check`, before the engine appends it.
         self._accepted_ahead: dict[int, int] = {}
         # Sequences whose next step samples under their mask even where it could be checked
@@ -121,30 +120,28 @@ class Grammars:
     def start(self, seq_id: int, compiled) -> None:
         from nanovllm.structured.matcher import SequenceMatcher
 
-        matcher = SequenceMatcher(compiled, self._stop_token_ids)
-        if not self._free_rows:
-            self._grow(matcher)
-        self.matchers[seq_id] = matcher
-        self._rows[seq_id] = self._free_rows.pop()
+        self.matchers[seq_id] = SequenceMatcher(compiled, self._stop_token_ids)
         self._sample_masked_first(seq_id)
 
-    def _grow(self, matcher: SequenceMatcher) -> None:
-        """Twice the rows (16 at first); the rows in use keep their place."""
+    def _reserve(self, rows: int, matcher: SequenceMatcher) -> None:
+        """A table of at least `rows` rows (16 at first, then doubled as needed). Its content
+        is not kept: every step fills the rows it uses."""
         import xgrammar as xgr
 
         old = self._masks
-        rows = 16 if old is None else 2 * old.shape[0]
-        table = matcher.new_mask().expand(rows, -1).contiguous()
+        if old is not None and old.shape[0] >= rows:
+            return
+        capacity = 16 if old is None else old.shape[0]
+        while capacity < rows:
+            capacity *= 2
+        table = matcher.new_mask().expand(capacity, -1).contiguous()
         if self._pin_memory:
             table = table.pin_memory()
-        if old is None:
+        if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher()
-        else:
-            table[: old.shape[0]] = old
-        self._free_rows.extend(range(rows - 1, (0 if old is None else old.shape[0]) - 1, -1))
         self._masks = table
         self._mask_words = table.numpy().view(np.uint32)
-        self._row_views.clear()
+        self._row_views = [table[i : i + 1] for i in range(capacity)]
 
     def samples_constrained(self, sched: SchedulerOutput) -> bool:
         """Whether a step samples some sequence with a grammar (whose next mask needs its token)."""
@@ -178,15 +175,17 @@ class Grammars:
                 filled.append((item, matcher, checkable))
         if not filled:
             return [], unchecked
-        self._fill([item.seq_id for item, matcher, _ in filled if not matcher.terminated])
-        done, judged = [], []
-        for item, matcher, checkable in filled:
-            self._attach_mask(item)
+        self._reserve(len(filled), filled[0][1])
+        self._fill(filled)
+        done, judged, judged_rows = [], [], []
+        for row, (item, matcher, checkable) in enumerate(filled):
+            item.token_bitmask = self._row_views[row]
             if matcher.done(item.token_bitmask):
                 done.append(item.seq_id)
             elif checkable:
                 judged.append(item.seq_id)
-        for seq_id, narrow in zip(judged, self._narrow(judged)):
+                judged_rows.append(row)
+        for seq_id, narrow in zip(judged, self._narrow(judged_rows)):
             if narrow:
                 self._sample_masked_first(seq_id)
             elif mask_first[seq_id] > 1:
@@ -201,23 +200,28 @@ class Grammars:
         if needed > 0:
             self._mask_first[seq_id] = needed
 
-    def _narrow(self, seq_ids: list[int]) -> list[bool]:
-        """Whether each of these sequences' masks allows under NARROW_FRACTION of the vocabulary."""
-        if not seq_ids:
+    def _narrow(self, rows: list[int]) -> list[bool]:
+        """Whether each of these rows' masks allows under NARROW_FRACTION of the vocabulary."""
+        if not rows:
             return []
-        sample = self._mask_words[[self._rows[i] for i in seq_ids], ::NARROW_SAMPLE_STRIDE]
+        sample = self._mask_words[rows, ::NARROW_SAMPLE_STRIDE]
         allowed = np.bitwise_count(sample).sum(axis=1, dtype=np.int64) * NARROW_SAMPLE_STRIDE
         return (allowed < NARROW_FRACTION * self._vocab_size).tolist()
 
-    def _fill(self, seq_ids: list[int]) -> None:
-        """The masks of these sequences' matchers into their rows of the table (one
-        multi-threaded xgrammar call for many, one call each for a few)."""
-        if len(seq_ids) >= BATCH_FILL_MIN_ROWS:
-            self._batch.batch_fill_next_token_bitmask([self.matchers[i].xgr_matcher for i in seq_ids], self._masks,
-                                                      indices=[self._rows[i] for i in seq_ids])
+    def _fill(self, filled: list[tuple[ScheduledSeq, SequenceMatcher, bool]]) -> None:
+        """The masks of the `filled` rows' matchers into rows 0, 1, ... of the table (one
+        multi-threaded xgrammar call for many, one call each for a few). A terminated matcher
+        (its sequence ends at this step, its token dropped) allows every token."""
+        live = [(row, matcher.xgr_matcher) for row, (_, matcher, _) in enumerate(filled) if not matcher.terminated]
+        if len(live) < len(filled):
+            for row, (_, matcher, _) in enumerate(filled):
+                if matcher.terminated:
+                    self._masks[row].fill_(-1)
+        if len(live) >= BATCH_FILL_MIN_ROWS:
+            self._batch.batch_fill_next_token_bitmask([m for _, m in live], self._masks, indices=[r for r, _ in live])
             return
-        for seq_id in seq_ids:
-            self.matchers[seq_id].xgr_matcher.fill_next_token_bitmask(self._masks, self._rows[seq_id])
+        for row, xgr_matcher in live:
+            xgr_matcher.fill_next_token_bitmask(self._masks, row)
 
     def check(self, rows: list[ScheduledSeq], tokens: list[int]) -> list[int]:
         """Advance the matchers of rows sampled without a mask (refresh's unchecked) by their
@@ -244,14 +248,6 @@ class Grammars:
                 self._wide_to_unmask[item.seq_id] = min(max(2 * needed, 1), MAX_WIDE_MASKS_TO_UNMASK)
                 self._sample_masked_first(item.seq_id)
         return refused
-
-    def _attach_mask(self, item: ScheduledSeq) -> None:
-        """item's sequence's row of the mask table becomes item's mask (ScheduledSeq.token_bitmask)."""
-        view = self._row_views.get(item.seq_id)
-        if view is None:
-            row = self._rows[item.seq_id]
-            view = self._row_views[item.seq_id] = self._masks[row : row + 1]
-        item.token_bitmask = view
 
     def accept(self, seq_id: int, token: int, restricted: bool = False) -> str | None:
         """Advance seq_id's matcher by token (unless `check` did already): "stop" when it was a
@@ -280,9 +276,7 @@ class Grammars:
             self._accepted_ahead.pop(seq_id, None)
             self._mask_first.pop(seq_id, None)
             self._wide_to_unmask.pop(seq_id, None)
-            self._row_views.pop(seq_id, None)
-            if self.matchers.pop(seq_id, None) is not None:
-                self._free_rows.append(self._rows.pop(seq_id))
+            self.matchers.pop(seq_id, None)
 
     def shutdown(self) -> None:
         if self._compiler is not None:

@@ -49,8 +49,8 @@ class TokenBitmask:
 
 class BitmaskStaging:
     """TokenBitmask.from_rows for a CUDA device, without memory allocated each step. The
-    engine's masks are rows of its one pinned table (engine/grammars.py): the table is copied to
-    the device as it is, and each batch row names its sequence's row there. Masks that are not
+    engine's masks are the first rows of its one pinned table (engine/grammars.py): those rows
+    are copied to the device as they are, and each batch row names its own there. Masks that are not
     rows of one pinned table are gathered into a pinned buffer of this object's instead. Its
     pinned buffers are refilled once the last step's copies have run (an event marks them; in
     the engine they have, since that step's tokens came back first). The device copies land in
