@@ -203,6 +203,10 @@ class TemplateKwargsError(ValueError):
     """chat_template_kwargs that the template cannot take (`check_template_kwargs`)."""
 
 
+class ToolsError(ValueError):
+    """Tool definitions that `check_tools` refuses, met while building a chat prompt."""
+
+
 def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
     """chat_template_kwargs (vLLM's request field): extra variables for the template.
     TemplateKwargsError if they are not an object with string keys, set the template's own
@@ -220,18 +224,25 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def error_field(exc: Exception) -> str:
-    """The request field a `chat_prompt_ids` error is about: chat_template_kwargs or messages."""
-    return "chat_template_kwargs" if isinstance(exc, TemplateKwargsError) else "messages"
+def error_field(exc: Exception, request_template: bool = False) -> str:
+    """The request field a `chat_prompt_ids` error is about: chat_template_kwargs, tools,
+    chat_template (where the request gave the template that failed) or messages."""
+    if isinstance(exc, TemplateKwargsError):
+        return "chat_template_kwargs"
+    if isinstance(exc, ToolsError):
+        return "tools"
+    if isinstance(exc, ChatTemplateError) and request_template:
+        return "chat_template"
+    return "messages"
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
            tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
            chat_template: str | None = None) -> str:
     """The template (chat_template, else the tokenizer's) applied to checked messages and tools
-    (a string); ValueError if there is none or the template rejects them."""
-    from jinja2 import TemplateError
-
+    (a string); ValueError if there is none, ChatTemplateError if rendering fails: a template is
+    code, and whatever it raises (a Jinja error, a division by zero, the sandbox's range limit,
+    a recursion too deep) is the template's failure on these messages, not the server's."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so no chat template")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -241,8 +252,8 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **given,
                                              **(template_kwargs or {}))
-    except (TemplateError, KeyError, TypeError) as exc:
-        raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 (see the docstring)
+        raise ChatTemplateError(f"the chat template rejected the messages: {type(exc).__name__}: {exc}") from None
 
 
 def load_chat_template(value: str) -> str:
@@ -316,7 +327,10 @@ def _chat_ids(tokenizer: Any, messages: Any, add_generation_prompt: bool, parse_
               template_kwargs: Any, continue_final_message: bool, chat_template: str | None) -> list[int]:
     """chat_prompt_ids without the tokenizer's own special tokens: the template's ids."""
     messages = check_messages(messages)
-    tools = check_tools(tools)
+    try:
+        tools = check_tools(tools)
+    except (TypeError, ValueError) as exc:
+        raise ToolsError(str(exc)) from None
     template_kwargs = check_template_kwargs(template_kwargs)
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")

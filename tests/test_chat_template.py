@@ -96,3 +96,61 @@ def test_a_trusting_server_renders_a_requests_template(engine):
         err = assert_error_body(chat(http, chat_template="{% for m in messages %}"), 400)  # unclosed block
         assert err["param"] == "chat_template" and "chat template" in err["message"]
         assert chat(http).status_code == 200  # the server goes on serving
+
+
+@pytest.mark.parametrize("template, kwargs", [
+    ("{{ 1 / 0 }}", None),  # ZeroDivisionError
+    ("{% for i in range(10**6) %}{% endfor %}", None),  # the sandbox's range limit: OverflowError
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", None),  # RecursionError
+    ("{{ 'x'.encode('no-such-codec') }}", None),  # LookupError
+    ("{{ 'abc'.index('z') }}", None),  # ValueError
+    ("{{ 10 / n }}", {"n": 0}),  # through the request's chat_template_kwargs
+])
+def test_whatever_a_requests_template_raises_is_a_400_naming_chat_template(engine, template, kwargs):
+    """A template is code: any exception it raises while rendering is the request's error (400
+    naming chat_template, on /v1/chat/completions and /tokenize alike), never a 500."""
+    with client(engine, trust_request_chat_template=True) as url:
+        http = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+        extra = {"chat_template_kwargs": kwargs} if kwargs else {}
+        err = assert_error_body(chat(http, chat_template=template, **extra), 400)
+        assert err["param"] == "chat_template" and "chat template" in err["message"]
+        r = http.post("/tokenize", json={"messages": MESSAGES, "chat_template": template, **extra})
+        assert assert_error_body(r, 400)["param"] == "chat_template"
+        assert chat(http).status_code == 200
+
+
+def test_the_llm_chat_api_raises_a_value_error_for_a_failing_template(qwen3_tiny):
+    from nanovllm.chat import ChatTemplateError, chat_prompt_ids
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_tiny))
+    with pytest.raises(ChatTemplateError, match="ZeroDivisionError"):
+        chat_prompt_ids(tokenizer, MESSAGES, chat_template="{{ 1 / 0 }}")
+
+
+def test_tokenize_renders_a_chat_as_the_chat_endpoint_does(engine, tmp_path):
+    """/tokenize counts what /v1/chat/completions will see: with the request's own template on
+    a trusting server (a 400 naming chat_template on one that is not), with special-token text
+    parsed where the server parses it, and naming `tools` for bad tool definitions."""
+    tok = engine.tokenizer
+    with client(engine, trust_request_chat_template=True) as url:
+        http = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+        r = http.post("/tokenize", json={"messages": MESSAGES, "chat_template": REQUEST_TEMPLATE})
+        assert r.status_code == 200, r.text
+        assert tok.decode(r.json()["tokens"]) == REQUEST_RENDERED
+        assert r.json()["count"] == chat(http, chat_template=REQUEST_TEMPLATE).json()["usage"]["prompt_tokens"]
+        bad_tools = [{"type": "function", "function": {"name": "bad name!"}}]
+        err = assert_error_body(http.post("/tokenize", json={"messages": MESSAGES, "tools": bad_tools}), 400)
+        assert err["param"] == "tools"
+    with client(engine) as url:
+        http = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+        r = http.post("/tokenize", json={"messages": MESSAGES, "chat_template": REQUEST_TEMPLATE})
+        assert assert_error_body(r, 400)["param"] == "chat_template"
+    special = tok.eos_token
+    messages = [{"role": "user", "content": f"Hi {special} there"}]
+    with client(engine, chat_template=SERVER_TEMPLATE, parse_special_tokens_in_chat=True) as url:
+        http = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+        count = http.post("/tokenize", json={"messages": messages}).json()["count"]
+        used = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+        assert count == used["usage"]["prompt_tokens"]
+        assert tok.eos_token_id in http.post("/tokenize", json={"messages": messages}).json()["tokens"]

@@ -193,3 +193,13 @@ def test_live_server_refuses_bans_that_leave_nothing_and_too_many_bad_words(live
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "bad_words", resp.text
     assert live.http.post("/v1/completions", json={**body, "bad_words": ["w"] * MAX_BAD_WORDS}).status_code == 200
     assert live.http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("best_of", [True, 1.0, "1"])
+def test_best_of_is_an_integer_like_every_count(best_of):
+    """best_of takes a JSON integer only, as n and max_tokens do (a JSON true is not a number)."""
+    from pydantic import ValidationError
+
+    assert completion(best_of=1).best_of == 1
+    with pytest.raises(ValidationError, match="best_of"):
+        completion(best_of=best_of)

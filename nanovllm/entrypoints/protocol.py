@@ -339,7 +339,7 @@ class CompletionRequest(_SamplingRequest):
     # the generated ones' (the first token's null), as vLLM.
     echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
     # vLLM's: the tokenizer's special tokens (a BOS) before a text prompt's; false for a text
     # that holds them already.
     add_special_tokens: StrictBool = True

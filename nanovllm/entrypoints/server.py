@@ -55,7 +55,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm import __version__
-from nanovllm.chat import ChatTemplateError, chat_prompt_ids, error_field
+from nanovllm.chat import chat_prompt_ids, error_field
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from nanovllm.entrypoints.guard import CORSGuard, InternalErrorGuard, RequestGuard
 from nanovllm.entrypoints.limits import ServerLimits
@@ -91,7 +91,7 @@ from nanovllm.entrypoints.protocol import (
 from nanovllm.entrypoints.reasoning import prompt_opens_reasoning
 from nanovllm.entrypoints.token_bytes import TokenBytes
 from nanovllm.entrypoints.tokenization import (
-    TokenizeCompletionRequest, detokenize, parse_detokenize, parse_tokenize, tokenize,
+    ChatOptions, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, parse_detokenize, parse_tokenize, tokenize,
 )
 from nanovllm.entrypoints.tool_parsers import ParsedDelta
 from nanovllm.entrypoints.tools import ChoiceParser, ParserConfig, plan_tools
@@ -840,7 +840,7 @@ class OpenAIServer:
                                                    usage=self._usage(finals), prompt_logprobs=prompt_logprobs
                                                    ).model_dump())
 
-    def _request_template(self, body: ChatCompletionRequest) -> str | None:
+    def _request_template(self, body: ChatCompletionRequest | TokenizeChatRequest) -> str | None:
         """The request's own chat_template, where the server trusts requests with one (a
         template is code the server runs); else a 400 naming the field."""
         if body.chat_template is not None and not self.limits.trust_request_chat_template:
@@ -867,8 +867,7 @@ class OpenAIServer:
                                   continue_final_message=continue_final_message,
                                   add_special_tokens=add_special_tokens, chat_template=chat_template)
         except (ValueError, TypeError) as exc:
-            about = "chat_template" if chat_template is not None and isinstance(exc, ChatTemplateError) else None
-            raise bad_request(str(exc), param=about or error_field(exc)) from None
+            raise bad_request(str(exc), param=error_field(exc, request_template=chat_template is not None)) from None
         return ids, tok.decode(ids[-4:])
 
     async def _chat_events(self, request_id: str, body: ChatCompletionRequest, params: SamplingParams,
@@ -995,10 +994,12 @@ class OpenAIServer:
         self.check_model(body.model)
         if isinstance(body, TokenizeCompletionRequest):
             self._check_chars(len(body.prompt), "prompt")
+            chat = None
         else:
             self._check_chars(sum(len(m.text()) for m in body.messages), "messages")
+            chat = ChatOptions(self.limits.parse_special_tokens_in_chat, self._request_template(body))
         out = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, tokenize, self._tokenizer, body, self.engine.max_model_len)
+            self._tokenize_pool, tokenize, self._tokenizer, body, self.engine.max_model_len, chat)
         return JSONResponse(out.model_dump())
 
     async def detokenize_endpoint(self, request: Request) -> JSONResponse:

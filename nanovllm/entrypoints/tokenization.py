@@ -10,7 +10,7 @@ naming the field.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import StrictBool, StrictInt, ValidationError
 
@@ -30,10 +30,20 @@ class TokenizeChatRequest(_Request):
     messages: list[ChatMessage]
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # the server checks it against --trust-request-chat-template
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False  # the template holds any BOS
     return_token_strs: StrictBool = False
+
+
+class ChatOptions(NamedTuple):
+    """How the server renders a chat, as for /v1/chat/completions: whether special-token text
+    in contents is parsed (--parse-special-tokens-in-chat), and the request's own template
+    where the server accepts one."""
+
+    parse_special_tokens: bool = False
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -75,19 +85,23 @@ def parse_detokenize(body: Any) -> DetokenizeRequest:
     return _validate(DetokenizeRequest, body)
 
 
-def tokenize(tokenizer: Any, req: TokenizeCompletionRequest | TokenizeChatRequest, max_model_len: int) -> TokenizeResponse:
-    """Token ids of a prompt or chat (runs on the server's tokenizer thread)."""
+def tokenize(tokenizer: Any, req: TokenizeCompletionRequest | TokenizeChatRequest, max_model_len: int,
+             chat: ChatOptions | None = None) -> TokenizeResponse:
+    """Token ids of a prompt or chat (runs on the server's tokenizer thread); a chat is rendered
+    with `chat`'s options (default: none)."""
     if tokenizer is None:
         raise bad_request("this model has no tokenizer")
     if isinstance(req, TokenizeChatRequest):
+        chat = chat or ChatOptions()
         messages = [m.for_template() for m in req.messages]
         try:
-            ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt, tools=req.tools,
+            ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt,
+                                  parse_special_tokens=chat.parse_special_tokens, tools=req.tools,
                                   template_kwargs=req.chat_template_kwargs,
                                   continue_final_message=req.continue_final_message,
-                                  add_special_tokens=req.add_special_tokens)
+                                  add_special_tokens=req.add_special_tokens, chat_template=chat.chat_template)
         except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), param=error_field(exc)) from None
+            raise bad_request(str(exc), param=error_field(exc, request_template=chat.chat_template is not None)) from None
     else:
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     token_strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
