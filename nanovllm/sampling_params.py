@@ -205,6 +205,10 @@ class SamplingParams:
     # as written and after a space), and at every step bans the last token of a word whose other
     # tokens end the output so far (Sequence.bad_word_bans).
     bad_words: list[str] | None = None
+    # bad_words as the token sequences they ban (nanovllm/bad_words.py), where they were
+    # tokenized already: the server's front end sets it so that the engine core need not.
+    # None: the engine tokenizes bad_words itself.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     stop_list: list[str] = field(init=False, repr=False)
     # Sampled (not greedy) with a top-k / top-p / min-p filter or a seed of its own: on CUDA such
     # a row takes layers/filtered_sampler.py (Sampler.wants_step_seeds reads it every step).
@@ -278,6 +282,13 @@ class SamplingParams:
                     isinstance(w, str) and w.strip() for w in self.bad_words):
                 raise bad("bad_words", "must be None or a list of strings that are not empty or only spaces")
             object.__setattr__(self, "bad_words", list(self.bad_words) or None)
+        if self.bad_words_token_ids is not None:
+            if not self.bad_words or not isinstance(self.bad_words_token_ids, (list, tuple)) or not all(
+                    isinstance(ids, (list, tuple)) and ids and all(is_int(t) and t >= 0 for t in ids)
+                    for ids in self.bad_words_token_ids):
+                raise bad("bad_words_token_ids", "must be None, or with bad_words a list of non-empty lists of "
+                          "token ids (non-negative integers)")
+            object.__setattr__(self, "bad_words_token_ids", [list(ids) for ids in self.bad_words_token_ids])
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")

@@ -17,7 +17,7 @@ from nanovllm.entrypoints.protocol import (
     OpenAIError,
     apply_generation_defaults,
 )
-from test_server import greedy_offline, live, offline  # noqa: F401 (live, offline: fixtures)
+from test_server import MODEL, greedy_offline, live, offline  # noqa: F401 (live, offline: fixtures)
 
 MODEL_DEFAULTS = dict(temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.05, max_tokens=33)
 
@@ -118,9 +118,40 @@ def test_params_cross_to_the_core_intact():
 
     p = SamplingParams(temperature=0.7, presence_penalty=1.0, frequency_penalty=-0.5, repetition_penalty=1.2,
                        logit_bias={7: -100.0, 9: 2.5}, include_stop_str_in_output=True,
-                       truncate_prompt_tokens=5, allowed_token_ids=[3, 4], bad_words=["fox", "lazy dog"])
+                       truncate_prompt_tokens=5, allowed_token_ids=[3, 4], bad_words=["fox", "lazy dog"],
+                       bad_words_token_ids=[[5], [6, 7]])
     wire = msgspec.msgpack.encode(AddRequest("r", [1, 2], params_to_wire(p)))
-    assert params_from_wire(msgspec.msgpack.Decoder(FrontendMessage).decode(wire).params) == p
+    crossed = params_from_wire(msgspec.msgpack.Decoder(FrontendMessage).decode(wire).params)
+    assert crossed == p and crossed.bad_words_token_ids == [[5], [6, 7]]
+
+
+def test_the_front_end_hands_the_core_bad_words_as_token_sequences(live, offline, monkeypatch):
+    """The server tokenizes bad_words on its own tokenizer thread, and the engine core gets the
+    token sequences with the request (the ones the engine would make), so the core's loop
+    tokenizes none of a request's words."""
+    seen = []
+    add = live.engine.add_request
+
+    async def spy(request_id, prompt, params=None, **kwargs):
+        seen.append(params)
+        return await add(request_id, prompt, params, **kwargs)
+
+    monkeypatch.setattr(live.engine, "add_request", spy)
+    words = ["fox", "lazy dog", "Nova Haven"]
+    for path, body in (("/v1/completions", {"prompt": "Once"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Once"}]})):
+        r = live.http.post(path, json={"model": MODEL, "max_tokens": 2, "bad_words": words, **body})
+        assert r.status_code == 200, r.text
+        assert seen[-1].bad_words == words
+        assert seen[-1].bad_words_token_ids == offline.engine.bad_words_token_ids(words)
+
+
+def test_bad_words_token_ids_need_their_words_and_token_ids():
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=[[5]])  # no bad_words
+    for ids in ([[]], [[-1]], [["5"]], [5]):
+        with pytest.raises(ValueError, match="bad_words_token_ids"):
+            SamplingParams(bad_words=["fox"], bad_words_token_ids=ids)
 
 
 @contextlib.contextmanager
@@ -203,3 +234,9 @@ def test_best_of_is_an_integer_like_every_count(best_of):
     assert completion(best_of=1).best_of == 1
     with pytest.raises(ValidationError, match="best_of"):
         completion(best_of=best_of)
+
+
+def test_the_engine_refuses_bad_words_token_ids_outside_the_vocabulary(offline):
+    with pytest.raises(ValueError, match="bad_words.*outside the vocabulary"):
+        offline.engine.add_request("outside", "Once", SamplingParams(bad_words=["fox"], bad_words_token_ids=[[10**7]]))
+    assert offline.engine.block_manager.num_free_blocks == offline.engine.block_manager.num_blocks

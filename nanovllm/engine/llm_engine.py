@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from nanovllm.bad_words import bad_words_token_ids, check_in_vocabulary
 from nanovllm.config import EngineConfig, resolve_max_model_len
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import (
@@ -215,7 +216,11 @@ class LLMEngine:
         outside = sorted({t for t in params.allowed_token_ids or () if t >= self.vocab_size})
         if outside:
             raise ValueError(f"allowed_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
-        bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
+        if params.bad_words_token_ids is not None:  # tokenized by the server's front end
+            bad_words = params.bad_words_token_ids
+            check_in_vocabulary(bad_words, self.vocab_size)
+        else:
+            bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) if params.bad_words else []
         banned = []  # what the first min_tokens tokens may not be
         if params.min_tokens:
             banned = sorted(set((self.eos_token_ids if not params.ignore_eos else []) + params.stop_token_ids))
@@ -299,26 +304,8 @@ class LLMEngine:
                                  f"min_tokens={params.min_tokens} tokens may not be")
 
     def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
-        """The token sequences that `bad_words` ban, as vLLM's: each word, its leading spaces
-        stripped, tokenized without special tokens, and after one space too where that starts
-        with another token and has as many (a word inside the text, not at its start). A
-        ValueError naming bad_words where the model has no tokenizer or a token is outside
-        the vocabulary."""
-        if self.tokenizer is None:
-            raise ValueError("bad_words: this model has no tokenizer to tokenize them with")
-        sequences = []
-        for word in bad_words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            if not plain:
-                raise ValueError(f"bad_words: {word!r} has no tokens")
-            sequences.append(plain)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                sequences.append(spaced)
-        outside = sorted({t for ids in sequences for t in ids if not 0 <= t < self.vocab_size})
-        if outside:
-            raise ValueError(f"bad_words: their tokens {outside} are outside the vocabulary [0, {self.vocab_size})")
-        return sequences
+        """The token sequences that `bad_words` ban with this engine's tokenizer (nanovllm/bad_words.py)."""
+        return bad_words_token_ids(self.tokenizer, bad_words, self.vocab_size)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar has compiled join the scheduler with one matcher per sample;

@@ -19,7 +19,7 @@ from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 _PARAM_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids",
                  "ignore_eos", "logprobs", "prompt_logprobs", "n", "skip_special_tokens", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "logit_bias", "include_stop_str_in_output",
-                 "truncate_prompt_tokens", "allowed_token_ids", "bad_words")
+                 "truncate_prompt_tokens", "allowed_token_ids", "bad_words", "bad_words_token_ids")
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):

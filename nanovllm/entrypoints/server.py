@@ -55,6 +55,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm import __version__
+from nanovllm.bad_words import bad_words_token_ids
 from nanovllm.chat import chat_prompt_ids, error_field
 from nanovllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from nanovllm.entrypoints.guard import CORSGuard, InternalErrorGuard, RequestGuard
@@ -579,6 +580,8 @@ class OpenAIServer:
         the HTTP request, whose grammar check is dropped if its client leaves first."""
         if params.structured_outputs is not None:
             await self._check_grammar(params.structured_outputs, grammar_param, request)
+        if params.bad_words and params.bad_words_token_ids is None:  # here, not in the engine core's loop
+            params = replace(params, bad_words_token_ids=await self._bad_words_token_ids(params.bad_words))
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
             *(self.engine.add_request(rid, prompt, params, stream=stream) for rid, prompt in zip(ids, prompts)),
@@ -594,6 +597,14 @@ class OpenAIServer:
                 raise bad_request(f"{where}{exc}", param=_engine_error_field(str(exc), param, grammar_param)) from None
             raise exc
         return streams
+
+    async def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """bad_words tokenized on the tokenizer thread (nanovllm/bad_words.py); a 400 naming them."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, bad_words_token_ids, self._tokenizer, bad_words, self.engine.vocab_size)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="bad_words") from None
 
     async def _check_grammar(self, spec: StructuredOutputsParams, param: str | None,
                              request: Request | None = None) -> None:
