@@ -152,12 +152,19 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     return checked
 
 
-def check_tools(tools: Any) -> list[dict[str, Any]] | None:
+class CheckedTools(list):
+    """Tool definitions as `check_tools` returns them; given these again, it returns them as they
+    are (a schema's check costs milliseconds, so a request's tools are checked once)."""
+
+
+def check_tools(tools: Any) -> CheckedTools | None:
     """Tool definitions in OpenAI's shape ({"type": "function", "function": {"name",
     "description", "parameters"}}), checked; `parameters` must be a valid JSON schema, within the
     bounds of structured outputs' (sampling_params.schema_text). None or [] -> None."""
     if tools is None:
         return None
+    if isinstance(tools, CheckedTools):
+        return tools
     if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
         raise TypeError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
     from jsonschema import Draft202012Validator
@@ -192,7 +199,7 @@ def check_tools(tools: Any) -> list[dict[str, Any]] | None:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ValueError(f"tools[{i}].function.name: {name!r} is defined twice")
-    return checked or None
+    return CheckedTools(checked) if checked else None
 
 
 class ChatTemplateError(ValueError):

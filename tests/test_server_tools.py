@@ -241,6 +241,23 @@ def test_auto_tool_calls_whole_and_streamed(hermes, tools_tokenizer):
                                                             for c in message.tool_calls]
 
 
+def test_a_chat_requests_tool_schemas_are_checked_once(hermes, monkeypatch):
+    """Checking a tool's parameters schema takes milliseconds: a request's tools are checked
+    once, not again when the prompt is built."""
+    engine, client, _ = hermes
+    engine.reply = ["Plain."]
+    checked = []
+    check = Draft202012Validator.check_schema.__func__
+
+    def counting(cls, schema, *args, **kwargs):
+        checked.append(schema)
+        return check(cls, schema, *args, **kwargs)
+
+    monkeypatch.setattr(Draft202012Validator, "check_schema", classmethod(counting))
+    client.chat.completions.create(model="tiny", messages=CONVERSATION[:2], tools=[WEATHER, TIME])
+    assert len(checked) == sum(1 for tool in (WEATHER, TIME) if tool["function"].get("parameters") is not None)
+
+
 def test_auto_with_parallel_tool_calls_false_keeps_the_first_call(hermes):
     engine, client, _ = hermes
     engine.reply = [REPLY]

@@ -795,7 +795,8 @@ class OpenAIServer:
         self.check_model(body.model)
         body.check_unsupported()
         body.check_limits(self.limits.max_n, self.limits.max_prompts)
-        plan = plan_tools(body, self.parsers)
+        # checking the tools' schemas takes milliseconds each: on the tokenizer thread, not the event loop
+        plan = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, plan_tools, body, self.parsers)
         messages = body.template_messages()
         self._check_chars(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
                           + len(json.dumps(plan.tools or "")), "messages")
