@@ -129,7 +129,12 @@ def test_serve_stopped_while_it_loads_stops_without_a_traceback(qwen3_tiny, sig,
     interrupted load to the parent that was gone)."""
     proc = subprocess.Popen([*CLI, "serve", str(qwen3_tiny), "--device", "cpu", "--port", "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.5)  # the core is still loading (it imports torch and builds the model first)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)  # until the core, which shares stderr, is gone too
+    try:
+        time.sleep(2.5)  # the core is still loading (it imports torch and builds the model first)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)  # until the core, which shares stderr, is gone too
+    finally:
+        if proc.poll() is None:  # a server left running would outlive the test
+            proc.kill()
+            proc.wait()
     assert proc.returncode == status and "Traceback" not in err, err[-3000:]
