@@ -138,3 +138,29 @@ def test_serve_stopped_while_it_loads_stops_without_a_traceback(qwen3_tiny, sig,
             proc.kill()
             proc.wait()
     assert proc.returncode == status and "Traceback" not in err, err[-3000:]
+
+
+def test_a_signal_just_before_uvicorn_serves_still_stops_the_front_end(qwen3_tiny, monkeypatch):
+    """SIGTERM after the front-end set its own handlers but before uvicorn installed its: the
+    server still stops (status 0) instead of serving on with the signal forgotten."""
+    from nanovllm.engine.core import CoreProcess
+    from nanovllm.entrypoints.frontend import FrontendConfig, run_frontend
+    from nanovllm.entrypoints.limits import ServerLimits
+    from nanovllm.entrypoints.server import GracefulServer
+
+    real_run = GracefulServer.run
+
+    def run_after_a_signal(self, *args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(GracefulServer, "run", run_after_a_signal)
+    core = CoreProcess(str(qwen3_tiny), dict(device="cpu", max_model_len=256, num_kvcache_blocks=32), max_pending=16)
+    try:
+        cfg = FrontendConfig(core.addresses, core.info, "tiny", None, "127.0.0.1", 0, 2.0, "warning", False, None,
+                             30.0, ServerLimits())
+        start = time.monotonic()
+        assert run_frontend(cfg, core_alive=core.is_alive) == 0
+        assert time.monotonic() - start < 30  # not served on until something else ends it
+    finally:
+        core.shutdown()

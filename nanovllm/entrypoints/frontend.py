@@ -96,9 +96,14 @@ def run_frontend(cfg: FrontendConfig, sock: socket.socket | None = None,
         server = GracefulServer(client, app, cfg.shutdown_timeout, host=cfg.host, port=cfg.port,
                                 log_level=cfg.log_level, access_log=cfg.access_log, **uvicorn_options(cfg.limits))
         server_box.append(server)
-        # uvicorn re-raises the signal it handled after shutting down; these handlers swallow it.
+        def stop(sig: int, frame: object) -> None:
+            """A signal before uvicorn's own handlers are in stops the server as theirs would; and
+            uvicorn re-raises the signal it handled after shutting down, which lands here too."""
+            caught.append(sig)
+            server.handle_exit(sig, frame)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda s, f: caught.append(s))
+            previous[sig] = signal.signal(sig, stop)
         if sock is not None:
             logger.info("front-end pid %d serving http://%s:%d", os.getpid(), cfg.host, cfg.port)
         server.run(sockets=[sock] if sock is not None else None)
