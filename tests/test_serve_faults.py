@@ -233,11 +233,15 @@ def test_frontend_that_stops_reading_for_a_while_loses_no_output(checkpoint_fact
         for sock, address in ((send, core.addresses.input), (recv, core.addresses.output)):
             sock.setsockopt(zmq.IDENTITY, b"slow-frontend")
             sock.setsockopt(zmq.LINGER, 0)
+            if sock is recv:  # a stalled process reads nothing: its socket's queue holds one message
+                sock.setsockopt(zmq.RCVHWM, 1)
             sock.connect(address)
         encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(CoreOutput).decode
         send.send(encode(Hello()))
         assert recv.poll(10_000)  # the core knows us: its first answer
-        tokens = 4000  # two requests: a step each, far more steps than ZeroMQ's default queues hold
+        # Two requests decoding together: an output per step, twice the 1,000 that the core's
+        # queue would hold at ZeroMQ's default high-water mark.
+        tokens = 2000
         for i in range(2):
             send.send(encode(AddRequest(f"slow-{i}", [5, 6, 7, 8 + i], {"max_tokens": tokens, "ignore_eos": True})))
 
