@@ -8,6 +8,7 @@ machine); the tests share the compiled packages through the session's cache dire
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,20 +310,37 @@ def test_a_later_engine_loads_the_compiled_step_from_the_cache(checkpoint_factor
 
 
 def test_packages_are_built_at_start_up_and_drop_those_of_other_code(checkpoint_factory, monkeypatch, tmp_path):
-    """An engine builds its packages when it starts (every variant: a lone sequence, batches), so
-    no request waits for one; they live under a directory per code version (torch's, this
-    module's), and building one removes the other versions' directories, which nothing loads
-    again."""
+    """An engine prepares every variant's package when it starts (a lone sequence, batches),
+    building the one its cache lacks, so no request waits for one; they live under a directory
+    per code version (torch's, this module's), and building one removes the other versions'
+    directories, which nothing loads again. The cache starts with the batched package (copied
+    from the session's cache) and an older version's directory."""
+    import shutil
+
+    import torch._inductor
+
+    path = checkpoint_factory("qwen3")
+    loaded = []  # the session cache's packages, in the order the start-up loads them
+    load = torch._inductor.aoti_load_package
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda package: loaded.append(package) or load(package))
+    LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True).shutdown()
+    batched = Path(loaded[-1])  # variant_rows: the one-row variant first
     monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(tmp_path))
+    (tmp_path / "cpu-decode" / batched.parent.name).mkdir(parents=True)
+    shutil.copy(batched, tmp_path / "cpu-decode" / batched.parent.name / batched.name)
     stale = tmp_path / "cpu-decode" / "0123456789abcdef"
     stale.mkdir(parents=True)
     (stale / "old.pt2").write_bytes(b"an older version's package")
-    path = checkpoint_factory("qwen3")
     eager = LLM(path, device="cpu", num_kvcache_blocks=16)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     want = [o["token_ids"] for o in eager.generate(PROMPTS, sp, use_tqdm=False)]
     eager.shutdown()
+    exports = []
+    export = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: exports.append(1) or export(*args, **kwargs))
     llm = LLM(path, device="cpu", num_kvcache_blocks=16, cpu_compile=True)
+    assert len(exports) == 1  # the one-row variant's build
+    assert set(llm.engine.executor.runner.cpu_decode.compiled) == {(False, False), (True, False)}
     assert not stale.exists()
     assert len(list((tmp_path / "cpu-decode").glob("*/*.pt2"))) == 2  # the one-row and the batched variants
 
@@ -334,14 +352,18 @@ def test_packages_are_built_at_start_up_and_drop_those_of_other_code(checkpoint_
     assert llm.generate([PROMPTS[0]], sp, use_tqdm=False)[0]["token_ids"] == want[0]
 
 
-@pytest.mark.parametrize("kwargs", [pytest.param({}, id="fp32"), pytest.param({"quantization": "int4"}, id="int4")])
-def test_decodes_beside_a_prompt_decode_compiled_and_give_the_eager_tokens(checkpoint_factory, monkeypatch, kwargs):
+@pytest.mark.parametrize("arch, kwargs", [
+    pytest.param("qwen3", {}, id="fp32"),
+    pytest.param("llama", {"quantization": "int4"}, id="int4"),
+])
+def test_decodes_beside_a_prompt_decode_compiled_and_give_the_eager_tokens(checkpoint_factory, monkeypatch, arch, kwargs):
     """A step that carries a prompt (or a chunk of one) beside decoding sequences runs the
     decodes through the compiled step and the prompt through the eager model; every sequence's
-    tokens are the eager engine's under the same arrivals."""
+    tokens are the eager engine's under the same arrivals. (The models are those of
+    test_compiled_decode_gives_the_eager_models_tokens, whose packages the cache holds.)"""
     from nanovllm.runner import model_runner
 
-    path = checkpoint_factory("llama")
+    path = checkpoint_factory(arch)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     arrivals = {0: [PROMPTS[1], PROMPTS[0]], 3: [list(range(50, 90))], 5: [[4, 8, 15, 16, 23, 42]]}
 
@@ -371,7 +393,11 @@ def test_decodes_beside_a_prompt_decode_compiled_and_give_the_eager_tokens(check
 def test_a_cache_that_cannot_be_written_still_gets_a_compiled_step(checkpoint_factory, monkeypatch, tmp_path, caplog):
     """cpu_compile=True with a cache directory that cannot be made (its parent is a file): the
     step is built in a temporary directory and not kept, with a warning, and decodes the eager
-    model's tokens (the engine used to fail to start)."""
+    model's tokens (the engine used to fail to start). A lone sequence decodes here, so the
+    engine builds the one-row variant only."""
+    from nanovllm.runner.cpu_compiled_decode import CompiledCpuDecode
+
+    monkeypatch.setattr(CompiledCpuDecode, "variant_rows", lambda self: [1])
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(blocker / "cache"))
