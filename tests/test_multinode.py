@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from nanovllm import LLM
 from nanovllm.executor.multinode import TorchrunEnv, torchrun_env
-from nanovllm.executor.multiproc import SILENCE_S, TensorParallelError
+from nanovllm.executor import multiproc
+from nanovllm.executor.multiproc import TensorParallelError
 from test_tensor_parallel import FAILURE_BOUND_S, greedy, when_decoding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,15 +73,15 @@ def test_tp4_as_two_nodes_of_two_ranks_matches_tp1(checkpoint_factory):
 
 def test_an_idle_engine_outlives_the_step_timeout(qwen3_tiny, monkeypatch):
     """The other node's ranks wait for the next step for as long as the engine is idle, not
-    only NANOVLLM_TP_TIMEOUT_S (the step timeout, here 5 s, which gloo used to apply to them)."""
-    monkeypatch.setenv("NANOVLLM_TP_TIMEOUT_S", "5")
+    only NANOVLLM_TP_TIMEOUT_S (the step timeout, here 3 s, which gloo used to apply to them)."""
+    monkeypatch.setenv("NANOVLLM_TP_TIMEOUT_S", "3")
     port = free_port()
     node = start_node(port)
     try:
         llm = LLM(str(qwen3_tiny), device="cpu", tensor_parallel_size=2, nnodes=2, master_port=port, join_timeout_s=60)
         try:
             first = llm.generate([[5, 6, 7, 8]], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
-            time.sleep(8)
+            time.sleep(5)
             again = llm.generate([[5, 6, 7, 8]], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
         finally:
             llm.shutdown()
@@ -122,9 +123,11 @@ def test_a_node_that_dies_mid_run_fails_the_engine_fast(qwen3_tiny):
         node.wait()
 
 
-def test_a_node_that_goes_silent_mid_run_fails_the_engine_on_its_heartbeat(qwen3_tiny):
+def test_a_node_that_goes_silent_mid_run_fails_the_engine_on_its_heartbeat(qwen3_tiny, monkeypatch):
     """A node that stops answering without closing its connections (here: stopped with SIGSTOP,
-    as a machine cut off from the network) is caught by its missing heartbeat, not by gloo."""
+    as a machine cut off from the network) is caught by its missing heartbeat, not by gloo.
+    Node 0 here takes 4 s without a heartbeat (4 beats missed) for silence."""
+    monkeypatch.setattr(multiproc, "SILENCE_S", 4.0)
     port = free_port()
     node = start_node(port)
     try:
@@ -134,7 +137,7 @@ def test_a_node_that_goes_silent_mid_run_fails_the_engine_on_its_heartbeat(qwen3
             llm.generate([[5, 6, 7, 8]] * 4, greedy(400), use_tqdm=False)
         raised_at = time.monotonic()
         stopper.join()
-        assert stopped_at and raised_at - stopped_at[0] < SILENCE_S + FAILURE_BOUND_S
+        assert stopped_at and raised_at - stopped_at[0] < multiproc.SILENCE_S + FAILURE_BOUND_S
         assert not dist.is_initialized()  # a new engine could start its group
     finally:
         os.killpg(node.pid, signal.SIGKILL)
