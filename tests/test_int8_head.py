@@ -56,6 +56,14 @@ def test_a_process_that_ends_while_the_head_is_packed_exits_cleanly():
             "codes = torch.randint(-127, 128, (151936, 1024), dtype=torch.int8)\n"
             "Int8HeadMatmul(codes, torch.rand(151936) / 127)\n"
             "raise SystemExit(3)\n")
-    for _ in range(2):
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-        assert run.returncode == 3, run.stderr[-2000:]
+    runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]  # two at once: two tries at the race
+    try:
+        for run in runs:
+            _, err = run.communicate(timeout=300)
+            assert run.returncode == 3, err[-2000:]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
