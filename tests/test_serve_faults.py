@@ -1,10 +1,10 @@
 """The engine core / front-end split under faults and bad input (CPU, tiny checkpoints).
 
 `nanovllm serve` runs as a process where a test kills parts of it: the core killed -9 under load,
-SIGTERM with two front-ends (metrics summed across them, admission control, no orphans). The
-core alone (a CoreProcess) checks that a dead front-end's requests are aborted. The in-process
-`live` server of test_server.py covers stop strings freeing blocks, the prompt character limit,
-a client that never reads, and 256 concurrent streams with random disconnects.
+SIGTERM with two front-ends (CORS flags on each, metrics summed across them, admission control,
+no orphans). The core alone (a CoreProcess) checks that a dead front-end's requests are aborted.
+The in-process `live` server of test_server.py covers stop strings freeing blocks, the prompt
+character limit, a client that never reads, and 256 concurrent streams with random disconnects.
 """
 from __future__ import annotations
 
@@ -266,13 +266,34 @@ def test_frontend_that_stops_reading_for_a_while_loses_no_output(checkpoint_fact
         core.shutdown()
 
 
-# ---- several front-ends, admission control, SIGTERM --------------------------------------------
-def test_two_frontends_share_the_port_metrics_admission_and_sigterm(qwen3_tiny):
+# ---- several front-ends, CORS, admission control, SIGTERM ---------------------------------------
+def check_cors_on_every_frontend(url: str) -> None:
+    """The CORS flags (--allowed-origins '["https://app.example"]', --allowed-methods '["GET",
+    "POST"]') travel with the front-ends' configuration: whichever front-end a connection lands
+    on (a new connection each) answers a browser's preflight by them."""
+    for i in range(12):
+        origin = "https://app.example" if i % 3 else "https://evil.example"
+        r = httpx.options(url + "/v1/chat/completions", timeout=30,
+                          headers={"origin": origin, "access-control-request-method": "POST",
+                                   "access-control-request-headers": "content-type"})
+        if origin == "https://app.example":
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin, r.text
+            assert r.headers["access-control-allow-methods"] == "GET, POST"
+        else:
+            assert assert_error_body(r, 400)["code"] == "cors_refused"
+        r = httpx.get(url + "/v1/models", headers={"origin": origin}, timeout=30)
+        assert r.status_code == 200
+        assert r.headers.get("access-control-allow-origin") == (origin if i % 3 else None)
+
+
+def test_two_frontends_share_the_port_cors_metrics_admission_and_sigterm(qwen3_tiny):
     serve = Serve(qwen3_tiny, "--api-server-count", "2", "--max-pending-requests", "3", "--max-model-len", "1024",
-                  "--num-kvcache-blocks", "512", "--shutdown-timeout", "2", frontends=2)
+                  "--num-kvcache-blocks", "512", "--shutdown-timeout", "2", "--allowed-origins", '["https://app.example"]',
+                  "--allowed-methods", '["GET", "POST"]', frontends=2)
     metrics_dirs = [line for line in serve.log if "front-ends on" in line]
     try:
         assert metrics_dirs, "".join(serve.log)
+        check_cors_on_every_frontend(serve.url)
         for i in range(10):  # a new connection each: the kernel spreads them over both front-ends
             r = httpx.post(serve.url + "/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 2}, timeout=30)
             assert r.status_code == 200, r.text
@@ -296,29 +317,6 @@ def test_two_frontends_share_the_port_metrics_admission_and_sigterm(qwen3_tiny):
         assert serve.proc.wait(timeout=30) == 0
         assert wait_until(lambda: gone(serve.pids), timeout=5), "orphan processes"
         assert not os.path.exists(serve.sock_dir)
-    finally:
-        serve.close()
-
-
-def test_cors_flags_reach_every_frontend(qwen3_tiny):
-    """The CORS flags travel with the front-ends' configuration: whichever front-end a
-    connection lands on (a new connection each) answers a browser's preflight by them."""
-    serve = Serve(qwen3_tiny, "--api-server-count", "2", "--allowed-origins", '["https://app.example"]',
-                  "--allowed-methods", '["GET", "POST"]', frontends=2)
-    try:
-        for i in range(12):
-            origin = "https://app.example" if i % 3 else "https://evil.example"
-            r = httpx.options(serve.url + "/v1/chat/completions", timeout=30,
-                              headers={"origin": origin, "access-control-request-method": "POST",
-                                       "access-control-request-headers": "content-type"})
-            if origin == "https://app.example":
-                assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin, r.text
-                assert r.headers["access-control-allow-methods"] == "GET, POST"
-            else:
-                assert assert_error_body(r, 400)["code"] == "cors_refused"
-            r = httpx.get(serve.url + "/v1/models", headers={"origin": origin}, timeout=30)
-            assert r.status_code == 200
-            assert r.headers.get("access-control-allow-origin") == (origin if i % 3 else None)
     finally:
         serve.close()
 
