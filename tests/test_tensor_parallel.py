@@ -179,7 +179,7 @@ class HangingRunner(ModelRunner):
 @pytest.mark.parametrize(
     "runner_cls, timeout_s, message",
     [(RaisingRunner, None, r"rank 1 .* raised at step 3:\n(.|\n)*injected failure on purpose"),
-     (HangingRunner, 4.0, r"Timed out")],
+     (HangingRunner, 2.0, r"Timed out")],
     ids=["raises", "hangs"],
 )
 def test_worker_that_raises_or_hangs_fails_the_step(qwen3_tiny, qwen3_reference, monkeypatch, runner_cls, timeout_s, message):
