@@ -20,9 +20,15 @@ def test_ctrl_c_during_generate_exits_130_without_a_traceback(qwen3_tiny):
     proc = subprocess.Popen([*CLI, "generate", "--model", str(qwen3_tiny), "--device", "cpu", "--quiet", "--max-tokens",
                              "1000", "--ignore-eos", *prompts],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(6)  # loaded and generating (or still loading: the same answer is due)
+    seen = []
+    for line in proc.stderr:  # until the model has loaded
+        seen.append(line)
+        if " loaded in " in line:
+            break
+    time.sleep(1.0)  # generating (or still starting: the same answer is due)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
+    err = "".join(seen) + err
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
 
 
