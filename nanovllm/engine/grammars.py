@@ -7,8 +7,8 @@ of the scheduler, and other requests run. Once a sequence runs, every token the 
 advances its matcher (`accept`); before a step samples, `refresh` fills the masks of the step's
 constrained rows in one call on several threads (xgrammar's BatchGrammarMatcher) into a table
 whose rows are the step's masked rows in turn, and names the sequences whose grammar is
-complete and allows only a stop token next (the engine ends them, "stop"). Preemption (recompute) keeps the output
-tokens, so the matcher stays where it is.
+complete and allows only a stop token next (the engine ends them, "stop"). Preemption
+(recompute) keeps the output tokens, so the matcher stays where it is.
 
 Checked after sampling: filling a mask costs tens of microseconds a row on a large vocabulary,
 on the host, every step. A greedy row needs none when the grammar allows its argmax, which it
@@ -212,11 +212,12 @@ class Grammars:
         """The masks of the `filled` rows' matchers into rows 0, 1, ... of the table (one
         multi-threaded xgrammar call for many, one call each for a few). A terminated matcher
         (its sequence ends at this step, its token dropped) allows every token."""
-        live = [(row, matcher.xgr_matcher) for row, (_, matcher, _) in enumerate(filled) if not matcher.terminated]
-        if len(live) < len(filled):
-            for row, (_, matcher, _) in enumerate(filled):
-                if matcher.terminated:
-                    self._masks[row].fill_(-1)
+        live = []
+        for row, (_, matcher, _) in enumerate(filled):
+            if matcher.terminated:
+                self._masks[row].fill_(-1)
+            else:
+                live.append((row, matcher.xgr_matcher))
         if len(live) >= BATCH_FILL_MIN_ROWS:
             self._batch.batch_fill_next_token_bitmask([m for _, m in live], self._masks, indices=[r for r, _ in live])
             return
