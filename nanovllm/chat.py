@@ -27,6 +27,7 @@ ValueError/TypeError naming the field, instead of the template's jinja2 errors.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -152,6 +153,21 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     return checked
 
 
+@functools.lru_cache(maxsize=1024)
+def schema_problem(text: str) -> str | None:
+    """Why the JSON schema `text` (schema_text's) is not a valid schema (jsonschema's check against
+    the 2020-12 metaschema), or None. Cached by the text: a check costs milliseconds, and agents
+    send the same tools with every turn."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(json.loads(text))
+    except SchemaError as exc:
+        return exc.message
+    return None
+
+
 class CheckedTools(list):
     """Tool definitions as `check_tools` returns them; given these again, it returns them as they
     are (a schema's check costs milliseconds, so a request's tools are checked once)."""
@@ -167,9 +183,6 @@ def check_tools(tools: Any) -> CheckedTools | None:
         return tools
     if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
         raise TypeError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import SchemaError
-
     checked = []
     for i, tool in enumerate(tools):
         at = f"tools[{i}]"
@@ -189,11 +202,9 @@ def check_tools(tools: Any) -> CheckedTools | None:
         if parameters is not None:
             if not isinstance(parameters, dict):
                 raise ValueError(f"{at}.function.parameters must be a JSON schema object")
-            schema_text(parameters, f"{at}.function.parameters")
-            try:
-                Draft202012Validator.check_schema(parameters)
-            except SchemaError as exc:
-                raise ValueError(f"{at}.function.parameters is not a valid JSON schema: {exc.message}") from None
+            problem = schema_problem(schema_text(parameters, f"{at}.function.parameters"))
+            if problem is not None:
+                raise ValueError(f"{at}.function.parameters is not a valid JSON schema: {problem}")
         checked.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
     names = [t["function"]["name"] for t in checked]
     for i, name in enumerate(names):

@@ -322,6 +322,24 @@ def test_bad_tool_requests_name_the_field(fields, param, words):
     assert info.value.status == 400 and info.value.param == param and words in info.value.message
 
 
+def test_a_tool_schema_sent_again_is_not_checked_again(monkeypatch):
+    """Agents send the same tools every turn: a parameters schema is checked against the
+    metaschema once (milliseconds each), and a bad one is refused every time."""
+    checks = []
+    real = Draft202012Validator.check_schema
+    monkeypatch.setattr(Draft202012Validator, "check_schema",
+                        classmethod(lambda cls, schema, **kw: (checks.append(schema), real(schema, **kw))[1]))
+    good = {"type": "object", "properties": {"query": {"type": "string", "description": "seen once"}}}
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": "one"}}}
+    for turn in range(3):
+        tools = [{"type": "function", "function": {"name": f"search_{turn}", "parameters": json.loads(json.dumps(good))}}]
+        assert plan_tools(request(tools=tools, tool_choice="none"), ParserConfig()).tools[0]["function"]["parameters"] == good
+        with pytest.raises(OpenAIError) as info:
+            plan_tools(request(tools=[{"type": "function", "function": {"name": "f", "parameters": bad}}]), ParserConfig())
+        assert info.value.param == "tools" and "tools[0].function.parameters is not a valid JSON schema" in info.value.message
+    assert checks.count(good) == 1 and checks.count(bad) == 1
+
+
 def test_choice_parser_reasoning_then_tools():
     text = ('<think>Need weather.</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
             '</tool_call>')
