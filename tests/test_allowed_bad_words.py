@@ -291,6 +291,28 @@ def test_allowed_ids_that_the_bans_leave_none_of_are_refused(qwen3_tiny, ban):
     assert token_ids(llm, [PROMPT], greedy(2, allowed_token_ids=[token, 383], **kw)) == [[383, 383]]
 
 
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[4]], ids=["sync", "async", "async-preempted"])
+def test_bad_words_that_come_to_ban_every_allowed_id_end_the_sample_in_error(qwen3_tiny, config):
+    """Two allowed ids and every two-token bad word of them: after the first token, the bans
+    cover both. The sample ends there with finish_reason "error" (the server's 400 naming
+    allowed_token_ids), instead of sampling from logits that are all -inf (a token outside
+    allowed_token_ids), and its blocks are freed."""
+    llm = engine(qwen3_tiny, **config)
+    allowed = [40, 41]
+    texts = [llm.tokenizer.decode([t]) for t in allowed]
+    words = [a + b for a in texts for b in texts]
+    assert sorted(map(tuple, llm.engine.bad_words_token_ids(words))) == [(a, b) for a in allowed for b in allowed]
+    plain = token_ids(llm, [PROMPT], greedy(6, allowed_token_ids=allowed))[0]
+    assert len(plain) == 6 and set(plain) <= set(allowed)
+    out = llm.generate([PROMPT, PROMPT], [greedy(6, allowed_token_ids=allowed, bad_words=words),
+                                          greedy(6, allowed_token_ids=allowed)], use_tqdm=False)
+    banned, other = out[0].outputs[0], out[1].outputs[0]
+    assert banned.finish_reason == "error" and banned.token_ids == plain[:1]
+    assert other.finish_reason == "length" and other.token_ids == plain
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_grammar_with_no_allowed_token_ends_in_error(qwen3_tiny, async_scheduling):
     """A grammar none of whose tokens are allowed: the sample ends with finish_reason "error"

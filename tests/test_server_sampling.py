@@ -207,10 +207,11 @@ def test_live_server_applies_model_defaults_and_penalties(qwen3_tiny, tmp_path):
             assert forced == [offline.tokenizer.decode([42])] * 6
 
 
-def test_live_server_refuses_bans_that_leave_nothing_and_too_many_bad_words(live):
+def test_live_server_refuses_bans_that_leave_nothing_and_too_many_bad_words(live, offline):
     """A grammar none of whose tokens are allowed is a 400 naming the grammar's field (not a
-    503: the server is fine); allowed ids that a min_tokens ban covers, a 400 naming
-    allowed_token_ids; more than MAX_BAD_WORDS bad words, a 400 naming bad_words."""
+    503: the server is fine); allowed ids that a min_tokens ban covers, or that bad words of two
+    tokens come to ban once the output has begun, a 400 naming allowed_token_ids (in a stream,
+    an error event); more than MAX_BAD_WORDS bad words, a 400 naming bad_words."""
     from nanovllm.entrypoints.protocol import MAX_BAD_WORDS
 
     body = {"prompt": [11, 12, 13, 14], "max_tokens": 5, "temperature": 0}
@@ -220,6 +221,16 @@ def test_live_server_refuses_bans_that_leave_nothing_and_too_many_bad_words(live
     resp = live.http.post("/v1/completions", json={**body, "allowed_token_ids": [7], "stop_token_ids": [7],
                                                    "min_tokens": 2})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "allowed_token_ids", resp.text
+    pair = [offline.tokenizer.decode([t]) for t in (40, 41)]  # every two-token word of them: both banned after one token
+    two_token_words = [a + b for a in pair for b in pair]
+    resp = live.http.post("/v1/completions", json={**body, "allowed_token_ids": [40, 41], "bad_words": two_token_words})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "allowed_token_ids", resp.text
+    assert "after 1 tokens of output" in resp.json()["error"]["message"]
+    streamed = live.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "stream": True,
+        "allowed_token_ids": [40, 41], "bad_words": two_token_words}).text
+    error = json.loads(next(line[6:] for line in streamed.splitlines() if line.startswith('data: {"error"')))
+    assert error["error"]["param"] == "allowed_token_ids" and streamed.rstrip().endswith("data: [DONE]")
     resp = live.http.post("/v1/completions", json={**body, "bad_words": ["w"] * (MAX_BAD_WORDS + 1)})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "bad_words", resp.text
     assert live.http.post("/v1/completions", json={**body, "bad_words": ["w"] * MAX_BAD_WORDS}).status_code == 200

@@ -100,6 +100,17 @@ class Scheduler:
             banned = banned + seq.bad_word_bans()
         return banned or None
 
+    @staticmethod
+    def _bans_every_allowed(seq: Sequence, banned: list[int]) -> bool:
+        """Whether this step's bans cover all of seq's allowed_token_ids: bad words of several
+        tokens can, once the output ends with their other tokens (a request whose single-token
+        bans alone cover them is refused when it is added: LLMEngine._check_allowed_left)."""
+        allowed = seq.params.allowed_token_ids
+        if allowed is None:
+            return False
+        banned = set(banned)
+        return all(token in banned for token in allowed)
+
     def _burst_steps(self, decode_burst: int) -> int:
         """How many steps the lone running sequence may decode at once where it decodes alone
         (nothing waiting) and needs no grammar, banned ids, allowed_token_ids, bad_words or
@@ -180,6 +191,11 @@ class Scheduler:
         for seq, num_new in chosen:
             start = seq.num_computed_tokens
             sample = start + num_new == seq.num_tokens
+            banned = self._banned_ids(seq) if sample else None
+            if banned and self._bans_every_allowed(seq, banned):
+                self.finish(seq, "error")  # nothing is left to sample: not a step on logits all -inf
+                budget += num_new
+                continue
             item = ScheduledSeq(
                 seq_id=seq.seq_id,
                 token_ids=seq.token_ids[start : start + num_new],
@@ -188,7 +204,7 @@ class Scheduler:
                 sample=sample,
                 params=seq.params,
                 seed=seq.seed,
-                banned_token_ids=self._banned_ids(seq) if sample else None,
+                banned_token_ids=banned,
                 num_steps=num_steps,
                 # The runner starts its token counts at the first sample and keeps them after.
                 penalty_prompt_ids=seq.prompt_token_ids

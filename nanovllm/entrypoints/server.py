@@ -434,14 +434,25 @@ def _build_grammar(spec: StructuredOutputsParams) -> None:
     build_grammar(spec)
 
 
+def _constraint_param(params: SamplingParams, grammar_param: str) -> str:
+    """The request field to name where a sample had nothing left to sample: its grammar's, or,
+    without a grammar, allowed_token_ids (bad words of several tokens banned all of them)."""
+    return grammar_param if params.structured_outputs is not None else "allowed_token_ids"
+
+
 def _check_constraint(out: RequestOutput, param: str) -> None:
-    """A 400 naming `param` (the request field of its grammar) where a sample ended because its
-    grammar allows no token at all (finish reason "error": it matches no complete output)."""
+    """A 400 naming `param` (_constraint_param's) where a sample ended with nothing left to
+    sample (finish reason "error"): its grammar allows no token at all (it matches no complete
+    output), or its bad words ban every one of its allowed_token_ids."""
     for c in out.outputs:
-        if c.finish_reason == "error":
-            raise bad_request(f"the output constraint allows no token after {len(c.token_ids)} tokens of output "
-                              "(with the request's allowed_token_ids, bad_words and min_tokens, where given): it "
-                              "matches no complete output", param=param)
+        if c.finish_reason != "error":
+            continue
+        if param == "allowed_token_ids":
+            raise bad_request(f"bad_words (and min_tokens, where given) ban every one of allowed_token_ids after "
+                              f"{len(c.token_ids)} tokens of output", param=param)
+        raise bad_request(f"the output constraint allows no token after {len(c.token_ids)} tokens of output "
+                          "(with the request's allowed_token_ids, bad_words and min_tokens, where given): it "
+                          "matches no complete output", param=param)
 
 
 def _usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
@@ -645,14 +656,14 @@ class OpenAIServer:
         self.abort(streams)
         tracker.finish()
 
-    async def collect_finals(self, streams, request, tracker, grammar_param: str):
+    async def collect_finals(self, streams, request, tracker, constraint_param: str):
         """Final outputs of a non-streamed request (None if the client went away), with metrics;
-        grammar_param: the request field its output constraint came from, for a 400 when that
-        constraint allows no output."""
+        constraint_param: the request field to name (_constraint_param) in a 400 where a sample had
+        nothing left to sample."""
         try:
             finals = await self.wait_final(streams, request, tracker)
             for out in finals or ():
-                _check_constraint(out, grammar_param)
+                _check_constraint(out, constraint_param)
         except (EngineDeadError, OpenAIError):
             tracker.finish(error=True)
             raise
@@ -709,7 +720,7 @@ class OpenAIServer:
             events = self._completion_events(request_id, body, params, streams, tracker, echoes)
             return _EventStream(_sse_body(events, tracker), lambda: self._close_stream(streams, tracker),
                                 self.stream_write_timeout)
-        finals = await self.collect_finals(streams, request, tracker, body.structured_param)
+        finals = await self.collect_finals(streams, request, tracker, _constraint_param(params, body.structured_param))
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
         if body.echo_only:
@@ -750,9 +761,10 @@ class OpenAIServer:
         sent_tokens: dict[int, int] = {}
         offsets: dict[int, int] = {}
         ended: set[int] = set()  # choices whose finish_reason went out (each in the chunk where it ends)
+        constraint_param = _constraint_param(params, body.structured_param)
         async for i, out in _merge(streams):
             tracker.update(i, out)
-            _check_constraint(out, body.structured_param)
+            _check_constraint(out, constraint_param)
             if body.echo_only:
                 out = _without_generation(out)
             for c in out.outputs:
@@ -818,11 +830,11 @@ class OpenAIServer:
         grammar_param = "tools" if plan.structured_outputs is not None else body.structured_param
         streams = await self.submit(request_id, [prompt_ids], params, body.stream, "messages", grammar_param, request)
         if body.stream:
-            events = self._chat_events(request_id, body, params, parsers, streams[0], tracker, grammar_param,
-                                       len(prompt_ids))
+            events = self._chat_events(request_id, body, params, parsers, streams[0], tracker,
+                                       _constraint_param(params, grammar_param), len(prompt_ids))
             return _EventStream(_sse_body(events, tracker), lambda: self._close_stream(streams, tracker),
                                 self.stream_write_timeout)
-        finals = await self.collect_finals(streams, request, tracker, grammar_param)
+        finals = await self.collect_finals(streams, request, tracker, _constraint_param(params, grammar_param))
         if finals is None:
             return Response(status_code=499)  # client closed the connection; nobody reads this
         out = finals[0]
@@ -884,7 +896,7 @@ class OpenAIServer:
 
     async def _chat_events(self, request_id: str, body: ChatCompletionRequest, params: SamplingParams,
                            parsers: list[ChoiceParser], stream: RequestStream,
-                           tracker: _Tracker, grammar_param: str, num_prompt_tokens: int) -> AsyncIterator[str]:
+                           tracker: _Tracker, constraint_param: str, num_prompt_tokens: int) -> AsyncIterator[str]:
         created = int(time.time())
         top = (body.top_logprobs or 0) if body.logprobs else None
 
@@ -903,7 +915,7 @@ class OpenAIServer:
                 yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=echoed))], usage)
         async for _, out in _merge([stream]):
             tracker.update(0, out)
-            _check_constraint(out, grammar_param)
+            _check_constraint(out, constraint_param)
             for c in out.outputs:
                 i = c.index
                 if i in ended:
