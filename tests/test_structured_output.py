@@ -469,6 +469,73 @@ def test_a_failed_compile_ends_its_request_with_an_output_when_a_cached_one_is_a
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def enum_schema(tag: str, values: int) -> StructuredOutputsParams:
+    return StructuredOutputsParams(json={"enum": [f"{tag}{i}" for i in range(values)]})
+
+
+def test_the_compile_cache_holds_grammars_within_its_byte_budget(tokenizer_dir):
+    """Grammars of large enums take megabytes each: the cache drops the least recently used
+    ones while their tables together pass its byte budget (not only past CACHE_SIZE), so a
+    client sending such schemas, each within the size limit, cannot grow the engine's memory
+    without bound. The newest stays, however large."""
+    from transformers import AutoTokenizer
+
+    from nanovllm.structured.compiler import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    args = (tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    small, big, bigger = enum_schema("s", 10), enum_schema("b", 2000), enum_schema("c", 4000)
+    sizing = GrammarCompiler(*args)
+    size = {name: sizing.submit(spec).result().memory_size_bytes for name, spec in
+            (("small", small), ("big", big), ("bigger", bigger))}
+    sizing.shutdown()
+    assert size["small"] < size["big"] < size["bigger"]
+    compiler = GrammarCompiler(*args, cache_bytes=size["small"] + size["big"])
+    first_small, first_big = compiler.submit(small), compiler.submit(big)
+    first_small.result(), first_big.result()
+    assert compiler.submit(small) is first_small and compiler.submit(big) is first_big  # both fit: cached
+    compiler.submit(bigger).result()
+    assert compiler.cached_bytes == size["bigger"]  # over the budget alone, but the newest: kept
+    assert compiler.submit(bigger).done()
+    again = compiler.submit(small)  # dropped: compiled again
+    assert again is not first_small and again.result().memory_size_bytes == size["small"]
+    assert compiler.cached_bytes <= size["small"] + size["big"]
+    compiler.shutdown()
+
+
+def test_a_slow_compile_holds_up_no_other(tokenizer_dir, monkeypatch):
+    """A grammar that takes long to build (a pattern's long repeat can take seconds) runs
+    beside the others, even on a machine of few cores: a request with another grammar gets
+    its own while the slow one is still building."""
+    from transformers import AutoTokenizer
+
+    from nanovllm.structured import compiler as compiler_module
+
+    slow_started, release = threading.Event(), threading.Event()
+    build = compiler_module.build_grammar
+
+    def build_slowly(spec):
+        if spec.regex.startswith("slow"):
+            slow_started.set()
+            release.wait(30)
+        return build(spec)
+
+    monkeypatch.setattr(compiler_module, "build_grammar", build_slowly)
+    monkeypatch.setattr(compiler_module.os, "cpu_count", lambda: 2)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    compiler = compiler_module.GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    slows = [compiler.submit(StructuredOutputsParams(regex="slow"), check_in_pool=True)]
+    assert slow_started.wait(30)
+    slows += [compiler.submit(StructuredOutputsParams(regex=f"slow|{i}"), check_in_pool=True) for i in range(3)]
+    try:
+        fast = compiler.submit(StructuredOutputsParams(regex="fast"), check_in_pool=True)
+        assert fast.result(timeout=30) is not None and not slows[0].done()
+    finally:
+        release.set()
+    assert all(f.result(timeout=30) is not None for f in slows)
+    compiler.shutdown()
+
+
 def test_each_refusal_doubles_the_wide_masks_a_sequence_needs_before_it_samples_unmasked(tokenizer_dir):
     """Grammars' rationing of unmasked samples, which the engine's roll-backs make costly: a
     new sequence is masked until WIDE_MASKS_TO_UNMASK wide masks in a row; after its k-th

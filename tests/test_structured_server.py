@@ -195,9 +195,9 @@ def test_the_server_checks_a_constraint_once_not_per_request(live, monkeypatch):
 
 
 def test_a_grammar_check_still_queued_when_its_client_leaves_is_dropped(live, monkeypatch):
-    """Two slow checks hold the front-end's two grammar-check threads; a third waits for one.
-    All three clients leave: each request ends at once (499), the third check never runs, and the
-    next request is checked at once."""
+    """Slow checks hold every one of the front-end's grammar-check threads; one more waits for
+    one. All their clients leave: each request ends at once (499), the queued check never runs,
+    and the next request is checked at once."""
     import threading
 
     import nanovllm.entrypoints.server as server
@@ -226,15 +226,47 @@ def test_a_grammar_check_still_queued_when_its_client_leaves_is_dropped(live, mo
                     return sample.value
         return 0.0
 
+    threads = server.GRAMMAR_CHECK_THREADS
     before = dropped()
-    clients = [threading.Thread(target=leave_early, args=(f"slow{i}[a-z]",)) for i in range(3)]
+    clients = [threading.Thread(target=leave_early, args=(f"slow{i}[a-z]",)) for i in range(threads + 1)]
     for client in clients:
         client.start()
-    assert wait_until(lambda: len(started) == 2)
+    assert wait_until(lambda: len(started) == threads)
     for client in clients:
         client.join()
-    assert wait_until(lambda: dropped() == before + 3)  # each answered once its client left
+    assert wait_until(lambda: dropped() == before + threads + 1)  # each answered once its client left
     release.set()
     body = {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "next[0-9]"}}
     assert live.http.post("/v1/completions", json=body).status_code == 200
-    assert len(started) == 2  # the third slow check, queued behind the other two, never ran
+    assert len(started) == threads  # the last slow check, queued behind the others, never ran
+
+
+def test_a_slow_grammar_check_holds_up_no_other(live, monkeypatch):
+    """A grammar that takes long to build (a pattern's long repeat can take seconds) is
+    checked beside the others: a request with another new grammar is answered meanwhile."""
+    import threading
+
+    import nanovllm.entrypoints.server as server
+
+    started, release = threading.Event(), threading.Event()
+    build = server._build_grammar
+
+    def slow_build(spec):
+        if spec.kind == "regex" and spec.regex.startswith("slower"):
+            started.set()
+            release.wait(30)
+        return build(spec)
+
+    monkeypatch.setattr(server, "_build_grammar", slow_build)
+    slow = [threading.Thread(target=live.http.post, args=("/v1/completions",), kwargs=dict(json={
+        "prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": f"slower{i}[a-z]"}})) for i in range(2)]
+    for client in slow:
+        client.start()
+    try:
+        assert started.wait(30)
+        body = {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "quick[0-9]"}}
+        assert live.http.post("/v1/completions", json=body, timeout=20).status_code == 200
+    finally:
+        release.set()
+        for client in slow:
+            client.join()

@@ -103,6 +103,8 @@ from nanovllm.text import check_token_ids
 logger = logging.getLogger("nanovllm.server")
 # Constraints (kind, spec text) that passed the server's grammar check, remembered per server.
 GRAMMARS_CHECKED_KEPT = 256
+# Requests' grammars built at once for their errors (OpenAIServer._check_grammar).
+GRAMMAR_CHECK_THREADS = 16
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHARS_PER_TOKEN_LIMIT = 16  # default prompt character limit: max_model_len x this
@@ -506,8 +508,10 @@ class OpenAIServer:
         if self._tokenizer is not None and limits.chat_template is not None:  # --chat-template
             self._tokenizer.chat_template = limits.chat_template
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenize")
-        # Grammar checks (_check_grammar) apart: one that takes seconds holds up no tokenizing.
-        self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="nanovllm-grammar-check")
+        # Grammar checks (_check_grammar) apart: one that takes seconds holds up no tokenizing,
+        # and, its C++ releasing the GIL, shares the cores with other checks rather than
+        # holding them up in a queue.
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_CHECK_THREADS, thread_name_prefix="nanovllm-grammar-check")
         # (kind, spec text) of the constraints that passed the check, least recently used first:
         # a schema every request sends is built here once, not per request.
         self._grammars_checked: OrderedDict[tuple[str, str], None] = OrderedDict()
