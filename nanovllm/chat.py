@@ -27,7 +27,6 @@ ValueError/TypeError naming the field, instead of the template's jinja2 errors.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -35,7 +34,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from nanovllm.sampling_params import nests_deeper, schema_text
+from nanovllm.sampling_params import metaschema_problem, nests_deeper, schema_text
 from nanovllm.text import check_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -153,21 +152,6 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     return checked
 
 
-@functools.lru_cache(maxsize=1024)
-def schema_problem(text: str) -> str | None:
-    """Why the JSON schema `text` (schema_text's) is not a valid schema (jsonschema's check against
-    the 2020-12 metaschema), or None. Cached by the text: a check costs milliseconds, and agents
-    send the same tools with every turn."""
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import SchemaError
-
-    try:
-        Draft202012Validator.check_schema(json.loads(text))
-    except SchemaError as exc:
-        return exc.message
-    return None
-
-
 class CheckedTools(list):
     """Tool definitions as `check_tools` returns them; given these again, it returns them as they
     are (a schema's check costs milliseconds, so a request's tools are checked once)."""
@@ -202,7 +186,7 @@ def check_tools(tools: Any) -> CheckedTools | None:
         if parameters is not None:
             if not isinstance(parameters, dict):
                 raise ValueError(f"{at}.function.parameters must be a JSON schema object")
-            problem = schema_problem(schema_text(parameters, f"{at}.function.parameters"))
+            problem = metaschema_problem(schema_text(parameters, f"{at}.function.parameters"))
             if problem is not None:
                 raise ValueError(f"{at}.function.parameters is not a valid JSON schema: {problem}")
         checked.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})

@@ -8,6 +8,7 @@ behind the validation's back (use `dataclasses.replace(params, n=2)`, which vali
 """
 from __future__ import annotations
 
+import functools
 import json as _json
 import math
 from dataclasses import dataclass, field
@@ -67,6 +68,22 @@ def schema_text(schema: object, what: str) -> str:
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"{what}: is too long ({len(text)} characters as JSON text, at most {MAX_SCHEMA_CHARS})")
     return text
+
+
+@functools.lru_cache(maxsize=1024)
+def metaschema_problem(text: str) -> str | None:
+    """Why the JSON schema `text` (schema_text's) is not a valid schema (jsonschema's check against
+    the 2020-12 metaschema), with where in it as a JSON pointer, or None. Cached by the text: a
+    check costs milliseconds, and agents send the same tools and schemas with every turn."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(_json.loads(text))
+    except SchemaError as exc:
+        where = "".join("/" + str(part).replace("~", "~0").replace("/", "~1") for part in exc.absolute_path)
+        return f"#{where}: {exc.message}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from nanovllm.engine.async_engine import EngineStats
 from nanovllm.entrypoints.server import create_app
 from nanovllm.entrypoints.tools import ParserConfig, required_schema
 from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.sampling_params import metaschema_problem
 
 # Qwen's layout, cut down: tools in the system turn, calls in <tool_call> blocks, results in
 # <tool_response> blocks of a user turn, and enable_thinking=false closing an empty think block.
@@ -254,6 +255,7 @@ def test_a_chat_requests_tool_schemas_are_checked_once(hermes, monkeypatch):
         return check(cls, schema, *args, **kwargs)
 
     monkeypatch.setattr(Draft202012Validator, "check_schema", classmethod(counting))
+    metaschema_problem.cache_clear()  # checked by other tests already
     client.chat.completions.create(model="tiny", messages=CONVERSATION[:2], tools=[WEATHER, TIME])
     assert len(checked) == sum(1 for tool in (WEATHER, TIME) if tool["function"].get("parameters") is not None)
 

@@ -277,6 +277,7 @@ def test_bad_grammar_is_a_value_error_naming_the_field_and_harms_nothing(llm, sp
 
 
 I = {"type": "integer", "minimum": 0, "maximum": 9}
+S = {"type": "string", "maxLength": 4}
 
 
 @pytest.mark.parametrize("schema, where, wrong", [
@@ -294,8 +295,7 @@ I = {"type": "integer", "minimum": 0, "maximum": 9}
     ({"type": "object", "properties": {"a": I}, "required": ["a", "b"]}, "#/required", '{"a": 1}'),
     ({"type": "object", "properties": {"a": I}, "required": ["b"], "additionalProperties": True}, "#/required",
      '{"a": 1}'),
-    ({"type": "object", "properties": {"a": I, "b": I}, "anyOf": [{"required": ["a"]}]}, "#/anyOf/0/required",
-     "{}"),
+    ({"type": "object", "properties": {"a": I, "b": I}, "anyOf": [{"required": ["a"]}]}, "#/anyOf", "{}"),
     # empty anyOf / oneOf / type
     ({"anyOf": []}, "#/anyOf", ""),
     ({"oneOf": []}, "#/oneOf", ""),
@@ -303,6 +303,26 @@ I = {"type": "integer", "minimum": 0, "maximum": 9}
     # a reference out of the document
     ({"$ref": "https://example.com/schema.json"}, "#/$ref", "1"),
     ({"$ref": "#anchor", "$defs": {"a": {"$anchor": "anchor", "type": "integer"}}}, "#/$ref", '"x"'),
+    # keywords xgrammar drops beside others: a string's pattern, format and length bounds (it
+    # keeps one), anything beside an anyOf (it keeps the anyOf), a type its schemas do not keep to
+    ({"type": "string", "pattern": "^[A-Z]+$", "maxLength": 4}, "#: pattern and minLength/maxLength", '"ABCDEFG"'),
+    ({"type": "string", "format": "date", "maxLength": 3}, "#: format and minLength/maxLength", '"2020-08-04"'),
+    ({"type": "string", "format": "email", "pattern": "^x+@x+[.]com$"}, "#: pattern and format", '"a@b.co"'),
+    ({"type": "integer", "minimum": 0, "maximum": 9, "anyOf": [{"type": "integer"}, S]}, "#/anyOf beside maximum, minimum",
+     "20"),
+    ({"type": "string", "anyOf": [I]}, "#/type beside anyOf", "5"),
+    # keywords of one type on a node with no type: xgrammar allows any value there
+    ({"minimum": 5, "maximum": 6}, "#/minimum without a type", "123"),
+    ({"type": "object", "properties": {"a": {"pattern": "^a$"}}, "required": ["a"]}, "#/properties/a/pattern",
+     '{"a": "b"}'),
+    ({"minItems": 2}, "#/minItems without a type", "[1]"),
+    # a oneOf whose schemas are not plainly exclusive (xgrammar holds it as an anyOf)
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "#/oneOf", "1"),
+    ({"oneOf": [{"type": "object", "properties": {"a": I}}, {"type": "object", "properties": {"b": I}}]}, "#/oneOf",
+     "{}"),
+    # not a JSON schema at all (the metaschema's check)
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}, "required": ["a"]},
+     "#/properties/a/maxLength", '{"a": "x"}'),
     # const / enum values the rest of their schema does not allow
     ({"type": "integer", "const": "a"}, "#/const", '"a"'),
     ({"type": "integer", "minimum": 5, "const": 3}, "#/const", "3"),
@@ -335,6 +355,24 @@ def test_schemas_xgrammar_would_enforce_wrongly_are_refused_naming_the_place(sch
     ({"type": "object", "properties": {"next": {"$ref": "#"}}}, '{"next": {"next": {}}}', '{"next": 1}'),
     # annotations beside a $ref (as pydantic writes a field's description and default)
     ({"$ref": "#/$defs/a", "description": "d", "default": 1, "$defs": {"a": I}}, "5", "10"),
+    # a oneOf of exclusive schemas: distinct types; objects a const tells apart (pydantic's
+    # discriminated union), or the properties they require
+    ({"oneOf": [I, S]}, '"a"', "true"),
+    ({"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "$defs": {
+        "Cat": {"type": "object", "properties": {"kind": {"const": "cat", "type": "string"}, "lives": I},
+                "required": ["kind"]},
+        "Dog": {"type": "object", "properties": {"kind": {"const": "dog", "type": "string"}, "lives": I},
+                "required": ["kind"]}}}, '{"kind": "dog", "lives": 1}', '{"kind": "cow"}'),
+    ({"oneOf": [{"type": "object", "properties": {"a": I}, "required": ["a"]},
+                {"type": "object", "properties": {"b": I}, "required": ["b"]}]}, '{"b": 2}', "{}"),
+    # a type beside an anyOf whose schemas keep to it (as tool_choice "required" writes), or
+    # annotations (pydantic's Optional field)
+    ({"type": "object", "anyOf": [{"properties": {"a": I}, "required": ["a"]},
+                                  {"properties": {"b": S}, "required": ["b"]}]}, '{"a": 1}', '{"c": 1}'),
+    ({"anyOf": [I, {"type": "null"}], "default": None, "title": "X"}, "null", '"a"'),
+    # keywords of another type than the node's mean nothing there
+    ({"type": ["integer", "string"], "minimum": 5}, '"x"', "3"),
+    ({"type": "integer", "minimum": 1, "maxLength": 2}, "100", "0"),
 ])
 def test_schemas_close_to_the_refused_ones_build_and_hold(schema, right, wrong):
     from xgrammar.testing import _is_grammar_accept_string

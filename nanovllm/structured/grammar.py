@@ -15,7 +15,7 @@ from urllib.parse import unquote
 
 import xgrammar as xgr
 
-from nanovllm.sampling_params import StructuredOutputsParams
+from nanovllm.sampling_params import StructuredOutputsParams, metaschema_problem
 
 # JSON-schema keywords xgrammar accepts but does not enforce: a schema using them is refused.
 UNSUPPORTED_KEYWORDS = frozenset({
@@ -67,6 +67,100 @@ def _resolve(root: dict, ref: str) -> object:
     return node
 
 
+def _followed(node: object, root: dict) -> object:
+    """node, or what its chain of local $refs ends at (None for a cycle or a dangling one)."""
+    for _ in range(64):
+        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str)):
+            return node
+        node = _resolve(root, node["$ref"])
+    return None
+
+
+# Keywords about one type that xgrammar applies only where the node has that type, given or
+# inferred: an object from properties or additionalProperties, an array from items or
+# prefixItems. A node with none of them (and no value of its own: enum, const, $ref, anyOf,
+# oneOf, allOf) allows any JSON value, ignoring them.
+_TYPED_KEYWORDS = {
+    "pattern": "string", "format": "string", "minLength": "string", "maxLength": "string",
+    "minimum": "number", "maximum": "number", "exclusiveMinimum": "number", "exclusiveMaximum": "number",
+    "minItems": "array", "maxItems": "array",
+}
+_OBJECT_KEYWORDS, _ARRAY_KEYWORDS = ("properties", "additionalProperties"), ("items", "prefixItems")
+_VALUE_KEYWORDS = ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")
+
+
+def _types(node: object, root: dict) -> set[str] | None:
+    """The JSON types xgrammar lets `node` (a $ref followed) take where they are plain from its
+    keywords (its type, or what properties / items imply, or its const or enum values); None
+    where they are not."""
+    node = _followed(node, root)
+    if not isinstance(node, dict):
+        return None
+    kinds = node.get("type")
+    if isinstance(kinds, str):
+        return {kinds}
+    if isinstance(kinds, list) and kinds:
+        return set(kinds)
+    values = [node["const"]] if "const" in node else node.get("enum")
+    if isinstance(values, list) and values:
+        names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
+                 type(None): "null"}
+        return {names[type(v)] for v in values if type(v) in names} or None
+    if any(k in node for k in _OBJECT_KEYWORDS):
+        return {"object"}
+    if any(k in node for k in _ARRAY_KEYWORDS):
+        return {"array"}
+    return None
+
+
+def _within(types: set[str], allowed: set[str]) -> bool:
+    """Whether every value of `types` is a value of `allowed` (an integer is a number)."""
+    return all(t in allowed or (t == "integer" and "number" in allowed) for t in types)
+
+
+def _exclusive_types(kinds: list[set[str] | None]) -> bool:
+    """Whether no value has two of these sets of types (all known; an integer is a number)."""
+    if any(k is None for k in kinds):
+        return False
+    numeric = {"integer", "number"}
+    widened = [k | numeric if k & numeric else k for k in kinds]
+    return all(not (a & b) for i, a in enumerate(widened) for b in widened[i + 1:])
+
+
+def _exclusive_objects(branches: list[object], root: dict) -> bool:
+    """Whether these object schemas (as the grammar writes them: only the properties each one
+    names) never let a value one of them writes match another: the other requires a property
+    this one does not name, or names none this one requires beyond its own while closed
+    (additionalProperties false), or a property both require is a const (an enum of one value)
+    different in each (as pydantic writes a discriminated union)."""
+    objects = []
+    for branch in branches:
+        branch = _followed(branch, root)
+        if not (isinstance(branch, dict) and _types(branch, root) == {"object"}
+                and isinstance(branch.get("properties", {}), dict) and isinstance(branch.get("required", []), list)):
+            return False
+        objects.append((branch, set(branch.get("properties", {})), set(branch.get("required", []))))
+
+    def tag(branch: dict, name: str) -> str | None:
+        schema = _followed(branch.get("properties", {}).get(name), root)
+        if isinstance(schema, dict) and "const" in schema:
+            return json.dumps(schema["const"], sort_keys=True)
+        if isinstance(schema, dict) and isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
+            return json.dumps(schema["enum"][0], sort_keys=True)
+        return None
+
+    def never_matches(writer, other) -> bool:  # no value `writer` writes matches `other`
+        (w, w_names, w_required), (o, o_names, o_required) = writer, other
+        if not o_required <= w_names:
+            return True
+        if o.get("additionalProperties") is False and not w_required <= o_names:
+            return True
+        return any(tag(w, name) is not None and tag(o, name) is not None and tag(w, name) != tag(o, name)
+                   for name in w_required & o_required)
+
+    return all(never_matches(a, b) and never_matches(b, a) for i, a in enumerate(objects) for b in objects[i + 1:])
+
+
 def _node_problem(node: dict, path: str, root: dict) -> str | None:
     """Why xgrammar would not enforce this schema node as JSON Schema means it; None if it would."""
     for key in node:
@@ -89,6 +183,40 @@ def _node_problem(node: dict, path: str, root: dict) -> str | None:
     if others:
         return (f"{path}/$ref beside {', '.join(others)} is not supported: put them in the referenced schema, "
                 "or combine the two with anyOf")
+    # Beside an anyOf or a oneOf, xgrammar keeps it alone (a const or enum, checked below, goes
+    # first); a type beside it holds only where each of its schemas has a type within that one.
+    unions = [key for key in ("anyOf", "oneOf") if isinstance(node.get(key), list) and node[key]]
+    if unions and not ("const" in node or "enum" in node):
+        key = unions[0]
+        others = sorted(set(node) & _CONSTRAINTS - {key, "type"})
+        if others:
+            return (f"{path}/{key} beside {', '.join(others)} is not supported (the grammar would keep the {key} "
+                    f"alone): move them into each of its schemas")
+        allowed = _types(node, root) if "type" in node else None
+        for i, branch in enumerate(node[key] if allowed is not None else []):
+            kinds = _types(branch, root)
+            if kinds is None or not _within(kinds, allowed):
+                return (f"{path}/type beside {key} is not supported where {path}/{key}/{i} does not give a type "
+                        f"among {sorted(allowed)} (the grammar would keep the {key} alone)")
+    # xgrammar holds a oneOf as an anyOf: a value two of its schemas match would be written.
+    if isinstance(node.get("oneOf"), list) and len(node["oneOf"]) > 1:
+        if not (_exclusive_types([_types(branch, root) for branch in node["oneOf"]])
+                or _exclusive_objects(node["oneOf"], root)):
+            return (f"{path}/oneOf is enforced as anyOf, and its schemas are not plainly exclusive (distinct types; "
+                    "objects told apart by the properties they require, or by a required property's const): a "
+                    "value two of them match could be written; use anyOf, or make them exclusive")
+    # Keywords of one type on a node that has no type (given or implied) constrain nothing there.
+    if not any(k in node for k in ("type",) + _VALUE_KEYWORDS + _OBJECT_KEYWORDS + _ARRAY_KEYWORDS):
+        for key, kind in _TYPED_KEYWORDS.items():
+            if key in node:
+                return f"{path}/{key} without a type is not enforced: give the type it applies to ({kind!r})"
+    # xgrammar keeps one of pattern, format and the length bounds of a string, dropping the rest.
+    string_rules = [key for key in ("pattern", "format") if key in node] + (
+        ["minLength/maxLength"] if "minLength" in node or "maxLength" in node else [])
+    kinds = node.get("type")
+    if len(string_rules) > 1 and (kinds is None or kinds == "string" or (isinstance(kinds, list) and "string" in kinds)):
+        return (f"{path}: {' and '.join(string_rules)} together are not supported (the grammar would enforce one "
+                "of them): write the length into the pattern, or keep one")
     # xgrammar never writes a required property that `properties` does not define.
     kinds = node.get("type", "object")
     if isinstance(node.get("required"), list) and "object" in (kinds if isinstance(kinds, list) else [kinds]):
@@ -156,8 +284,10 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
     kind = spec.kind
     field = f"structured_outputs.{kind}"
     if kind == "json":
-        schema = json.loads(spec.spec)
-        problem = _schema_problem(schema)
+        invalid = metaschema_problem(spec.spec)
+        if invalid is not None:
+            raise ValueError(f"{field}: is not a valid JSON schema: {invalid}")
+        problem = _schema_problem(json.loads(spec.spec))
         if problem:
             raise ValueError(f"{field}: {problem}")
     try:
