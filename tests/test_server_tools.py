@@ -537,3 +537,37 @@ def test_an_auto_call_that_is_not_json_makes_the_unstreamed_answer_content(herme
     engine.reply = [text]
     choice = client.chat.completions.create(model="tiny", messages=CONVERSATION[:2], tools=[WEATHER]).choices[0]
     assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
+
+
+def test_a_request_whose_grammar_is_being_checked_at_shutdown_gets_a_503(tools_tokenizer, monkeypatch):
+    """At shutdown the engine aborts what it runs; a request still waiting for its grammar's
+    check (it can take seconds) gets the same 503 with OpenAI's body, not a plain-text 500 when
+    uvicorn cancels it later."""
+    import threading
+
+    import nanovllm.entrypoints.server as server
+
+    started, release = threading.Event(), threading.Event()
+    build = server._build_grammar
+
+    def slow_build(spec):
+        started.set()
+        release.wait(30)
+        return build(spec)
+
+    monkeypatch.setattr(server, "_build_grammar", slow_build)
+    with live_app(tools_tokenizer, ParserConfig()) as (engine, _, http):
+        answer = {}
+        body = {"messages": CONVERSATION[:2], "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"slow": {"type": "integer"}}}}}}
+        client = threading.Thread(target=lambda: answer.update(resp=http.post("/v1/chat/completions", json=body)))
+        client.start()
+        try:
+            assert started.wait(30)
+            engine.is_running = False  # what AsyncEngine.shutdown does first
+            client.join(10)
+            resp = answer["resp"]
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_unavailable", resp.text
+        finally:
+            release.set()
+            client.join()

@@ -103,8 +103,10 @@ from nanovllm.text import check_token_ids
 logger = logging.getLogger("nanovllm.server")
 # Constraints (kind, spec text) that passed the server's grammar check, remembered per server.
 GRAMMARS_CHECKED_KEPT = 256
-# Requests' grammars built at once for their errors (OpenAIServer._check_grammar).
+# Requests' grammars built at once for their errors (OpenAIServer._check_grammar), and how
+# often a request waiting for its check looks whether the engine is shutting down.
 GRAMMAR_CHECK_THREADS = 16
+CHECK_WATCH_SECONDS = 0.25
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHARS_PER_TOKEN_LIMIT = 16  # default prompt character limit: max_model_len x this
@@ -627,21 +629,29 @@ class OpenAIServer:
         naming `param`): a schema can take seconds to build, so the engine core builds it off
         its loop, where an error could no longer refuse the request. A constraint that passed
         lately is not built again. Where the client of `request` leaves first, the request ends
-        (a 499 nobody reads) and its check, if still waiting for a thread, is dropped."""
+        (a 499 nobody reads), and where the engine shuts down first, a 503; either way its
+        check, if still waiting for a thread, is dropped."""
         key = (spec.kind, spec.spec)
         if key in self._grammars_checked:
             self._grammars_checked.move_to_end(key)
             return
         check = asyncio.get_running_loop().run_in_executor(self._grammar_pool, _build_grammar, spec)
-        if request is not None:
-            gone = asyncio.ensure_future(_wait_for_disconnect(request))
-            try:
-                await asyncio.wait({check, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
+        gone = asyncio.ensure_future(_wait_for_disconnect(request)) if request is not None else None
+        try:
+            while not check.done():
+                await asyncio.wait({check} | ({gone} if gone else set()), timeout=CHECK_WATCH_SECONDS,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if check.done():
+                    break
+                if gone is not None and gone.done():
+                    check.cancel()  # if not started yet, it never runs (a running one ends unheard)
+                    raise OpenAIError(499, "the client closed the connection before its grammar was checked")
+                if not self.engine.is_running:
+                    check.cancel()
+                    raise EngineDeadError("the request was aborted: the server is shutting down")
+        finally:
+            if gone is not None:
                 gone.cancel()
-            if not check.done():
-                check.cancel()  # not started yet: never runs (a running one ends unheard)
-                raise OpenAIError(499, "the client closed the connection before its grammar was checked")
         try:
             await check
         except ValueError as exc:
