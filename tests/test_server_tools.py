@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from jsonschema import Draft202012Validator
-from test_server import serve_in_thread
+from test_server import serve_in_thread, wait_until
 from transformers import AutoTokenizer
 
 from nanovllm.chat import chat_prompt_ids, render
@@ -571,3 +571,50 @@ def test_a_request_whose_grammar_is_being_checked_at_shutdown_gets_a_503(tools_t
         finally:
             release.set()
             client.join()
+
+
+def test_a_full_server_refuses_a_new_grammar_before_checking_it(tools_tokenizer, monkeypatch):
+    """Where the engine core's latest stats, with the requests being checked, reach its bound
+    on requests queued or running, a request whose grammar needs checking gets the core's 503
+    at once, before the check (seconds for some schemas) is spent on it; a grammar checked
+    already, or a plain request, goes on to the engine, which decides."""
+    import threading
+
+    import nanovllm.entrypoints.server as server
+
+    built, release = [], threading.Event()
+    build = server._build_grammar
+
+    def recorded_build(spec):
+        built.append(spec.spec)
+        if "slow" in spec.spec:
+            release.wait(30)
+        return build(spec)
+
+    monkeypatch.setattr(server, "_build_grammar", recorded_build)
+
+    def constrained(name: str) -> dict:
+        return {"messages": CONVERSATION[:2], "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {name: {"type": "integer"}}}}}}
+
+    engine = ScriptedEngine(tools_tokenizer)
+    engine.max_pending = 3
+    engine.reply = ['{"known": 1}']
+    with serve_in_thread(create_app(engine, "tiny", api_key=KEY)) as url:
+        http = httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {KEY}"})
+        assert http.post("/v1/chat/completions", json=constrained("known")).status_code == 200
+        engine.stats = EngineStats(num_requests_running=2, num_requests_waiting=0)
+        slow = threading.Thread(target=http.post, args=("/v1/chat/completions",), kwargs=dict(json=constrained("slow")))
+        slow.start()  # 2 in the engine + 1 being checked: the bound
+        try:
+            assert wait_until(lambda: any("slow" in spec for spec in built))
+            resp = http.post("/v1/chat/completions", json=constrained("fresh"))
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "server_overloaded", resp.text
+            assert resp.headers["retry-after"] == "1" and not any("fresh" in spec for spec in built)
+            assert http.post("/v1/chat/completions", json=constrained("known")).status_code == 200
+            assert http.post("/v1/chat/completions", json={"messages": CONVERSATION[:2]}).status_code == 200
+        finally:
+            release.set()
+            slow.join()
+        engine.stats = EngineStats()
+        assert http.post("/v1/chat/completions", json=constrained("fresh")).status_code == 200

@@ -75,6 +75,8 @@ class CoreInfo:
     generation_defaults: dict = field(default_factory=dict)
     # The ids that end a sample as EOS: a sample they end leaves their text out (front-ends detokenize).
     eos_token_ids: list[int] = field(default_factory=list)
+    # Requests the core queues or runs at once before it refuses more ("overloaded").
+    max_pending: int | None = None
 
 
 # ---- the process, parent side -----------------------------------------------------------------
@@ -178,7 +180,8 @@ def run_core(model: str | None, engine_kwargs: dict, addresses: CoreAddresses, m
         os._exit(1)
     core = EngineCore(engine, addresses, max_pending, frontend_timeout)
     conn.send(CoreInfo(engine.source.path, engine.max_model_len, engine.vocab_size, engine.tokenizer,
-                       engine.block_manager.num_blocks, engine.generation_defaults, list(engine.eos_token_ids)))
+                       engine.block_manager.num_blocks, engine.generation_defaults, list(engine.eos_token_ids),
+                       max_pending))
     conn.close()
     signal.signal(signal.SIGTERM, core.on_sigterm)
     status = core.run()

@@ -231,6 +231,7 @@ class CoreClient:
         self.generation_defaults = info.generation_defaults
         self.eos_token_ids = list(info.eos_token_ids)
         self.model_path = info.model_path
+        self.max_pending = info.max_pending  # the core's bound on requests queued or running
         self.error: BaseException | None = None
         self.stats = EngineStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
         self._stats_requests = itertools.count(1)  # fresh_stats' Hello.stats_request numbers

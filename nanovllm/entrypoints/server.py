@@ -517,6 +517,9 @@ class OpenAIServer:
         # (kind, spec text) of the constraints that passed the check, least recently used first:
         # a schema every request sends is built here once, not per request.
         self._grammars_checked: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._checking = 0  # requests whose grammar is being checked
+        # The engine core's bound on requests queued or running (None: an engine without one).
+        self._max_pending: int | None = getattr(engine, "max_pending", None)
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Before tokenizing: a prompt far longer than any context is refused unread."""
@@ -635,8 +638,10 @@ class OpenAIServer:
         if key in self._grammars_checked:
             self._grammars_checked.move_to_end(key)
             return
+        self._refuse_if_full()
         check = asyncio.get_running_loop().run_in_executor(self._grammar_pool, _build_grammar, spec)
         gone = asyncio.ensure_future(_wait_for_disconnect(request)) if request is not None else None
+        self._checking += 1
         try:
             while not check.done():
                 await asyncio.wait({check} | ({gone} if gone else set()), timeout=CHECK_WATCH_SECONDS,
@@ -650,6 +655,7 @@ class OpenAIServer:
                     check.cancel()
                     raise EngineDeadError("the request was aborted: the server is shutting down")
         finally:
+            self._checking -= 1
             if gone is not None:
                 gone.cancel()
         try:
@@ -659,6 +665,16 @@ class OpenAIServer:
         self._grammars_checked[key] = None
         while len(self._grammars_checked) > GRAMMARS_CHECKED_KEPT:
             self._grammars_checked.popitem(last=False)
+
+    def _refuse_if_full(self) -> None:
+        """Before a grammar check, which can keep a core busy for seconds: the 503 the engine
+        core would give once the request is checked, where its latest stats (at most 0.5 s
+        old), with the requests this front-end is checking, already reach its bound."""
+        if self._max_pending is None:
+            return
+        stats = self.engine.stats
+        if stats.num_requests_running + stats.num_requests_waiting + self._checking >= self._max_pending:
+            raise EngineOverloadedError(f"the server has {self._max_pending} requests queued or running; retry later")
 
     def abort(self, streams: list[RequestStream]) -> None:
         for stream in streams:
