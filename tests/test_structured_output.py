@@ -320,6 +320,10 @@ S = {"type": "string", "maxLength": 4}
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "#/oneOf", "1"),
     ({"oneOf": [{"type": "object", "properties": {"a": I}}, {"type": "object", "properties": {"b": I}}]}, "#/oneOf",
      "{}"),
+    ({"oneOf": [{"type": "object", "properties": {"a": S}, "required": ["a"], "additionalProperties": True},
+                {"type": "object", "properties": {"b": S}, "required": ["b"], "additionalProperties": True}]},
+     "#/oneOf", '{"a": "x", "b": "y"}'),
+    ({"oneOf": [{"type": "string"}, {"properties": {"path": S}, "required": ["path"]}]}, "#/oneOf", '"x"'),
     # not a JSON schema at all (the metaschema's check)
     ({"type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}, "required": ["a"]},
      "#/properties/a/maxLength", '{"a": "x"}'),
@@ -365,6 +369,17 @@ def test_schemas_xgrammar_would_enforce_wrongly_are_refused_naming_the_place(sch
                 "required": ["kind"]}}}, '{"kind": "dog", "lives": 1}', '{"kind": "cow"}'),
     ({"oneOf": [{"type": "object", "properties": {"a": I}, "required": ["a"]},
                 {"type": "object", "properties": {"b": I}, "required": ["b"]}]}, '{"b": 2}', "{}"),
+    ({"oneOf": [{"type": "object", "properties": {"kind": {"const": "cat"}, "name": S}, "required": ["kind", "name"]},
+                {"type": "object", "properties": {"kind": {"enum": ["lizard", "reptile"], "type": "string"}, "name": S},
+                 "required": ["kind", "name"]}]}, '{"kind": "reptile", "name": "x"}', '{"kind": "dog", "name": "x"}'),
+    ({"type": "string", "oneOf": [{"const": "s", "title": "Small"}, {"const": "m", "title": "Medium"}]}, '"s"', '"c"'),
+    # a string's length bounds that its pattern or format keeps anyway
+    ({"type": "string", "minLength": 3, "maxLength": 3, "pattern": "^[A-Z]{3}$"}, '"ABC"', '"AB"'),
+    ({"type": "string", "format": "date", "maxLength": 10}, '"2020-01-02"', '"x"'),
+    ({"type": "string", "format": "email", "minLength": 1}, '"a@b.co"', '""'),
+    # a type beside a $ref whose schema keeps to it
+    ({"type": "object", "$ref": "#/$defs/A", "$defs": {"A": {"type": "object", "properties": {"a": I},
+                                                             "required": ["a"]}}}, '{"a": 1}', '{"a": 10}'),
     # a type beside an anyOf whose schemas keep to it (as tool_choice "required" writes), or
     # annotations (pydantic's Optional field)
     ({"type": "object", "anyOf": [{"properties": {"a": I}, "required": ["a"]},

@@ -10,7 +10,9 @@ place a local `$ref` points at.
 from __future__ import annotations
 
 import json
+import math
 import re
+from re import _parser as re_parser  # the regex parser of re itself: a pattern's shortest and longest match
 from urllib.parse import unquote
 
 import xgrammar as xgr
@@ -118,47 +120,89 @@ def _within(types: set[str], allowed: set[str]) -> bool:
     return all(t in allowed or (t == "integer" and "number" in allowed) for t in types)
 
 
-def _exclusive_types(kinds: list[set[str] | None]) -> bool:
-    """Whether no value has two of these sets of types (all known; an integer is a number)."""
-    if any(k is None for k in kinds):
-        return False
-    numeric = {"integer", "number"}
-    widened = [k | numeric if k & numeric else k for k in kinds]
-    return all(not (a & b) for i, a in enumerate(widened) for b in widened[i + 1:])
+# The lengths of the strings xgrammar writes for a format (those it holds; unlisted ones it
+# writes as any string, or, as uri-reference, may write empty).
+_FORMAT_LENGTHS = {"date": (10, 10), "uuid": (36, 36), "email": (1, math.inf), "time": (1, math.inf),
+                   "date-time": (1, math.inf), "uri": (1, math.inf), "ipv4": (7, 15), "ipv6": (1, math.inf),
+                   "hostname": (1, math.inf), "duration": (1, math.inf)}
 
 
-def _exclusive_objects(branches: list[object], root: dict) -> bool:
-    """Whether these object schemas (as the grammar writes them: only the properties each one
-    names) never let a value one of them writes match another: the other requires a property
-    this one does not name, or names none this one requires beyond its own while closed
-    (additionalProperties false), or a property both require is a const (an enum of one value)
-    different in each (as pydantic writes a discriminated union)."""
-    objects = []
-    for branch in branches:
-        branch = _followed(branch, root)
-        if not (isinstance(branch, dict) and _types(branch, root) == {"object"}
-                and isinstance(branch.get("properties", {}), dict) and isinstance(branch.get("required", []), list)):
-            return False
-        objects.append((branch, set(branch.get("properties", {})), set(branch.get("required", []))))
+def _implied_length(node: dict) -> tuple[float, float] | None:
+    """The shortest and longest string the node's pattern (which xgrammar matches whole) or
+    format allows, in characters, where they are known; None where they are not."""
+    if "pattern" in node:
+        try:
+            shortest, longest = re_parser.parse(node["pattern"]).getwidth()
+        except (re.error, TypeError, ValueError, OverflowError, RecursionError):
+            return None
+        return shortest, (math.inf if longest >= 2**31 else longest)
+    return _FORMAT_LENGTHS.get(node.get("format"))
 
-    def tag(branch: dict, name: str) -> str | None:
-        schema = _followed(branch.get("properties", {}).get(name), root)
-        if isinstance(schema, dict) and "const" in schema:
-            return json.dumps(schema["const"], sort_keys=True)
-        if isinstance(schema, dict) and isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
-            return json.dumps(schema["enum"][0], sort_keys=True)
+
+def _values(schema: object) -> set[str] | None:
+    """The values a const or enum allows, as canonical JSON text (1.0 as 1), or None."""
+    if not isinstance(schema, dict):
         return None
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if not isinstance(values, list):
+        return None
+    return {json.dumps(int(v) if isinstance(v, float) and v.is_integer() else v, sort_keys=True) for v in values}
 
-    def never_matches(writer, other) -> bool:  # no value `writer` writes matches `other`
-        (w, w_names, w_required), (o, o_names, o_required) = writer, other
-        if not o_required <= w_names:
-            return True
-        if o.get("additionalProperties") is False and not w_required <= o_names:
-            return True
-        return any(tag(w, name) is not None and tag(o, name) is not None and tag(w, name) != tag(o, name)
-                   for name in w_required & o_required)
 
-    return all(never_matches(a, b) and never_matches(b, a) for i, a in enumerate(objects) for b in objects[i + 1:])
+def _declared_types(schema: dict) -> set[str] | None:
+    """The types a schema allows by its own type, or by its const or enum values (numbers
+    widened: an integer is a number); None where it names none (then, in JSON Schema, it
+    allows every type its other keywords do not speak of)."""
+    kinds = _types({k: v for k, v in schema.items() if k not in _OBJECT_KEYWORDS + _ARRAY_KEYWORDS}, {})
+    if kinds is None:
+        return None
+    return kinds | {"integer", "number"} if kinds & {"integer", "number"} else kinds
+
+
+def _exclusive(a: dict, b: dict, root: dict) -> bool:
+    """Whether no value the grammar writes for one of these schemas matches the other (JSON
+    Schema's meaning): their values (const, enum) or declared types do not meet, or, objects
+    both, one requires a property the other cannot write (it names only its own properties
+    unless additionalProperties opens it), or refuses one the other requires beyond its own
+    (additionalProperties false), or a property both require allows values in one that the
+    other's does not (as pydantic writes a discriminated union's tag: a const or an enum)."""
+    a_values, b_values = _values(a), _values(b)
+    if a_values is not None and b_values is not None:
+        return not a_values & b_values
+    a_types, b_types = _declared_types(a), _declared_types(b)
+    if a_types is None or b_types is None:
+        return False
+    if not a_types & b_types:
+        return True
+    if a_types != {"object"} or b_types != {"object"}:
+        return False
+    properties = [x.get("properties", {}) for x in (a, b)]
+    required = [x.get("required", []) for x in (a, b)]
+    if not all(isinstance(p, dict) for p in properties) or not all(isinstance(r, list) for r in required):
+        return False
+
+    def never_writes_a_match(w: int, o: int) -> bool:
+        writer_closed = (a, b)[w].get("additionalProperties", False) is False
+        if writer_closed and not set(required[o]) <= set(properties[w]):
+            return True
+        if (a, b)[o].get("additionalProperties") is False and not set(required[w]) <= set(properties[o]):
+            return True
+        for name in set(required[w]) & set(required[o]):
+            tags = [_values(_followed(properties[x].get(name), root)) for x in (w, o)]
+            if tags[0] is not None and tags[1] is not None and not tags[0] & tags[1]:
+                return True
+        return False
+
+    return never_writes_a_match(0, 1) and never_writes_a_match(1, 0)
+
+
+def _exclusive_branches(branches: list[object], root: dict) -> bool:
+    """Whether no value the grammar writes for one of these schemas ($refs followed) matches
+    another (_exclusive, pair by pair)."""
+    resolved = [_followed(branch, root) for branch in branches]
+    if not all(isinstance(branch, dict) for branch in resolved):
+        return False
+    return all(_exclusive(a, b, root) for i, a in enumerate(resolved) for b in resolved[i + 1:])
 
 
 def _node_problem(node: dict, path: str, root: dict) -> str | None:
@@ -178,8 +222,13 @@ def _node_problem(node: dict, path: str, root: dict) -> str | None:
     ref = node.get("$ref")
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
         return f"{path}/$ref {ref!r}: only references within the schema (\"#\" or \"#/...\") are supported"
-    # Beside a $ref, xgrammar keeps the referenced schema and drops every other keyword.
+    # Beside a $ref, xgrammar keeps the referenced schema and drops every other keyword (a type
+    # that the referenced schema keeps to anyway may stand beside it).
     others = sorted(set(node) & _CONSTRAINTS) if "$ref" in node else []
+    if others == ["type"]:
+        target, allowed = _types({"$ref": node["$ref"]}, root), _types({"type": node["type"]}, root)
+        if target is not None and allowed is not None and _within(target, allowed):
+            others = []
     if others:
         return (f"{path}/$ref beside {', '.join(others)} is not supported: put them in the referenced schema, "
                 "or combine the two with anyOf")
@@ -200,23 +249,26 @@ def _node_problem(node: dict, path: str, root: dict) -> str | None:
                         f"among {sorted(allowed)} (the grammar would keep the {key} alone)")
     # xgrammar holds a oneOf as an anyOf: a value two of its schemas match would be written.
     if isinstance(node.get("oneOf"), list) and len(node["oneOf"]) > 1:
-        if not (_exclusive_types([_types(branch, root) for branch in node["oneOf"]])
-                or _exclusive_objects(node["oneOf"], root)):
-            return (f"{path}/oneOf is enforced as anyOf, and its schemas are not plainly exclusive (distinct types; "
-                    "objects told apart by the properties they require, or by a required property's const): a "
-                    "value two of them match could be written; use anyOf, or make them exclusive")
+        if not _exclusive_branches(node["oneOf"], root):
+            return (f"{path}/oneOf is enforced as anyOf, and its schemas are not plainly exclusive (distinct values "
+                    "or types; objects told apart by the properties they require, or by a required property's "
+                    "const or enum): a value two of them match could be written; use anyOf, or make them exclusive")
     # Keywords of one type on a node that has no type (given or implied) constrain nothing there.
     if not any(k in node for k in ("type",) + _VALUE_KEYWORDS + _OBJECT_KEYWORDS + _ARRAY_KEYWORDS):
         for key, kind in _TYPED_KEYWORDS.items():
             if key in node:
                 return f"{path}/{key} without a type is not enforced: give the type it applies to ({kind!r})"
-    # xgrammar keeps one of pattern, format and the length bounds of a string, dropping the rest.
+    # xgrammar keeps one of pattern, format and the length bounds of a string, dropping the rest;
+    # bounds that every string the pattern or format allows keeps anyway may stay.
     string_rules = [key for key in ("pattern", "format") if key in node] + (
         ["minLength/maxLength"] if "minLength" in node or "maxLength" in node else [])
     kinds = node.get("type")
     if len(string_rules) > 1 and (kinds is None or kinds == "string" or (isinstance(kinds, list) and "string" in kinds)):
-        return (f"{path}: {' and '.join(string_rules)} together are not supported (the grammar would enforce one "
-                "of them): write the length into the pattern, or keep one")
+        implied = _implied_length(node) if len(string_rules) == 2 and string_rules[-1] == "minLength/maxLength" else None
+        if implied is None or not (node.get("minLength", 0) <= implied[0]
+                                   and node.get("maxLength", math.inf) >= implied[1]):
+            return (f"{path}: {' and '.join(string_rules)} together are not supported (the grammar would enforce "
+                    "one of them): keep one (a pattern can hold the length)")
     # xgrammar never writes a required property that `properties` does not define.
     kinds = node.get("type", "object")
     if isinstance(node.get("required"), list) and "object" in (kinds if isinstance(kinds, list) else [kinds]):
