@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.executor.multiproc import (
-    DEFAULT_TIMEOUT_S, SPEC_KEY, NodeSpec, _collective_device, _min_across_ranks, error_key, join_group, joined_key,
-    make_step_group, serve_broadcast, start_heartbeat,
+    DEFAULT_TIMEOUT_S, SPEC_KEY, NodeSpec, _collective_device, _min_across_ranks, error_key, exit_rank, join_group,
+    joined_key, make_step_group, serve_broadcast, start_heartbeat,
 )
 from nanovllm.runner.model_runner import ModelRunner
 
@@ -80,6 +80,7 @@ def _rank_main(rank: int, local_rank: int, addr: str, port: int, join_timeout_s:
         raise SystemExit(1) from None  # exiting closes our sockets, which releases our peers
     runner.release_graphs()
     dist.destroy_process_group()
+    exit_rank()
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

@@ -74,6 +74,7 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -290,6 +291,17 @@ def _worker_main(
         raise SystemExit(1) from None
     runner.release_graphs()  # before the group: graphs that captured collectives pin it
     dist.destroy_process_group()
+    exit_rank()
+
+
+def exit_rank() -> None:
+    """End a rank's process once its group is destroyed, without the interpreter's teardown:
+    the heartbeat thread may be inside a store call then, and destroying its store under it
+    aborted the process now and then ("terminate called without an active exception")."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def _keep(*objects: Any) -> None:
