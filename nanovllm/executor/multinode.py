@@ -34,6 +34,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection, get_context
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ class NodeError(RuntimeError):
     """This node could not join the tensor-parallel group, or one of its ranks failed."""
 
 
-def _rank_main(rank: int, local_rank: int, addr: str, port: int, join_timeout_s: float, num_threads: int) -> None:
+def _rank_main(rank: int, local_rank: int, addr: str, port: int, join_timeout_s: float, num_threads: int) -> NoReturn:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the node process handles Ctrl-C
     store = None
     try:
@@ -191,8 +192,9 @@ def torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv | None:
     return TorchrunEnv(rank, local_rank, world, local_world, nnodes, env.get("MASTER_ADDR") or "127.0.0.1", port)
 
 
-def run_torchrun_rank(env: TorchrunEnv, join_timeout_s: float) -> int:
-    """Run rank `env.rank` >= 1 of a torchrun launch in this process until rank 0 stops it."""
+def run_torchrun_rank(env: TorchrunEnv, join_timeout_s: float) -> NoReturn:
+    """Run rank `env.rank` >= 1 of a torchrun launch in this process until rank 0 stops it; the
+    process then ends with status 0 (exit_rank), or raises SystemExit(1) where the rank failed."""
     if env.rank == 0:
         raise ValueError("rank 0 of a torchrun launch runs the engine, not a worker rank")
     if join_timeout_s <= 0:
@@ -201,4 +203,3 @@ def run_torchrun_rank(env: TorchrunEnv, join_timeout_s: float) -> int:
     if os.environ.get("OMP_NUM_THREADS"):  # torchrun sets 1 when it starts several ranks per node
         num_threads = torch.get_num_threads()
     _rank_main(env.rank, env.local_rank, env.master_addr, env.master_port, join_timeout_s, num_threads)
-    return 0

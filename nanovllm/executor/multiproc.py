@@ -82,7 +82,7 @@ import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection, get_context
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -294,7 +294,7 @@ def _worker_main(
     exit_rank()
 
 
-def exit_rank() -> None:
+def exit_rank() -> NoReturn:
     """End a rank's process once its group is destroyed, without the interpreter's teardown:
     the heartbeat thread may be inside a store call then, and destroying its store under it
     aborted the process now and then ("terminate called without an active exception")."""
